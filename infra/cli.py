@@ -1,0 +1,184 @@
+"""The ``relax`` command line (typer). Imports stay light: heavy modules load inside
+the command that needs them, so ``relax --help`` starts instantly.
+
+Every command that talks to Kafka takes ``--bootstrap host:port`` (or the
+``RELAX_BOOTSTRAP`` environment variable); without it, the broker started by
+``relax broker start`` is used.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Optional
+
+import typer
+
+app = typer.Typer(add_completion=False, no_args_is_help=True,
+                  help="relax: RL post-training for LLMs over Arrow record batches on Kafka topics.")
+broker_app = typer.Typer(no_args_is_help=True, help="Start, stop or inspect the local broker (Tansu).")
+app.add_typer(broker_app, name="broker")
+
+BootstrapOpt = typer.Option(None, "--bootstrap", "-b", envvar="RELAX_BOOTSTRAP",
+                            help="Kafka bootstrap servers host:port[,host:port]; default: the "
+                                 "broker started by `relax broker start`.")
+
+
+def resolve_bootstrap(bootstrap: Optional[str]) -> str:
+    """The bootstrap servers to use: the option, else the recorded local broker.
+
+    Raises:
+        typer.BadParameter: when neither is available.
+    """
+    if bootstrap:
+        return bootstrap
+    from relax.infra.broker import status
+
+    handle, running = status()
+    if handle is not None and running:
+        return handle.bootstrap
+    raise typer.BadParameter("no broker: pass --bootstrap host:port (or set RELAX_BOOTSTRAP), "
+                             "or run `relax broker start`", param_hint="--bootstrap")
+
+
+def bus_config(bootstrap: Optional[str], **kw):
+    """A :class:`relax.streams.client.BusConfig` for a command."""
+    from relax.streams.client import BusConfig
+
+    return BusConfig(bootstrap_servers=resolve_bootstrap(bootstrap), **kw)
+
+
+@broker_app.command("start")
+def broker_start(port: Optional[int] = typer.Option(None, help="TCP port (default: a free one)"),
+                 host: str = typer.Option("127.0.0.1", help="address to listen on")) -> None:
+    """Start Tansu in the background and record it in $RELAX_HOME/broker.json."""
+    from relax.infra.broker import save_state, start_broker, status
+
+    handle, running = status()
+    if running:
+        typer.echo(f"broker already running: pid={handle.pid} bootstrap={handle.bootstrap}")
+        raise typer.Exit(1)
+    h = start_broker(port, host)
+    save_state(h)
+    typer.echo(f"broker started: pid={h.pid} bootstrap={h.bootstrap} log={h.log_path}")
+
+
+@broker_app.command("stop")
+def broker_stop() -> None:
+    """Stop the recorded broker (SIGTERM, then SIGKILL after 10 s)."""
+    from relax.infra.broker import default_state_file, load_state, stop_broker
+
+    h = load_state()
+    if h is None:
+        typer.echo("no broker recorded")
+        raise typer.Exit(0)
+    stop_broker(h)
+    default_state_file().unlink(missing_ok=True)
+    typer.echo(f"broker stopped: pid={h.pid}")
+
+
+@broker_app.command("status")
+def broker_status() -> None:
+    """Print whether the recorded broker runs (exit code 1 if not)."""
+    from relax.infra.broker import status
+
+    h, running = status()
+    if h is None:
+        typer.echo("no broker recorded")
+        raise typer.Exit(1)
+    typer.echo(f"{'running' if running else 'not running'}: pid={h.pid} bootstrap={h.bootstrap}")
+    raise typer.Exit(0 if running else 1)
+
+
+@app.command("topics")
+def topics_cmd(bootstrap: Optional[str] = BootstrapOpt,
+               as_json: bool = typer.Option(False, "--json", help="print JSON")) -> None:
+    """List topics with their partitions and record counts per partition."""
+    from relax.streams.client import list_topics
+    from relax.streams.lag import topic_record_counts
+
+    cfg = bus_config(bootstrap)
+    names = list_topics(cfg)
+    counts = topic_record_counts(cfg, names) if names else {}
+    if as_json:
+        typer.echo(json.dumps({t: {str(p): n for p, n in sorted(c.items())}
+                               for t, c in counts.items()}))
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table("topic", "partitions", "records", "per partition")
+    for t in names:
+        c = counts.get(t, {})
+        table.add_row(t, str(len(c)), str(sum(c.values())),
+                      " ".join(str(c[p]) for p in sorted(c)))
+    Console().print(table)
+    if not names:
+        typer.echo("no topics")
+
+
+def _short(v, width: int = 60):
+    if isinstance(v, (bytes, bytearray)):
+        return f"<{len(v)} bytes>"
+    if isinstance(v, list) and len(v) > 8:
+        return f"[{', '.join(map(str, v[:6]))}, ... {len(v)} items]"
+    s = str(v)
+    return s if len(s) <= width else s[: width - 3] + "..."
+
+
+def _json_default(v):
+    if isinstance(v, (bytes, bytearray)):
+        return v.decode("utf-8", errors="replace")
+    return str(v)
+
+
+@app.command("tail")
+def tail_cmd(topic: str, n: int = typer.Option(10, "-n", help="rows to print"),
+             as_json: bool = typer.Option(False, "--json", help="one JSON object per row"),
+             bootstrap: Optional[str] = BootstrapOpt) -> None:
+    """Decode and print the last N rows of a topic (newest last)."""
+    from relax.infra.read import read_last_rows
+
+    rows = read_last_rows(bus_config(bootstrap), topic, n)
+    if as_json:
+        for r in rows:
+            typer.echo(json.dumps(r, default=_json_default))
+        return
+    for r in rows:
+        typer.echo("  ".join(f"{k}={_short(v)}" for k, v in r.items()))
+    typer.echo(f"rows={len(rows)} topic={topic}")
+
+
+@app.command("errors")
+def errors_cmd(topic: str, n: int = typer.Option(20, "-n", help="error records to print"),
+               as_json: bool = typer.Option(False, "--json", help="one JSON object per record"),
+               bootstrap: Optional[str] = BootstrapOpt) -> None:
+    """Print the error records of TOPIC (reads TOPIC.errors)."""
+    from relax.infra.read import read_last_rows
+    from relax.schemas.topics import ERRORS_SUFFIX, errors_topic
+
+    etopic = topic if topic.endswith(ERRORS_SUFFIX) else errors_topic(topic)
+    rows = read_last_rows(bus_config(bootstrap), etopic, n)
+    for r in rows:
+        if as_json:
+            typer.echo(json.dumps({k: v for k, v in r.items() if k != "value"},
+                                  default=_json_default))
+        else:
+            where = f"{r['source_topic']}[{r['source_partition']}]@{r['source_offset']}"
+            if r.get("row") is not None:
+                where += f" row {r['row']}"
+            typer.echo(f"{r['ts']} {where} stage={r['stage']}: {r['error']}")
+    typer.echo(f"errors={len(rows)} topic={etopic}")
+
+
+# --- commands of other components register below (keep one line each) ---
+
+
+def main() -> None:
+    """Console entry point."""
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    app()
+
+
+if __name__ == "__main__":
+    main()

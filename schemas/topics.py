@@ -1,0 +1,104 @@
+"""Topic and consumer-group names: public API, versioned with the schemas.
+
+Renaming any of these breaks running pipelines, committed offsets and faust
+table changelogs, so they live here as the one place that spells them
+(ARCHITECTURE section 2).
+
+Per-run topics are ``<run>.<name>``; the prompt topic ``prompts.<dataset>`` is
+shared across runs; every topic ``T`` has an error topic ``T.errors``.
+"""
+
+from __future__ import annotations
+
+import re
+
+NAMES_VERSION = 1
+
+ROLLOUTS = "rollouts"
+REWARDS = "rewards"
+REF_LOGPROBS = "ref_logprobs"
+TRAIN_SAMPLES = "train_samples"
+WEIGHTS = "weights"
+METRICS = "metrics"
+
+RUN_TOPICS = (ROLLOUTS, REWARDS, REF_LOGPROBS, TRAIN_SAMPLES, WEIGHTS, METRICS)
+"""Every per-run topic name (without the ``<run>.`` prefix)."""
+
+ERRORS_SUFFIX = ".errors"
+PROMPTS_PREFIX = "prompts."
+
+_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_\-]{0,100}$")
+
+
+def check_name(kind: str, name: str) -> str:
+    """Return ``name`` if it is a legal run/dataset/reward name.
+
+    Raises:
+        ValueError: naming ``kind`` and the allowed pattern, when ``name`` has a
+            dot, a space or another character Kafka topic names reject.
+    """
+    if not _NAME_RE.match(name):
+        raise ValueError(
+            f"{kind} name {name!r} is invalid: expected letters, digits, '_' or '-' "
+            f"(1-101 characters, no dots)"
+        )
+    return name
+
+
+def run_topic(run: str, name: str) -> str:
+    """``<run>.<name>`` for one of :data:`RUN_TOPICS`.
+
+    Raises:
+        ValueError: if ``name`` is not a per-run topic (lists the valid ones).
+    """
+    if name not in RUN_TOPICS:
+        raise ValueError(f"unknown run topic {name!r}; valid: {', '.join(RUN_TOPICS)}")
+    return f"{check_name('run', run)}.{name}"
+
+
+def prompts_topic(dataset: str) -> str:
+    """``prompts.<dataset>``: the prompt topic shared by every run on that data set."""
+    return PROMPTS_PREFIX + check_name("dataset", dataset)
+
+
+def errors_topic(topic: str) -> str:
+    """``<topic>.errors``: where records of ``topic`` that cannot be processed go."""
+    return topic + ERRORS_SUFFIX
+
+
+def group(run: str, stage: str) -> str:
+    """Consumer-group id ``<run>.<stage>`` (e.g. ``exp1.rollout``, ``exp1.trainer``)."""
+    return f"{check_name('run', run)}.{stage}"
+
+
+def reward_group(run: str, reward_name: str) -> str:
+    """Consumer group ``<run>.reward.<name>``: one group per reward function, so a
+    new reward attached at run time reads every rollout independently."""
+    return f"{check_name('run', run)}.reward.{reward_name}"
+
+
+def run_of(topic: str) -> str | None:
+    """The run a per-run topic belongs to, or None for prompt and other topics."""
+    if topic.startswith(PROMPTS_PREFIX):
+        return None
+    base = topic[: -len(ERRORS_SUFFIX)] if topic.endswith(ERRORS_SUFFIX) else topic
+    run, _, name = base.partition(".")
+    return run if name in RUN_TOPICS else None
+
+
+def schema_for_topic(topic: str) -> str:
+    """The v1 schema name of a topic: ``prompts.*`` -> prompts, ``*.errors`` -> errors,
+    ``<run>.<name>`` -> name.
+
+    Raises:
+        ValueError: for a topic that is neither (names the topic and the forms).
+    """
+    if topic.endswith(ERRORS_SUFFIX):
+        return "errors"
+    if topic.startswith(PROMPTS_PREFIX):
+        return "prompts"
+    _, _, name = topic.partition(".")
+    if name in RUN_TOPICS:
+        return name
+    raise ValueError(f"topic {topic!r} is not a relax topic: expected prompts.<dataset>, "
+                     f"<run>.<{'|'.join(RUN_TOPICS)}> or <topic>.errors")

@@ -1,0 +1,218 @@
+"""Arrow <-> Kafka message values.
+
+One Kafka message value = one Arrow IPC *stream* (schema + record batches,
+uncompressed: Kafka compresses whole producer batches with zstd). Field
+metadata (docs) is stripped on the wire and restored from the canonical v1
+schema on decode, which keeps small messages small.
+
+:func:`encode_messages` splits a batch into IPC streams of at most
+``max_message_bytes`` each; a single row over the limit has its media bytes
+moved to the :class:`~relax.streams.blobs.BlobStore` (the row keeps the URI);
+if it is still too large, :class:`RecordTooLarge` names the row and sizes.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from relax.schemas.validate import check_schema
+from relax.schemas.v1 import get_schema
+from relax.streams.blobs import BlobStore
+
+_IPC_OPTIONS = pa.ipc.IpcWriteOptions(compression=None)
+
+
+class RecordTooLarge(ValueError):
+    """One row does not fit in a message even after moving its media to the blob store.
+
+    Attributes:
+        row: row index in the batch given to :func:`encode_messages`.
+        nbytes: the encoded size of that row alone (bytes).
+        limit: ``max_message_bytes``.
+    """
+
+    def __init__(self, row: int, nbytes: int, limit: int, detail: str = ""):
+        self.row, self.nbytes, self.limit = row, nbytes, limit
+        super().__init__(f"row {row} encodes to {nbytes} bytes, over max_message_bytes={limit}"
+                         f"{detail}")
+
+
+class DecodeError(ValueError):
+    """A message value is not a readable Arrow IPC stream."""
+
+
+def _strip_type(t: pa.DataType) -> pa.DataType:
+    if pa.types.is_struct(t):
+        return pa.struct([_strip_field(t.field(i)) for i in range(t.num_fields)])
+    if pa.types.is_list(t):
+        return pa.list_(_strip_field(t.value_field))
+    if pa.types.is_map(t):
+        return pa.map_(_strip_field(t.key_field), _strip_field(t.item_field))
+    return t
+
+
+def _strip_field(f: pa.Field) -> pa.Field:
+    return pa.field(f.name, _strip_type(f.type), f.nullable)
+
+
+_WIRE_CACHE: dict[int, tuple[pa.Schema, pa.Schema]] = {}
+
+
+def wire_schema(schema: pa.Schema) -> pa.Schema:
+    """``schema`` without field metadata (kept: schema-level ``relax.*`` metadata)."""
+    hit = _WIRE_CACHE.get(id(schema))
+    if hit is not None and hit[0] is schema:
+        return hit[1]
+    wire = pa.schema([_strip_field(f) for f in schema], metadata=schema.metadata)
+    _WIRE_CACHE[id(schema)] = (schema, wire)
+    return wire
+
+
+def encode(batch: pa.RecordBatch | pa.Table) -> bytes:
+    """Serialise a batch or table as one Arrow IPC stream (field docs stripped).
+
+    A zero-row input gives a stream with the schema and no data (public case C33)."""
+    schema = wire_schema(batch.schema)
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, schema, options=_IPC_OPTIONS) as w:
+        if isinstance(batch, pa.Table):
+            for b in batch.to_batches():
+                w.write_batch(pa.RecordBatch.from_arrays(b.columns, schema=schema))
+        elif batch.num_rows:
+            w.write_batch(pa.RecordBatch.from_arrays(batch.columns, schema=schema))
+    return sink.getvalue().to_pybytes()
+
+
+def encoded_size(batch: pa.RecordBatch) -> int:
+    """Bytes :func:`encode` would produce, measured without copying data."""
+    schema = wire_schema(batch.schema)
+    sink = pa.MockOutputStream()
+    with pa.ipc.new_stream(sink, schema, options=_IPC_OPTIONS) as w:
+        if batch.num_rows:
+            w.write_batch(pa.RecordBatch.from_arrays(batch.columns, schema=schema))
+    return sink.size()
+
+
+def decode(value: bytes, name: str | None = None) -> pa.Table:
+    """Read one message value back into a table.
+
+    Args:
+        value: an Arrow IPC stream.
+        name: the expected v1 schema name; when given, fields and types are checked
+            and the canonical schema (with its field docs) is attached. A stream
+            with no batches gives an empty table with the schema (public case C33);
+            zero-row batches mid-stream are kept and do not end the stream.
+
+    Raises:
+        DecodeError: if the bytes are not an Arrow IPC stream.
+        relax.schemas.SchemaError: if the decoded fields/types differ from schema ``name``.
+    """
+    try:
+        table = pa.ipc.open_stream(pa.py_buffer(value)).read_all()
+    except (pa.ArrowInvalid, OSError) as e:
+        raise DecodeError(f"not an Arrow IPC stream ({len(value)} bytes): {e}") from e
+    if name is None:
+        return table
+    check_schema(table.schema, name)
+    canonical = get_schema(name)
+    table = table.select(canonical.names)
+    return pa.Table.from_batches(
+        [pa.RecordBatch.from_arrays(b.columns, schema=canonical) for b in table.to_batches()],
+        schema=canonical)
+
+
+def _offload_media(row: pa.RecordBatch, blobs: BlobStore) -> pa.RecordBatch:
+    """Replace inline media bytes of a one-row batch by blob-store URIs."""
+    idx = row.schema.get_field_index("media")
+    items = row.column(idx).to_pylist()[0] or []
+    for item in items:
+        if item.get("data") is not None:
+            item["uri"] = blobs.put(item["data"])
+            item["data"] = None
+    new = pa.array([items], type=row.schema.field(idx).type)
+    return row.set_column(idx, row.schema.field(idx), new)
+
+
+def split_rows(batch: pa.RecordBatch, max_message_bytes: int) -> list[tuple[int, int]]:
+    """Row ranges ``[(start, stop), ...]`` whose encodings fit ``max_message_bytes``.
+
+    Starts from an even split estimated from the total size, then halves any piece
+    still too large; a single row that does not fit is returned as its own range
+    (the caller decides: blob store or :class:`RecordTooLarge`).
+    """
+    n = batch.num_rows
+    if n == 0:
+        return [(0, 0)]
+    total = encoded_size(batch)
+    if total <= max_message_bytes:
+        return [(0, n)]
+    pieces = -(-total // int(max_message_bytes * 0.9))
+    step = max(1, -(-n // pieces))
+    todo = [(s, min(s + step, n)) for s in range(0, n, step)]
+    out: list[tuple[int, int]] = []
+    while todo:
+        s, e = todo.pop(0)
+        if e - s == 1 or encoded_size(batch.slice(s, e - s)) <= max_message_bytes:
+            out.append((s, e))
+        else:
+            m = (s + e) // 2
+            todo[:0] = [(s, m), (m, e)]
+    return out
+
+
+def encode_messages(batch: pa.RecordBatch | pa.Table, max_message_bytes: int,
+                    blobs: BlobStore | None = None) -> list[bytes]:
+    """Split ``batch`` into message values of at most ``max_message_bytes`` each.
+
+    Rows keep their order. A row that alone exceeds the limit has the bytes of its
+    ``media`` items moved to ``blobs`` (the item keeps a URI).
+
+    Raises:
+        RecordTooLarge: a row still exceeds the limit (or has no media and no blob
+            store is configured).
+    """
+    if isinstance(batch, pa.Table):
+        batch = batch.combine_chunks().to_batches()[0] if batch.num_rows else \
+            pa.RecordBatch.from_pylist([], schema=batch.schema)
+    out = []
+    for s, e in split_rows(batch, max_message_bytes):
+        piece = batch.slice(s, e - s)
+        value = encode(piece)
+        if len(value) > max_message_bytes:
+            if blobs is not None and "media" in piece.schema.names:
+                piece = _offload_media(piece, blobs)
+                value = encode(piece)
+            if len(value) > max_message_bytes:
+                hint = "" if blobs is not None else " (no blob store configured for media)"
+                raise RecordTooLarge(s, len(value), max_message_bytes, hint)
+        out.append(value)
+    return out
+
+
+def group_by_key(batch: pa.RecordBatch | pa.Table, key_column: str) -> list[tuple[str, pa.Table]]:
+    """Split rows by the value of ``key_column`` (string), keeping row order within a key
+    and keys in order of first appearance.
+
+    Returns:
+        ``[(key, table)]``; one entry per distinct key.
+    """
+    table = batch if isinstance(batch, pa.Table) else pa.Table.from_batches([batch])
+    keys = table.column(key_column)
+    if table.num_rows == 0:
+        return []
+    enc = pc.dictionary_encode(keys).combine_chunks()
+    if len(enc.dictionary) == 1:
+        return [(enc.dictionary[0].as_py(), table)]
+    # dictionary order is the order of first appearance, so a stable sort by code
+    # groups rows by key, keys in order of first appearance, rows in order.
+    codes = enc.indices.to_numpy(zero_copy_only=False)
+    order = np.argsort(codes, kind="stable")
+    sorted_codes = codes[order]
+    bounds = np.flatnonzero(np.diff(sorted_codes)) + 1
+    starts = np.concatenate([[0], bounds])
+    ends = np.concatenate([bounds, [len(sorted_codes)]])
+    taken = table.take(pa.array(order))
+    return [(enc.dictionary[int(sorted_codes[s])].as_py(), taken.slice(s, e - s))
+            for s, e in zip(starts, ends)]

@@ -1,0 +1,82 @@
+"""Record counts and consumer-group lag that are correct on every Kafka-protocol broker.
+
+Tansu's ListOffsets answers with the last record batch's base offset + 1, not
+the log end (ARCHITECTURE section 8), so ``end_offsets`` cannot be trusted.
+The high watermark returned with every *fetch* is right everywhere: this module
+assigns the partitions to a group-less consumer, fetches at most one byte from
+each (KIP-74 still returns the first batch) and reads the watermark.
+Lag of a group = high watermark - committed offset (the next offset to read).
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+from relax.streams.client import BusConfig, admin, topic_partitions
+
+
+def high_watermarks(cfg: BusConfig, topics: list[str], timeout_s: float = 10.0) -> dict[tuple[str, int], int]:
+    """``{(topic, partition): high watermark}`` (one past the last offset written).
+
+    Raises:
+        TimeoutError: a partition gave no fetch response within ``timeout_s``.
+    """
+    from kafka import KafkaConsumer, TopicPartition
+
+    counts = topic_partitions(cfg, topics)
+    tps = [TopicPartition(t, p) for t in topics for p in range(counts.get(t, 0))]
+    if not tps:
+        return {}
+    c = KafkaConsumer(bootstrap_servers=cfg.bootstrap_servers.split(","), group_id=None,
+                      enable_auto_commit=False, max_partition_fetch_bytes=1, fetch_max_bytes=1,
+                      client_id=f"relax-lag-{uuid.uuid4().hex[:6]}")
+    try:
+        c.assign(tps)
+        for tp in tps:
+            c.seek(tp, 0)
+        deadline = time.monotonic() + timeout_s
+        while any(c.highwater(tp) is None for tp in tps):
+            if time.monotonic() > deadline:
+                missing = [f"{tp.topic}[{tp.partition}]" for tp in tps if c.highwater(tp) is None]
+                raise TimeoutError(f"no fetch response within {timeout_s}s for {missing}")
+            c.poll(timeout_ms=100, max_records=1)
+        return {(tp.topic, tp.partition): int(c.highwater(tp)) for tp in tps}
+    finally:
+        c.close(autocommit=False)
+
+
+def topic_record_counts(cfg: BusConfig, topics: list[str]) -> dict[str, dict[int, int]]:
+    """``{topic: {partition: records}}``: offsets written per partition (high watermark;
+    the log start is 0 on the local broker, which keeps everything)."""
+    out: dict[str, dict[int, int]] = {t: {} for t in topics}
+    for (t, p), hw in high_watermarks(cfg, topics).items():
+        out[t][p] = hw
+    return out
+
+
+def list_groups(cfg: BusConfig) -> list[str]:
+    """Consumer-group ids known to the cluster, sorted."""
+    a = admin(cfg)
+    try:
+        return sorted(g["group_id"] for g in a.list_groups())
+    finally:
+        a.close()
+
+
+def group_offsets(cfg: BusConfig, group_id: str) -> dict[tuple[str, int], int]:
+    """``{(topic, partition): committed offset}`` of a consumer group (next offset to read)."""
+    a = admin(cfg)
+    try:
+        res = a.list_group_offsets({group_id: None}).get(group_id, {})
+        return {(tp.topic, tp.partition): om.offset for tp, om in res.items() if om.offset >= 0}
+    finally:
+        a.close()
+
+
+def group_lag(cfg: BusConfig, group_id: str, topics: list[str]) -> dict[tuple[str, int], int]:
+    """``{(topic, partition): lag}``: records written and not yet committed by the group
+    (a partition the group never committed counts from offset 0)."""
+    hw = high_watermarks(cfg, topics)
+    committed = group_offsets(cfg, group_id)
+    return {tp: max(0, end - committed.get(tp, 0)) for tp, end in hw.items()}

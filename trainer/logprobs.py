@@ -1,0 +1,94 @@
+"""Token log-probs from temperature-scaled logits: ONE function for rollout and trainer.
+
+``log pi(y_t) = log_softmax(logits_t / temperature)[y_t]``, over the full
+vocabulary, on both sides (public case C12: huggingface/trl #4159, NVIDIA-NeMo/RL
+PR #316, prime-rl PR #697). Raw (T = 1) log-probs on one side, or raw log-probs
+divided by T, give an IS / PPO ratio != 1 for identical weights.
+
+Top-p / top-k convention: relax stores full-vocabulary log-probs (of the scaled
+logits, before any truncation) on the rollout side too, so no correction is
+needed. An engine that reports log-probs renormalised over the kept top-p set
+reports ``log p - log S`` where ``S`` is the kept mass; :func:`top_p_log_mass`
+returns ``log S`` so such values can be converted back
+(``full = truncated + log S``), and the ratio between the two conventions is
+exactly ``S`` for every token.
+"""
+
+from __future__ import annotations
+
+import torch
+
+LOGPROB_CHUNK = 256
+"""Sequence positions processed at once, bounding the float32 copy of the logits."""
+
+
+def _check(logits: torch.Tensor, temperature: float) -> None:
+    if logits.dim() != 3:
+        raise ValueError(f"logits must have shape [B, T, V], got {tuple(logits.shape)}")
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+
+
+def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, temperature: float, *,
+                   chunk_size: int = LOGPROB_CHUNK) -> torch.Tensor:
+    """Log-probs of ``token_ids`` under ``softmax(logits / temperature)``.
+
+    Computed as ``x[y] - logsumexp(x)`` with ``x = logits / temperature`` in float32,
+    ``chunk_size`` positions at a time, so no full ``[B, T, V]`` log-softmax output
+    is materialised and, without autograd, at most one ``[B, chunk, V]`` float32 copy
+    of the logits exists (with autograd, the scaled chunks are kept for backward:
+    one float32 copy in all). Differentiable.
+
+    Args:
+        logits: ``[B, T, V]`` float (any float dtype), the logits that predict
+            ``token_ids`` (already shifted: position t predicts ``token_ids[:, t]``).
+        token_ids: ``[B, T]`` int64 sampled tokens.
+        temperature: the sampling temperature (> 0); 1.0 means raw logits.
+        chunk_size: positions per chunk.
+
+    Returns:
+        ``[B, T]`` float32 log-probs.
+    """
+    _check(logits, temperature)
+    if token_ids.shape != logits.shape[:2]:
+        raise ValueError(f"token_ids shape {tuple(token_ids.shape)} != logits [B, T] "
+                         f"{tuple(logits.shape[:2])}")
+    out = []
+    for start in range(0, logits.shape[1], chunk_size):
+        x = logits[:, start:start + chunk_size].float()
+        if temperature != 1.0:
+            x = x / temperature
+        ids = token_ids[:, start:start + chunk_size].long().unsqueeze(-1)
+        out.append(x.gather(-1, ids).squeeze(-1) - torch.logsumexp(x, dim=-1))
+    if not out:
+        return logits.new_zeros(logits.shape[:2], dtype=torch.float32)
+    return torch.cat(out, dim=1)
+
+
+def top_p_log_mass(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
+    """``log S``: log of the probability mass kept by nucleus (top-p) sampling.
+
+    The kept set is the smallest set of most probable tokens whose mass reaches
+    ``top_p`` (a token is kept iff the mass of the tokens ranked before it is
+    ``< top_p``), the rule of HF ``TopPLogitsWarper``, vLLM and SGLang (ties aside).
+    A log-prob renormalised over the kept set equals the full-vocabulary log-prob
+    minus ``log S`` (public case C12 sub-check: logits [2, 1, 0], T = 0.5,
+    top_p = 0.95 -> S = 0.984124).
+
+    Args:
+        logits: ``[B, T, V]`` float logits.
+        temperature: sampling temperature (> 0).
+        top_p: nucleus mass in ``(0, 1]``; 1.0 gives ``log S = 0``.
+
+    Returns:
+        ``[B, T]`` float32 ``log S`` (<= 0). No gradient.
+    """
+    _check(logits, temperature)
+    if not 0 < top_p <= 1:
+        raise ValueError(f"top_p must lie in (0, 1], got {top_p}")
+    with torch.no_grad():
+        probs = torch.softmax(logits.float() / temperature, dim=-1)
+        sorted_probs, _ = probs.sort(dim=-1, descending=True)
+        mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+        kept = torch.where(mass_before < top_p, sorted_probs, torch.zeros_like(sorted_probs))
+        return kept.sum(dim=-1).log()
