@@ -86,6 +86,8 @@ def top_p_log_mass(logits: torch.Tensor, temperature: float, top_p: float) -> to
     _check(logits, temperature)
     if not 0 < top_p <= 1:
         raise ValueError(f"top_p must lie in (0, 1], got {top_p}")
+    if top_p == 1:
+        return torch.zeros(logits.shape[:2], dtype=torch.float32, device=logits.device)
     with torch.no_grad():
         probs = torch.softmax(logits.float() / temperature, dim=-1)
         sorted_probs, _ = probs.sort(dim=-1, descending=True)
