@@ -1,0 +1,46 @@
+"""Metric names written to ``<run>.metrics``: public API shared by the stages that
+write them and ``relax monitor`` / the dashboard that read them. The unit is the
+suffix (``_s`` seconds, ``_bytes``, ``_tokens``, ``_per_s``); counts have none.
+
+Every row carries the ``policy_version`` it refers to (the trainer's version
+after the step for trainer metrics; the rollout's policy_version_start for
+sample metrics).
+"""
+
+# trainer (component "trainer"), one row each per optimizer step
+STEP_S = "step_s"                      # wall time of one optimizer step incl. waiting for data
+TRAIN_S = "train_s"                    # forward/backward/optimizer time of the step
+DATA_WAIT_S = "data_wait_s"            # time the trainer waited for train samples
+PUBLISH_S = "publish_s"                # time spent announcing/broadcasting weights
+LOSS = "loss"
+GRAD_NORM = "grad_norm"
+REWARD_MEAN = "reward_mean"            # mean final reward of the trained samples
+ACCURACY = "accuracy"                  # fraction of trained samples judged correct
+STALENESS_MEAN = "staleness_mean"
+STALENESS_MAX = "staleness_max"
+SAMPLES_TRAINED = "samples_trained"
+SAMPLES_DROPPED_STALE = "samples_dropped_stale"
+SAMPLES_DROPPED_FILTERED = "samples_dropped_filtered"
+SAMPLES_ERROR = "samples_error"
+TOKENS_TRAINED = "tokens_trained"
+SAMPLES_PER_S = "samples_per_s"
+STALENESS_HIST_PREFIX = "staleness_hist."  # + str(k): samples with staleness k seen this step
+
+# rollout (component "rollout-<i>")
+GEN_TOKENS_PER_S = "gen_tokens_per_s"
+GROUPS_IN_FLIGHT = "groups_in_flight"
+BUDGET_WAIT_S = "budget_wait_s"        # time the rollout stage waited for the staleness budget
+GROUPS_SAMPLED = "groups_sampled"
+
+# reward (component "reward.<name>")
+REWARD_ERRORS = "reward_errors"
+REWARD_TIMEOUTS = "reward_timeouts"
+REWARD_ROWS_PER_S = "reward_rows_per_s"
+
+# evaluation (component "eval")
+EVAL_ACCURACY = "eval_accuracy"        # greedy held-out accuracy at policy_version
+
+
+def staleness_hist_name(k: int) -> str:
+    """Metric name holding the count of samples with staleness ``k``."""
+    return f"{STALENESS_HIST_PREFIX}{k}"
