@@ -174,6 +174,33 @@ def errors_cmd(topic: str, n: int = typer.Option(20, "-n", help="error records t
 # --- commands of other components register below (keep one line each) ---
 
 
+@app.command("publish")
+def publish_cmd(
+        source: str = typer.Argument(..., help="JSONL/Parquet/CSV file, saved datasets folder "
+                                     "[DIR:split], hf://ORG/NAME[/CONFIG][:split] or "
+                                     "reasoning_gym:TASK?size=N&seed=S"),
+        topic: str = typer.Option(..., "--topic", help="prompts.NAME"),
+        prompt_field: str = typer.Option("prompt", help="input column holding the prompt"),
+        label_field: Optional[str] = typer.Option(None, help="input column holding the label"),
+        limit: Optional[int] = typer.Option(None, help="read at most N input records"),
+        partitions: Optional[int] = typer.Option(None, help="partitions of a new topic "
+                                                 "(default 4)"),
+        force: bool = typer.Option(False, help="publish prompt_ids the topic already holds"),
+        bootstrap: Optional[str] = BootstrapOpt) -> None:
+    """Publish a prompt data set onto prompts.NAME (bad rows go to prompts.NAME.errors)."""
+    from relax.producers.publish import AlreadyPublished, SourceError, publish
+
+    try:
+        r = publish(bus_config(bootstrap), source, topic, prompt_field=prompt_field,
+                    label_field=label_field, limit=limit, partitions=partitions, force=force,
+                    progress=True)
+    except (AlreadyPublished, SourceError) as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(1)
+    typer.echo(f"{r.rows_per_s:.0f} rows/s in {r.seconds:.2f} s", err=True)
+    typer.echo(r.summary())
+
+
 def main() -> None:
     """Console entry point."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

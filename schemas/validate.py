@@ -62,10 +62,9 @@ def check_schema(actual: pa.Schema, name: str) -> None:
 
 def _first_true(mask: pa.Array | pa.ChunkedArray) -> int | None:
     """Index of the first true value of a boolean array (nulls count as false)."""
-    mask = pc.fill_null(mask, False)
-    if not pc.any(mask).as_py():
+    if not pc.any(mask).as_py():  # nulls are skipped
         return None
-    return int(pc.index(mask, True).as_py())
+    return int(pc.index(pc.fill_null(mask, False), True).as_py())
 
 
 def _require(name: str, field: str, bad: pa.Array, expected: str,

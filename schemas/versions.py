@@ -109,3 +109,23 @@ def in_flight_budget(max_staleness: int, batch_groups: int) -> int:
         raise ValueError(f"need max_staleness >= 0 and batch_groups >= 1, got "
                          f"{max_staleness}, {batch_groups}")
     return (max_staleness + 1) * batch_groups
+
+
+def admit_batch(trainer_version: int, policy_version_start: Sequence[int],
+                policy_version_end: Sequence[int], max_staleness: int,
+                token_policy_versions: Sequence[Sequence[int] | None] | None = None,
+                ) -> list[Admission]:
+    """:func:`admit` for every row of a batch (e.g. the ``policy_version_start`` /
+    ``policy_version_end`` / ``token_policy_versions`` columns of ``train_samples``
+    as Python lists), with the same rule and the same errors.
+
+    Raises:
+        ValueError: if the columns differ in length, or as :func:`admit` for any row.
+    """
+    n = len(policy_version_start)
+    tokens = [None] * n if token_policy_versions is None else token_policy_versions
+    if len(policy_version_end) != n or len(tokens) != n:
+        raise ValueError(f"columns differ in length: {n} starts, {len(policy_version_end)} ends, "
+                         f"{len(tokens)} token_policy_versions")
+    return [admit(trainer_version, s, e, max_staleness, t)
+            for s, e, t in zip(policy_version_start, policy_version_end, tokens, strict=True)]

@@ -13,6 +13,8 @@ if it is still too large, :class:`RecordTooLarge` names the row and sizes.
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -57,42 +59,38 @@ def _strip_field(f: pa.Field) -> pa.Field:
     return pa.field(f.name, _strip_type(f.type), f.nullable)
 
 
-_WIRE_CACHE: dict[int, tuple[pa.Schema, pa.Schema]] = {}
-
-
+@functools.lru_cache(maxsize=64)
 def wire_schema(schema: pa.Schema) -> pa.Schema:
-    """``schema`` without field metadata (kept: schema-level ``relax.*`` metadata)."""
-    hit = _WIRE_CACHE.get(id(schema))
-    if hit is not None and hit[0] is schema:
-        return hit[1]
-    wire = pa.schema([_strip_field(f) for f in schema], metadata=schema.metadata)
-    _WIRE_CACHE[id(schema)] = (schema, wire)
-    return wire
+    """``schema`` without field metadata (kept: schema-level ``relax.*`` metadata).
+    Cached by schema content: batches sliced from one another share one entry."""
+    return pa.schema([_strip_field(f) for f in schema], metadata=schema.metadata)
 
 
 def encode(batch: pa.RecordBatch | pa.Table) -> bytes:
     """Serialise a batch or table as one Arrow IPC stream (field docs stripped).
 
     A zero-row input gives a stream with the schema and no data (public case C33)."""
-    schema = wire_schema(batch.schema)
     sink = pa.BufferOutputStream()
-    with pa.ipc.new_stream(sink, schema, options=_IPC_OPTIONS) as w:
-        if isinstance(batch, pa.Table):
-            for b in batch.to_batches():
-                w.write_batch(pa.RecordBatch.from_arrays(b.columns, schema=schema))
-        elif batch.num_rows:
-            w.write_batch(pa.RecordBatch.from_arrays(batch.columns, schema=schema))
+    _write(sink, batch)
     return sink.getvalue().to_pybytes()
 
 
-def encoded_size(batch: pa.RecordBatch) -> int:
+def encoded_size(batch: pa.RecordBatch | pa.Table) -> int:
     """Bytes :func:`encode` would produce, measured without copying data."""
-    schema = wire_schema(batch.schema)
     sink = pa.MockOutputStream()
-    with pa.ipc.new_stream(sink, schema, options=_IPC_OPTIONS) as w:
-        if batch.num_rows:
-            w.write_batch(pa.RecordBatch.from_arrays(batch.columns, schema=schema))
+    _write(sink, batch)
     return sink.size()
+
+
+def _write(sink, batch: pa.RecordBatch | pa.Table) -> None:
+    # the IPC writer compares schemas without metadata, so batches are written as
+    # they are under the stripped wire schema: no per-batch schema rebuild.
+    with pa.ipc.new_stream(sink, wire_schema(batch.schema), options=_IPC_OPTIONS) as w:
+        if isinstance(batch, pa.Table):
+            for b in batch.to_batches():
+                w.write_batch(b)
+        elif batch.num_rows:
+            w.write_batch(batch)
 
 
 def decode(value: bytes, name: str | None = None) -> pa.Table:
@@ -115,9 +113,10 @@ def decode(value: bytes, name: str | None = None) -> pa.Table:
         raise DecodeError(f"not an Arrow IPC stream ({len(value)} bytes): {e}") from e
     if name is None:
         return table
-    check_schema(table.schema, name)
     canonical = get_schema(name)
-    table = table.select(canonical.names)
+    if not table.schema.equals(wire_schema(canonical)):
+        check_schema(table.schema, name)
+        table = table.select(canonical.names)
     return pa.Table.from_batches(
         [pa.RecordBatch.from_arrays(b.columns, schema=canonical) for b in table.to_batches()],
         schema=canonical)
@@ -176,6 +175,13 @@ def encode_messages(batch: pa.RecordBatch | pa.Table, max_message_bytes: int,
     if isinstance(batch, pa.Table):
         batch = batch.combine_chunks().to_batches()[0] if batch.num_rows else \
             pa.RecordBatch.from_pylist([], schema=batch.schema)
+    # common case: one message. Buffer sizes bound the data from above (a slice reports
+    # its parent's buffers), so only when they are large is the exact size measured.
+    if (batch.get_total_buffer_size() < max_message_bytes * 0.9
+            or encoded_size(batch) <= max_message_bytes):
+        value = encode(batch)
+        if len(value) <= max_message_bytes:
+            return [value]
     out = []
     for s, e in split_rows(batch, max_message_bytes):
         piece = batch.slice(s, e - s)
@@ -208,6 +214,11 @@ def group_by_key(batch: pa.RecordBatch | pa.Table, key_column: str) -> list[tupl
     # dictionary order is the order of first appearance, so a stable sort by code
     # groups rows by key, keys in order of first appearance, rows in order.
     codes = enc.indices.to_numpy(zero_copy_only=False)
+    if np.all(codes[1:] >= codes[:-1]):  # rows already contiguous by key: slice, no copy
+        bounds = np.flatnonzero(np.diff(codes)) + 1
+        starts, ends = np.concatenate([[0], bounds]), np.concatenate([bounds, [len(codes)]])
+        return [(enc.dictionary[int(codes[s])].as_py(), table.slice(s, e - s))
+                for s, e in zip(starts, ends)]
     order = np.argsort(codes, kind="stable")
     sorted_codes = codes[order]
     bounds = np.flatnonzero(np.diff(sorted_codes)) + 1

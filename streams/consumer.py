@@ -99,7 +99,7 @@ class BatchConsumer:
         marked finished; good ones are returned in offset order per partition and are
         in flight until :meth:`done`."""
         records = self._kc.poll(timeout_ms=int(timeout_s * 1000), max_records=max_records)
-        out: list[Delivery] = []
+        decoded: list[tuple] = []
         for tp, msgs in records.items():
             for m in msgs:
                 self._tracker.received(tp, m.offset)
@@ -107,16 +107,41 @@ class BatchConsumer:
                 try:
                     name = headers.get("relax-schema", b"").decode() or \
                         topic_names.schema_for_topic(m.topic)
-                    table = decode(m.value, name)
-                    if self.validate_rows:
-                        validate(table, name)
+                    decoded.append((tp, m, name, headers, decode(m.value, name)))
                 except (DecodeError, SchemaError, UnicodeDecodeError, ValueError) as e:
                     self._route(m, e)
                     self._tracker.done(tp, m.offset)
+        if self.validate_rows:
+            decoded = self._validated(decoded)
+        return [Delivery(m.topic, m.partition, m.offset, m.key, table, headers, m.timestamp)
+                for tp, m, name, headers, table in decoded]
+
+    def _validated(self, decoded: list[tuple]) -> list[tuple]:
+        """Row-validate all tables of one schema at once (the common, valid case costs
+        one pass); only if that fails, message by message to route the bad ones."""
+        by_schema: dict[str, list[pa.Table]] = {}
+        for _, _, name, _, table in decoded:
+            by_schema.setdefault(name, []).append(table)
+        bad_schemas = set()
+        for name, tables in by_schema.items():
+            try:
+                validate(pa.concat_tables(tables), name)
+            except SchemaError:
+                bad_schemas.add(name)
+        if not bad_schemas:
+            return decoded
+        good = []
+        for item in decoded:
+            tp, m, name, _, table = item
+            if name in bad_schemas:
+                try:
+                    validate(table, name)
+                except SchemaError as e:
+                    self._route(m, e)
+                    self._tracker.done(tp, m.offset)
                     continue
-                out.append(Delivery(m.topic, m.partition, m.offset, m.key, table, headers,
-                                    m.timestamp))
-        return out
+            good.append(item)
+        return good
 
     def _route(self, m, e: Exception) -> None:
         self.routed_errors += 1

@@ -1,0 +1,351 @@
+"""Publish a prompt data set onto ``prompts.<dataset>`` (``relax publish``).
+
+Rows follow the ``prompts`` schema (:data:`relax.schemas.PROMPTS`):
+
+* ``prompt_id`` = first 16 hex digits of sha256 over the JSON of
+  ``[prompt or messages, label]`` - the same prompt and label get the same id in
+  every data set and every publish;
+* ``prompt`` from ``prompt_field`` (text, or a list of ``{role, content}`` chat
+  messages, then ``messages`` is set and ``prompt`` is the last user message);
+* ``label`` from ``label_field`` (text; numbers are written as text; null if absent);
+* ``metadata`` = JSON ``{"source": SOURCE, "line": N, "fields": {other columns}}``,
+  or for reasoning-gym ``{"source": "reasoning_gym", "task", "entry", "index",
+  "seed", "size"}`` (read by the ``reasoning_gym`` reward).
+
+A bad row (unreadable line, invalid UTF-8, missing field, wrong type, a row that
+encodes over ``max_message_bytes``) is counted and written to
+``prompts.<dataset>.errors`` (``source_topic`` = SOURCE, ``source_offset`` = line
+number, ``value`` = the raw line bytes, truncated to half a message if larger);
+the good rows still go. Re-publishing prompt_ids the topic already holds is
+refused (:class:`AlreadyPublished`) unless ``force``.
+
+Delivery: every row is sent keyed by prompt_id and the call returns only after
+the broker acknowledged all of them (:meth:`BatchProducer.flush` raises
+:class:`~relax.streams.producer.DeliveryError` otherwise). Parsed rows are held in
+memory (Arrow) until the duplicate check has passed, so a refused publish writes
+nothing.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from dataclasses import dataclass
+
+import pyarrow as pa
+
+from relax.producers.sources import (
+    SourceError,
+    SourceRow,
+    json_default,
+    read_source,
+)
+from relax.schemas import topics as topic_names
+from relax.schemas.v1 import PROMPTS
+from relax.schemas.validate import validate
+from relax.streams.client import BusConfig
+from relax.streams.codec import encoded_size
+
+DEFAULT_PARTITIONS = 4
+PROMPT_ID_HEX = 16
+SEND_CHUNK_ROWS = 1000
+
+__all__ = ["AlreadyPublished", "PublishResult", "RowError", "SourceError", "prompt_id",
+           "prompt_row", "publish"]
+
+
+class RowError(ValueError):
+    """One input record cannot become a prompt row (names the field and what was expected)."""
+
+
+class AlreadyPublished(RuntimeError):
+    """The topic already holds some of the prompt_ids being published (pass ``force``).
+
+    Attributes:
+        topic: the prompt topic.
+        duplicates: how many of the new rows' prompt_ids it already holds.
+        total: rows that would have been published.
+    """
+
+    def __init__(self, topic: str, duplicates: int, total: int):
+        self.topic, self.duplicates, self.total = topic, duplicates, total
+        super().__init__(f"topic {topic} already holds {duplicates} of the {total} prompt_ids "
+                         "being published; nothing was sent. Pass --force to publish them again.")
+
+
+@dataclass(frozen=True)
+class PublishResult:
+    """What a publish did: rows ``published`` and ``errors`` (rows sent to the error
+    topic), existing prompt_ids re-published (``duplicates``, only with force),
+    wall time ``seconds``."""
+
+    topic: str
+    partitions: int
+    published: int
+    errors: int
+    duplicates: int
+    seconds: float
+
+    @property
+    def rows_per_s(self) -> float:
+        """Published rows per second of wall time (parse + send)."""
+        return self.published / self.seconds if self.seconds > 0 else 0.0
+
+    def summary(self) -> str:
+        """``published=N errors=E topic=T partitions=P`` (the CLI's last line)."""
+        return (f"published={self.published} errors={self.errors} topic={self.topic} "
+                f"partitions={self.partitions}")
+
+
+def prompt_id(prompt: str, messages: list[dict] | None, label: str | None) -> str:
+    """Stable id of a prompt: first 16 hex digits of sha256 over the UTF-8 JSON of
+    ``[messages or prompt, label]`` (independent of the data set name and row order)."""
+    content = messages if messages is not None else prompt
+    blob = json.dumps([content, label], ensure_ascii=False, sort_keys=True).encode("utf-8")
+    return hashlib.sha256(blob).hexdigest()[:PROMPT_ID_HEX]
+
+
+def _messages(value: list, field: str) -> list[dict]:
+    out = []
+    for i, m in enumerate(value):
+        if not (isinstance(m, dict) and isinstance(m.get("role"), str)
+                and isinstance(m.get("content"), str)):
+            raise RowError(f"field {field!r} item {i}: expected {{role: str, content: str}}, "
+                           f"got {json.dumps(m, default=json_default)[:80]}")
+        out.append({"role": m["role"], "content": m["content"]})
+    if not out:
+        raise RowError(f"field {field!r}: expected a non-empty text or message list, got []")
+    return out
+
+
+def prompt_row(record: dict, *, dataset: str, prompt_field: str, label_field: str | None,
+               source: str, line: int, created_at_ms: int) -> dict:
+    """One ``prompts`` row (a dict) from one input record.
+
+    Raises:
+        RowError: ``prompt_field`` (or ``label_field``) is missing, or has the wrong type
+            (prompt: non-empty text or chat messages; label: text or a number).
+    """
+    if prompt_field not in record:
+        raise RowError(f"missing field {prompt_field!r} (the prompt field); record has "
+                       f"{sorted(record)[:10]}")
+    value = record[prompt_field]
+    messages = None
+    if isinstance(value, str):
+        if not value.strip():
+            raise RowError(f"field {prompt_field!r}: expected non-empty text, got an empty string")
+        prompt = value
+    elif isinstance(value, list):
+        messages = _messages(value, prompt_field)
+        users = [m["content"] for m in messages if m["role"] == "user"]
+        prompt = users[-1] if users else messages[-1]["content"]
+    else:
+        raise RowError(f"field {prompt_field!r}: expected text or a list of chat messages, "
+                       f"got {type(value).__name__}")
+    label = None
+    if label_field is not None:
+        if label_field not in record:
+            raise RowError(f"missing field {label_field!r} (the label field)")
+        raw_label = record[label_field]
+        if raw_label is None or isinstance(raw_label, str):
+            label = raw_label
+        elif isinstance(raw_label, (int, float)) and not isinstance(raw_label, bool):
+            label = str(raw_label)
+        else:
+            raise RowError(f"field {label_field!r}: expected text or a number, "
+                           f"got {type(raw_label).__name__}")
+    rg = record.get("_reasoning_gym")
+    if rg is not None:
+        meta = rg
+    else:
+        fields = {k: v for k, v in record.items() if k not in (prompt_field, label_field)}
+        meta = {"source": source, "line": line, "fields": fields}
+    return {
+        "prompt_id": prompt_id(prompt, messages, label),
+        "dataset": dataset,
+        "prompt": prompt,
+        "messages": messages,
+        "label": label,
+        "metadata": json.dumps(meta, ensure_ascii=False, default=json_default),
+        "media": None,
+        "created_at": created_at_ms,
+    }
+
+
+def _check_size(row: dict, max_message_bytes: int) -> None:
+    """Raise :class:`RowError` if ``row`` alone encodes over ``max_message_bytes``.
+    Exact (Arrow IPC size) only for rows whose text is near the limit."""
+    approx = sum(len(row[k]) for k in ("prompt", "label", "metadata") if row[k])
+    approx += sum(len(m["content"]) for m in row["messages"] or [])
+    if approx * 4 < max_message_bytes - 8192:  # 4 bytes per char at most
+        return
+    n = encoded_size(pa.RecordBatch.from_pylist([row], schema=PROMPTS))
+    if n > max_message_bytes:
+        raise RowError(f"row encodes to {n} bytes, over max_message_bytes={max_message_bytes}")
+
+
+def _error_row(src: SourceRow, source: str, error: str, max_message_bytes: int) -> dict:
+    from relax.streams.errors import error_row
+
+    value, limit = src.raw, max_message_bytes // 2
+    if len(value) > limit:
+        error += f" (value truncated to its first {limit} of {len(value)} bytes)"
+        value = value[:limit]
+    return error_row(source_topic=source, source_offset=src.line, stage="publish",
+                     error=f"line {src.line}: {error}", value=value)
+
+
+def _parse(source: str, *, dataset: str, prompt_field: str, label_field: str | None,
+           limit: int | None, max_message_bytes: int, on_row=None
+           ) -> tuple[list[pa.RecordBatch], list[dict]]:
+    """Read and convert the whole source: (good rows as PROMPTS batches, error rows)."""
+    created_at = int(time.time() * 1000)
+    batches: list[pa.RecordBatch] = []
+    good: list[dict] = []
+    errors: list[dict] = []
+    for src in read_source(source, limit):
+        if on_row is not None:
+            on_row()
+        if src.record is None:
+            errors.append(_error_row(src, source, src.error or "unreadable", max_message_bytes))
+            continue
+        try:
+            row = prompt_row(src.record, dataset=dataset, prompt_field=prompt_field,
+                             label_field=label_field, source=source, line=src.line,
+                             created_at_ms=created_at)
+            _check_size(row, max_message_bytes)
+        except RowError as e:
+            errors.append(_error_row(src, source, str(e), max_message_bytes))
+            continue
+        good.append(row)
+        if len(good) >= SEND_CHUNK_ROWS:
+            batches.append(pa.RecordBatch.from_pylist(good, schema=PROMPTS))
+            good = []
+    if good:
+        batches.append(pa.RecordBatch.from_pylist(good, schema=PROMPTS))
+    for b in batches:
+        validate(b, "prompts")
+    return batches, errors
+
+
+def existing_prompt_ids(cfg: BusConfig, topic: str) -> set[str]:
+    """Every prompt_id already on ``topic`` (reads the whole topic; empty if it does not exist)."""
+    from relax.infra.read import read_table
+    from relax.streams.client import topic_partitions
+
+    if not topic_partitions(cfg, [topic]):
+        return set()
+    return set(read_table(cfg, topic, "prompts").column("prompt_id").to_pylist())
+
+
+def dataset_of(topic: str) -> str:
+    """``prompts.NAME`` -> ``NAME``.
+
+    Raises:
+        ValueError: ``topic`` is not ``prompts.<name>`` with a legal name.
+    """
+    if not topic.startswith(topic_names.PROMPTS_PREFIX):
+        raise ValueError(f"topic {topic!r}: expected prompts.<dataset>")
+    name = topic[len(topic_names.PROMPTS_PREFIX):]
+    topic_names.prompts_topic(name)  # checks the name
+    return name
+
+
+def publish(cfg: BusConfig, source: str, topic: str, *, prompt_field: str = "prompt",
+            label_field: str | None = None, limit: int | None = None,
+            partitions: int | None = None, force: bool = False,
+            progress: bool = False) -> PublishResult:
+    """Publish ``source`` onto the prompt topic ``topic`` (``prompts.<dataset>``).
+
+    Args:
+        cfg: bus settings (any Kafka-protocol cluster).
+        source: see :mod:`relax.producers.sources` (file, ``datasets`` folder,
+            ``hf://ORG/NAME[:split]``, ``reasoning_gym:TASK?size=N&seed=S``).
+        prompt_field / label_field: input columns (reasoning-gym: ``question`` /
+            ``answer`` are used whatever is given).
+        limit: read at most this many input records.
+        partitions: partitions of a new topic (default 4; an existing topic keeps its count).
+        force: publish even if the topic already holds some of these prompt_ids.
+        progress: show a rich progress bar on stderr.
+
+    Returns:
+        counts of published and bad rows (:class:`PublishResult`).
+
+    Raises:
+        SourceError: the source cannot be opened.
+        ValueError: bad topic name, or an existing topic with another partition count.
+        AlreadyPublished: duplicates without ``force`` (nothing was sent).
+        relax.streams.producer.DeliveryError: the broker did not acknowledge every row.
+    """
+    from relax.streams.client import ensure_topics, topic_partitions
+    from relax.streams.producer import BatchProducer
+
+    t0 = time.perf_counter()
+    dataset = dataset_of(topic)
+    if source.startswith("reasoning_gym:"):
+        prompt_field, label_field = "question", "answer"
+    with _Progress(progress) as bar:
+        bar.start("reading " + source, None)
+        batches, errors = _parse(source, dataset=dataset, prompt_field=prompt_field,
+                                 label_field=label_field, limit=limit,
+                                 max_message_bytes=cfg.max_message_bytes, on_row=bar.advance)
+        n_good = sum(b.num_rows for b in batches)
+        existing = topic_partitions(cfg, [topic]).get(topic)
+        partitions = partitions or existing or DEFAULT_PARTITIONS
+        duplicates = 0
+        if existing:
+            have = existing_prompt_ids(cfg, topic)
+            duplicates = sum(sum(1 for p in b.column("prompt_id").to_pylist() if p in have)
+                             for b in batches)
+            if duplicates and not force:
+                raise AlreadyPublished(topic, duplicates, n_good)
+        ensure_topics(cfg, {topic: partitions, topic_names.errors_topic(topic): 1})
+        bar.start(f"sending to {topic}", n_good)
+        producer = BatchProducer(cfg, producer_id=f"publish-{dataset}")
+        try:
+            for b in batches:
+                producer.send(topic, b, schema="prompts")
+                producer.flush()
+                bar.advance(b.num_rows)
+            if errors:
+                producer.send_errors(topic, errors)
+                producer.flush()
+        finally:
+            producer.close()
+    return PublishResult(topic, partitions, n_good, len(errors), duplicates,
+                         time.perf_counter() - t0)
+
+
+class _Progress:
+    """A rich progress bar on stderr (or nothing when disabled)."""
+
+    def __init__(self, enabled: bool):
+        self.enabled, self._p, self._task = enabled, None, None
+
+    def __enter__(self):
+        if self.enabled:
+            from rich.console import Console
+            from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn,
+                                       TimeElapsedColumn)
+
+            self._p = Progress(TextColumn("{task.description}"), BarColumn(),
+                               MofNCompleteColumn(), TimeElapsedColumn(),
+                               console=Console(stderr=True), transient=False)
+            self._p.__enter__()
+        return self
+
+    def start(self, description: str, total: int | None) -> None:
+        if self._p is not None:
+            if self._task is not None:  # close the previous phase at what it counted
+                done = next(t.completed for t in self._p.tasks if t.id == self._task)
+                self._p.update(self._task, total=done)
+            self._task = self._p.add_task(description, total=total)
+
+    def advance(self, n: int = 1) -> None:
+        if self._p is not None:
+            self._p.advance(self._task, n)
+
+    def __exit__(self, *exc):
+        if self._p is not None:
+            self._p.__exit__(*exc)

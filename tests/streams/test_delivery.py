@@ -1,0 +1,108 @@
+"""Delivery contract on the real broker: C28 (oversize records), C29 (commit = next offset)."""
+
+from __future__ import annotations
+
+import pyarrow as pa
+import pytest
+
+from relax.schemas import topics
+from relax.schemas.v1 import METRICS, ROLLOUTS
+from relax.streams.client import BusConfig, ensure_topics
+from relax.streams.consumer import BatchConsumer
+from relax.streams.lag import group_lag, group_offsets
+from relax.streams.producer import BatchProducer, DeliveryError
+
+from testdata import rollout_rows
+
+MiB = 1 << 20
+
+
+def test_c28_oversize_record_is_reported_failed_never_sent(broker, unique):
+    topic = f"{unique}.rollouts"
+    small = BusConfig(bootstrap_servers=broker, max_message_bytes=MiB - 64 * 1024)  # request 1 MiB
+    ensure_topics(small, {topic: 1})
+    p = BatchProducer(small)
+    p.send_value(topic, b"\x01" * (3 * MiB), key=b"k")
+    with pytest.raises(DeliveryError) as e:
+        p.flush()
+    assert e.value.failed == 1 and e.value.delivered == 0
+    assert "MessageSizeTooLarge" in repr(e.value.errors[0])
+    assert p.stats.delivered == 0 and p.stats.failed == 1
+    p.close()
+
+
+def test_c28_big_record_delivered_to_consumer_with_small_fetch_size(broker, unique):
+    run = unique
+    topic = topics.run_topic(run, "rollouts")
+    big = BusConfig(bootstrap_servers=broker, max_message_bytes=5 * MiB)
+    ensure_topics(big, {topic: 1})
+    p = BatchProducer(big)
+    batch = pa.RecordBatch.from_pylist(rollout_rows(1, tokens=3 * MiB // 9), schema=ROLLOUTS)
+    assert p.send(topic, batch) == 1
+    assert p.flush() == 1
+    p.close()
+    small = BusConfig(bootstrap_servers=broker, max_message_bytes=MiB - 64 * 1024)
+    c = BatchConsumer(small, topics.group(run, "c28"), [topic], stage="c28")
+    assert c.kafka.config["max_partition_fetch_bytes"] == MiB
+    got = []
+    for _ in range(30):
+        got += c.poll(1.0)
+        if got:
+            break
+    assert len(got) == 1 and got[0].table.num_rows == 1
+    assert len(got[0].table.column("response_ids")[0]) == 3 * MiB // 9
+    c.close()
+
+
+def test_arrow_batch_over_limit_is_split_not_lost(bus, unique):
+    topic = topics.run_topic(unique, "rollouts")
+    ensure_topics(bus, {topic: 1})
+    p = BatchProducer(bus)
+    rows = rollout_rows(64, group_size=64, tokens=4096)  # one key, ~3 MiB
+    n = p.send(topic, pa.RecordBatch.from_pylist(rows, schema=ROLLOUTS))
+    assert n >= 3 and p.flush() == n
+    from relax.infra.read import read_table
+
+    t = read_table(bus, topic)
+    assert t.column("rollout_id").to_pylist() == [r["rollout_id"] for r in rows]
+    p.close()
+
+
+def _metric_rows(n, start=0):
+    return pa.RecordBatch.from_pylist(
+        [{"ts": 0, "component": "c", "name": "x", "value": float(i), "policy_version": None}
+         for i in range(start, start + n)], schema=METRICS)
+
+
+def test_c29_commit_is_next_offset_and_restart_resumes_there(bus, unique):
+    run = unique
+    topic = topics.run_topic(run, "metrics")
+    ensure_topics(bus, {topic: 1})
+    p = BatchProducer(bus)
+    for i in range(42):  # 42 messages at offsets 0..41
+        p.send(topic, _metric_rows(1, i))
+    p.flush()
+    group = topics.group(run, "c29")
+    c = BatchConsumer(bus, group, [topic], stage="c29")
+    seen = []
+    while len(seen) < 42:
+        ds = c.poll(1.0)
+        seen += [d.offset for d in ds]
+        c.done(ds)
+    assert seen == list(range(42))
+    committed = c.commit()
+    assert list(committed.values()) == [42]
+    c.close()
+    assert group_offsets(bus, group) == {(topic, 0): 42}
+    assert group_lag(bus, group, [topic]) == {(topic, 0): 0}
+    p.send(topic, _metric_rows(1, 42))
+    p.flush()
+    c2 = BatchConsumer(bus, group, [topic], stage="c29")
+    first = []
+    for _ in range(30):
+        first = c2.poll(1.0)
+        if first:
+            break
+    assert first[0].offset == 42 and first[0].table.column("value").to_pylist() == [42.0]
+    c2.close()
+    p.close()

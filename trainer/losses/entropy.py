@@ -1,0 +1,40 @@
+"""Per-token entropy of the (temperature-scaled) policy, for the entropy bonus and metrics.
+
+``H_t = logsumexp(x_t) - sum_v softmax(x_t)_v x_{t,v}`` with ``x = logits / temperature``
+(the distribution the rollout sampled from), computed ``chunk_size`` positions at a
+time in float32 (as TRL ``entropy_from_logits`` and verl ``entropy_from_logits``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+ENTROPY_CHUNK = 256
+
+
+def token_entropy(logits: torch.Tensor, loss_mask: torch.Tensor | None = None, *,
+                  temperature: float = 1.0, chunk_size: int = ENTROPY_CHUNK) -> torch.Tensor:
+    """Entropy of ``softmax(logits / temperature)`` at each position.
+
+    Args:
+        logits: ``[B, T, V]`` float logits.
+        loss_mask: optional ``[B, T]``; positions where it is 0 get exactly 0.
+        temperature: sampling temperature (> 0).
+        chunk_size: positions per chunk.
+
+    Returns:
+        ``[B, T]`` float32 entropies in nats (differentiable).
+    """
+    if logits.dim() != 3:
+        raise ValueError(f"logits must have shape [B, T, V], got {tuple(logits.shape)}")
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    out = []
+    for start in range(0, logits.shape[1], chunk_size):
+        x = logits[:, start:start + chunk_size].float() / temperature
+        out.append(torch.logsumexp(x, dim=-1) - (torch.softmax(x, dim=-1) * x).sum(dim=-1))
+    entropy = (torch.cat(out, dim=1) if out
+               else logits.new_zeros(logits.shape[:2], dtype=torch.float32))
+    if loss_mask is None:
+        return entropy
+    return torch.where(loss_mask.bool(), entropy, torch.zeros_like(entropy))
