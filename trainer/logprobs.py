@@ -18,8 +18,9 @@ from __future__ import annotations
 
 import torch
 
-LOGPROB_CHUNK = 256
-"""Sequence positions processed at once, bounding the float32 copy of the logits."""
+CHUNK_ROWS = 1024
+"""``[V]`` rows (batch x positions) processed at once: bounds the float32 copy of the
+logits to ``CHUNK_ROWS * V * 4`` bytes (0.6 GB at V = 152k)."""
 
 
 def _check(logits: torch.Tensor, temperature: float) -> None:
@@ -30,21 +31,22 @@ def _check(logits: torch.Tensor, temperature: float) -> None:
 
 
 def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, temperature: float, *,
-                   chunk_size: int = LOGPROB_CHUNK) -> torch.Tensor:
+                   chunk_rows: int = CHUNK_ROWS) -> torch.Tensor:
     """Log-probs of ``token_ids`` under ``softmax(logits / temperature)``.
 
     Computed as ``x[y] - logsumexp(x)`` with ``x = logits / temperature`` in float32,
-    ``chunk_size`` positions at a time, so no full ``[B, T, V]`` log-softmax output
-    is materialised and, without autograd, at most one ``[B, chunk, V]`` float32 copy
-    of the logits exists (with autograd, the scaled chunks are kept for backward:
-    one float32 copy in all). Differentiable.
+    over slices of ``max(1, chunk_rows // B)`` positions (views: non-contiguous logits
+    are not copied whole), so no ``[B, T, V]`` log-softmax output is materialised and,
+    without autograd, at most ``chunk_rows`` float32 rows of the logits exist at once
+    (with autograd the scaled slices are kept for backward: one float32 copy in all).
+    Differentiable.
 
     Args:
         logits: ``[B, T, V]`` float (any float dtype), the logits that predict
             ``token_ids`` (already shifted: position t predicts ``token_ids[:, t]``).
         token_ids: ``[B, T]`` int64 sampled tokens.
         temperature: the sampling temperature (> 0); 1.0 means raw logits.
-        chunk_size: positions per chunk.
+        chunk_rows: ``[V]`` rows per slice (memory bound, see ``CHUNK_ROWS``).
 
     Returns:
         ``[B, T]`` float32 log-probs.
@@ -53,12 +55,13 @@ def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, temperature: f
     if token_ids.shape != logits.shape[:2]:
         raise ValueError(f"token_ids shape {tuple(token_ids.shape)} != logits [B, T] "
                          f"{tuple(logits.shape[:2])}")
+    step = max(1, chunk_rows // max(1, logits.shape[0]))
     out = []
-    for start in range(0, logits.shape[1], chunk_size):
-        x = logits[:, start:start + chunk_size].float()
+    for start in range(0, logits.shape[1], step):
+        x = logits[:, start:start + step].float()
         if temperature != 1.0:
             x = x / temperature
-        ids = token_ids[:, start:start + chunk_size].long().unsqueeze(-1)
+        ids = token_ids[:, start:start + step].long().unsqueeze(-1)
         out.append(x.gather(-1, ids).squeeze(-1) - torch.logsumexp(x, dim=-1))
     if not out:
         return logits.new_zeros(logits.shape[:2], dtype=torch.float32)
@@ -81,7 +84,8 @@ def top_p_log_mass(logits: torch.Tensor, temperature: float, top_p: float) -> to
         top_p: nucleus mass in ``(0, 1]``; 1.0 gives ``log S = 0``.
 
     Returns:
-        ``[B, T]`` float32 ``log S`` (<= 0). No gradient.
+        ``[B, T]`` float32 ``log S`` (<= 0). No gradient. Sorts the full ``[B, T, V]``
+        probabilities at once: a diagnostic/correction helper, not a hot path.
     """
     _check(logits, temperature)
     if not 0 < top_p <= 1:

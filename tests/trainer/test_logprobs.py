@@ -44,12 +44,12 @@ def test_c12_top_p_sub_check_kept_mass_correction():
 
 @settings(max_examples=40, deadline=None)
 @given(seed=st.integers(0, 10_000), temperature=st.sampled_from([0.3, 0.6, 1.0, 1.7]),
-       chunk=st.integers(1, 8), b=st.integers(1, 3), tt=st.integers(1, 7))
+       chunk=st.integers(1, 24), b=st.integers(1, 3), tt=st.integers(1, 7))
 def test_c12_family_matches_log_softmax_for_any_chunking(seed, temperature, chunk, b, tt):
     g = torch.Generator().manual_seed(seed)
     logits = torch.randn(b, tt, 11, generator=g) * 3
     ids = torch.randint(0, 11, (b, tt), generator=g)
-    got = token_logprobs(logits, ids, temperature, chunk_size=chunk)
+    got = token_logprobs(logits, ids, temperature, chunk_rows=chunk)
     assert got.dtype == torch.float32 and got.shape == (b, tt)
     torch.testing.assert_close(got.double(), naive(logits, ids, temperature), atol=1e-5, rtol=1e-5)
 
@@ -59,10 +59,18 @@ def test_gradient_matches_log_softmax():
     logits = torch.randn(2, 5, 9, generator=g)
     ids = torch.randint(0, 9, (2, 5), generator=g)
     a = logits.clone().requires_grad_(True)
-    token_logprobs(a, ids, 0.7, chunk_size=2).sum().backward()
+    token_logprobs(a, ids, 0.7, chunk_rows=4).sum().backward()
     b = logits.clone().requires_grad_(True)
     torch.log_softmax(b / 0.7, -1).gather(-1, ids[..., None]).sum().backward()
     torch.testing.assert_close(a.grad, b.grad, atol=1e-6, rtol=1e-5)
+
+
+def test_non_contiguous_logits_slice():
+    full = torch.randn(2, 6, 10, generator=torch.Generator().manual_seed(2))
+    logits = full[:, 1:-1]  # the usual shifted view of a model's logits
+    ids = torch.randint(0, 10, (2, 4))
+    torch.testing.assert_close(token_logprobs(logits, ids, 0.9, chunk_rows=2).double(),
+                               naive(logits, ids, 0.9), atol=1e-5, rtol=1e-5)
 
 
 def test_low_precision_logits_are_upcast():
@@ -74,11 +82,11 @@ def test_low_precision_logits_are_upcast():
 
 
 @pytest.mark.parametrize("bad", [
-    dict(temperature=0.0), dict(temperature=-1.0),
-    dict(token_ids=torch.zeros(1, 2, dtype=torch.long)),
-    dict(logits=torch.zeros(1, 3)),
+    {"temperature": 0.0}, {"temperature": -1.0},
+    {"token_ids": torch.zeros(1, 2, dtype=torch.long)},
+    {"logits": torch.zeros(1, 3)},
 ])
 def test_bad_inputs_fail_loudly(bad):
-    kwargs = dict(logits=C12_LOGITS, token_ids=C12_TOKEN, temperature=0.5) | bad
+    kwargs = {"logits": C12_LOGITS, "token_ids": C12_TOKEN, "temperature": 0.5} | bad
     with pytest.raises(ValueError):
         token_logprobs(**kwargs)

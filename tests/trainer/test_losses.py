@@ -2,6 +2,7 @@
 public cases C06, C07, C08, C09, C10, and properties (split invariance, masked
 gradients, ratio 1)."""
 
+import itertools
 import math
 
 import pytest
@@ -48,8 +49,8 @@ def random_batch(seed, b=4, tt=6, scale=0.3):
     lengths = torch.randint(1, tt + 1, (b,), generator=g)
     mask = torch.arange(tt)[None, :] < lengths[:, None]
     entropy = torch.rand(b, tt, generator=g)
-    return dict(logprobs=logprobs, old=old, rollout=rollout, ref=ref, adv=adv, mask=mask,
-                entropy=entropy)
+    return {"logprobs": logprobs, "old": old, "rollout": rollout, "ref": ref, "adv": adv,
+            "mask": mask, "entropy": entropy}
 
 
 # ---- C06: token-mean under gradient accumulation --------------------------------------
@@ -95,7 +96,7 @@ def split_batches(draw):
 
 def micro_batches(perm, cuts):
     bounds = [0, *cuts, len(perm)]
-    return [torch.tensor(perm[a:z]) for a, z in zip(bounds, bounds[1:]) if z > a]
+    return [torch.tensor(perm[a:z]) for a, z in itertools.pairwise(bounds) if z > a]
 
 
 @settings(max_examples=80, deadline=None)
@@ -409,7 +410,7 @@ def test_sapo_gate_values_and_unit_slope_at_ratio_one():
     lp = torch.full((1, 4), -1.0, requires_grad=True)
     old = t([[-1.0, -1.0, -1.0 - math.log(2), -1.0]])  # ratios 1, 1, 2, 1
     adv = t([[1.0, -1.0, 1.0, 0.0]])
-    loss, m = POLICY_LOSSES["sapo"](lp, old, adv, torch.ones(1, 4), cfg)
+    loss, _ = POLICY_LOSSES["sapo"](lp, old, adv, torch.ones(1, 4), cfg)
     sig = 1 / (1 + math.exp(-1.0))
     assert loss[0].tolist() == pytest.approx([-2.0, 1.0, -4 * sig, 0.0], abs=1e-5)
     loss[0, :2].sum().backward()
@@ -459,7 +460,7 @@ def test_tis_and_mis_sequence_level_use_the_product_of_token_ratios():
 def test_is_weight_multiplies_the_per_token_loss():
     d = random_batch(seed=5)
     n_tok, n_seq = aggregate.mask_counts(d["mask"])
-    kwargs = dict(global_tokens=n_tok, global_seqs=n_seq)
+    kwargs = {"global_tokens": n_tok, "global_seqs": n_seq}
     plain, _ = compute_policy_loss(LossConfig(), d["logprobs"], d["old"], d["adv"], d["mask"],
                                    **kwargs)
     same, m = compute_policy_loss(LossConfig(is_mode="tis"), d["logprobs"], d["old"], d["adv"],
@@ -479,7 +480,7 @@ def test_token_entropy_matches_definition_and_mask():
     for temperature in (1.0, 0.6):
         p = torch.softmax(logits / temperature, -1)
         naive = -(p * p.log()).sum(-1)
-        got = token_entropy(logits, temperature=temperature, chunk_size=2)
+        got = token_entropy(logits, temperature=temperature, chunk_rows=2)
         torch.testing.assert_close(got, naive, atol=1e-6, rtol=1e-5)
     masked = token_entropy(logits, mask)
     assert (masked[0, 3:] == 0).all() and (masked[1] > 0).all()
@@ -488,7 +489,7 @@ def test_token_entropy_matches_definition_and_mask():
 def test_entropy_bonus_lowers_the_loss():
     d = random_batch(seed=1)
     n_tok, n_seq = aggregate.mask_counts(d["mask"])
-    kwargs = dict(entropy=d["entropy"], global_tokens=n_tok, global_seqs=n_seq)
+    kwargs = {"entropy": d["entropy"], "global_tokens": n_tok, "global_seqs": n_seq}
     base, m = compute_policy_loss(LossConfig(), d["logprobs"], d["old"], d["adv"], d["mask"],
                                   **kwargs)
     bonus, _ = compute_policy_loss(LossConfig(entropy_coef=0.1), d["logprobs"], d["old"],

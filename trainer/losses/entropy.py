@@ -1,26 +1,27 @@
 """Per-token entropy of the (temperature-scaled) policy, for the entropy bonus and metrics.
 
 ``H_t = logsumexp(x_t) - sum_v softmax(x_t)_v x_{t,v}`` with ``x = logits / temperature``
-(the distribution the rollout sampled from), computed ``chunk_size`` positions at a
-time in float32 (as TRL ``entropy_from_logits`` and verl ``entropy_from_logits``).
+(the distribution the rollout sampled from), computed over slices of
+``max(1, chunk_rows // B)`` positions in float32 (as TRL ``entropy_from_logits`` and verl ``entropy_from_logits``).
 """
 
 from __future__ import annotations
 
 import torch
 
-ENTROPY_CHUNK = 256
+CHUNK_ROWS = 1024
+"""``[V]`` rows (batch x positions) per slice; as ``relax.trainer.logprobs.CHUNK_ROWS``."""
 
 
 def token_entropy(logits: torch.Tensor, loss_mask: torch.Tensor | None = None, *,
-                  temperature: float = 1.0, chunk_size: int = ENTROPY_CHUNK) -> torch.Tensor:
+                  temperature: float = 1.0, chunk_rows: int = CHUNK_ROWS) -> torch.Tensor:
     """Entropy of ``softmax(logits / temperature)`` at each position.
 
     Args:
         logits: ``[B, T, V]`` float logits.
         loss_mask: optional ``[B, T]``; positions where it is 0 get exactly 0.
         temperature: sampling temperature (> 0).
-        chunk_size: positions per chunk.
+        chunk_rows: ``[V]`` rows per slice (memory bound).
 
     Returns:
         ``[B, T]`` float32 entropies in nats (differentiable).
@@ -29,9 +30,10 @@ def token_entropy(logits: torch.Tensor, loss_mask: torch.Tensor | None = None, *
         raise ValueError(f"logits must have shape [B, T, V], got {tuple(logits.shape)}")
     if not temperature > 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
+    step = max(1, chunk_rows // max(1, logits.shape[0]))
     out = []
-    for start in range(0, logits.shape[1], chunk_size):
-        x = logits[:, start:start + chunk_size].float() / temperature
+    for start in range(0, logits.shape[1], step):
+        x = logits[:, start:start + step].float() / temperature
         out.append(torch.logsumexp(x, dim=-1) - (torch.softmax(x, dim=-1) * x).sum(dim=-1))
     entropy = (torch.cat(out, dim=1) if out
                else logits.new_zeros(logits.shape[:2], dtype=torch.float32))
