@@ -172,6 +172,7 @@ def errors_cmd(topic: str, n: int = typer.Option(20, "-n", help="error records t
 
 
 # --- commands of other components register below (keep one line each) ---
+from relax.consumers.reward.cli import reward_app; app.add_typer(reward_app, name="reward")  # noqa: E402,E702
 
 
 @app.command("publish")
@@ -194,11 +195,80 @@ def publish_cmd(
         r = publish(bus_config(bootstrap), source, topic, prompt_field=prompt_field,
                     label_field=label_field, limit=limit, partitions=partitions, force=force,
                     progress=True)
-    except (AlreadyPublished, SourceError) as e:
+    except (AlreadyPublished, SourceError, ValueError) as e:
         typer.echo(f"error: {e}", err=True)
-        raise typer.Exit(1)
+        raise typer.Exit(1) from None
     typer.echo(f"{r.rows_per_s:.0f} rows/s in {r.seconds:.2f} s", err=True)
     typer.echo(r.summary())
+
+
+@app.command("archive")
+def archive_cmd(run: str = typer.Option(..., "--run", help="run whose topics to archive"),
+                out: str = typer.Option(..., "--out", help="archive folder (Parquet + manifest)"),
+                follow: bool = typer.Option(False, help="keep archiving until Ctrl-C/SIGTERM"),
+                interval: float = typer.Option(2.0, help="seconds between --follow passes"),
+                bootstrap: Optional[str] = BootstrapOpt) -> None:
+    """Archive every topic of a run to Parquet (incremental: a rerun appends what is new)."""
+    from relax.producers.archive import archive_run, stop_on_signals
+
+    stop = stop_on_signals() if follow else None
+    try:
+        r = archive_run(bus_config(bootstrap), run, out, follow=follow, interval_s=interval,
+                        should_stop=stop.is_set if stop else None)
+    except ValueError as e:  # archive of another run, or a recreated topic
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(1) from None
+    typer.echo(f"{r.rows_per_s:.0f} rows/s", err=True)
+    typer.echo(r.summary())
+
+
+@app.command("replay")
+def replay_cmd(archive_dir: str = typer.Argument(..., help="folder written by relax archive"),
+               run: str = typer.Option(..., "--run", help="new run name to replay into"),
+               bootstrap: Optional[str] = BootstrapOpt) -> None:
+    """Replay an archive into a new run's topics (same rows, keys, partitions, order)."""
+    from relax.producers.replay import replay
+
+    try:
+        r = replay(bus_config(bootstrap), archive_dir, run)
+    except ValueError as e:  # not a run archive, same run, partition mismatch
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(1) from None
+    typer.echo(f"{r.rows_per_s:.0f} rows/s", err=True)
+    typer.echo(r.summary())
+
+
+@app.command("monitor")
+def monitor_cmd(run: str = typer.Option(..., "--run", help="run to watch"),
+                interval: float = typer.Option(2.0, help="seconds between refreshes"),
+                once: bool = typer.Option(False, help="print one snapshot and exit"),
+                as_json: bool = typer.Option(False, "--json", help="with --once: print JSON"),
+                bootstrap: Optional[str] = BootstrapOpt) -> None:
+    """Live view of a run: rates, consumer-group lag, staleness, reward, trainer, errors."""
+    from relax.infra import monitor
+
+    cfg = bus_config(bootstrap)
+    if once:
+        snap = monitor.snapshot(cfg, run)
+        if as_json:
+            typer.echo(monitor.to_json(snap))
+        else:
+            from rich.console import Console
+
+            Console().print(monitor.render(snap))
+        return
+    monitor.watch(cfg, run, interval)
+
+
+@app.command("dashboard")
+def dashboard_cmd(run: str = typer.Option(..., "--run", help="run to show"),
+                  port: int = typer.Option(8765, help="TCP port on 127.0.0.1 (0: a free one)"),
+                  interval: float = typer.Option(2.0, help="seconds between bus reads"),
+                  bootstrap: Optional[str] = BootstrapOpt) -> None:
+    """Serve a self-refreshing web page of the run on 127.0.0.1 (no internet needed)."""
+    from relax.infra.dashboard import serve
+
+    serve(bus_config(bootstrap), run, port=port, interval_s=interval)
 
 
 def main() -> None:

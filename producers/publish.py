@@ -291,7 +291,9 @@ def publish(cfg: BusConfig, source: str, topic: str, *, prompt_field: str = "pro
                                  label_field=label_field, limit=limit,
                                  max_message_bytes=cfg.max_message_bytes, on_row=bar.advance)
         n_good = sum(b.num_rows for b in batches)
-        existing = topic_partitions(cfg, [topic]).get(topic)
+        etopic = topic_names.errors_topic(topic)
+        counts = topic_partitions(cfg, [topic, etopic])
+        existing = counts.get(topic)
         partitions = partitions or existing or DEFAULT_PARTITIONS
         duplicates = 0
         if existing:
@@ -300,7 +302,7 @@ def publish(cfg: BusConfig, source: str, topic: str, *, prompt_field: str = "pro
                              for b in batches)
             if duplicates and not force:
                 raise AlreadyPublished(topic, duplicates, n_good)
-        ensure_topics(cfg, {topic: partitions, topic_names.errors_topic(topic): 1})
+        ensure_topics(cfg, {topic: partitions, etopic: counts.get(etopic, 1)})
         bar.start(f"sending to {topic}", n_good)
         producer = BatchProducer(cfg, producer_id=f"publish-{dataset}")
         try:
@@ -326,8 +328,13 @@ class _Progress:
     def __enter__(self):
         if self.enabled:
             from rich.console import Console
-            from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn,
-                                       TimeElapsedColumn)
+            from rich.progress import (
+                BarColumn,
+                MofNCompleteColumn,
+                Progress,
+                TextColumn,
+                TimeElapsedColumn,
+            )
 
             self._p = Progress(TextColumn("{task.description}"), BarColumn(),
                                MofNCompleteColumn(), TimeElapsedColumn(),

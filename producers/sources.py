@@ -24,9 +24,9 @@ import csv
 import io
 import json
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
 from urllib.parse import parse_qs
 
 REASONING_GYM_PREFIX = "reasoning_gym:"
@@ -225,7 +225,8 @@ def _read_csv(source: str) -> Iterator[SourceRow]:
                                 f"{len(extra)} more value(s) than the {len(reader.fieldnames)} "
                                 "header columns")
                 continue
-            yield SourceRow(line_no, raw, rec)
+            # a short row's absent cells are None: absent, so a required one is "missing"
+            yield SourceRow(line_no, raw, {k: v for k, v in rec.items() if v is not None})
 
 
 def _iter_dataset(ds) -> Iterator[SourceRow]:
@@ -272,9 +273,10 @@ def _read_hf_hub(source: str) -> Iterator[SourceRow]:
         raise SourceError(
             f"could not load the Hugging Face data set {name!r}"
             f"{f' (config {config!r})' if config else ''} split {split!r}: "
-            f"{type(e).__name__}: {e}. Without network access, save it where there is one "
-            f"(datasets.load_dataset({name!r}).save_to_disk(DIR) or .to_json(FILE)) and "
-            "publish the local folder or JSONL/Parquet file instead.") from e
+            f"{type(e).__name__}: {str(e).rstrip('.')}. Without network access, save it where "
+            f"there is one (datasets.load_dataset({name!r}{f', {config!r}' if config else ''}, "
+            f"split={split!r}).save_to_disk(DIR) or .to_json(FILE)) and publish the local "
+            "folder or JSONL/Parquet file instead.") from e
     yield from _iter_dataset(ds)
 
 

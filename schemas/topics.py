@@ -24,6 +24,10 @@ METRICS = "metrics"
 RUN_TOPICS = (ROLLOUTS, REWARDS, REF_LOGPROBS, TRAIN_SAMPLES, WEIGHTS, METRICS)
 """Every per-run topic name (without the ``<run>.`` prefix)."""
 
+AGGREGATE_CHANGELOG = "aggregate_changelog"
+"""``<run>.aggregate_changelog``: the aggregator's state changelog (internal; holds the
+input rows of groups not yet emitted and an ``emitted`` marker per group)."""
+
 ERRORS_SUFFIX = ".errors"
 PROMPTS_PREFIX = "prompts."
 
@@ -54,6 +58,11 @@ def run_topic(run: str, name: str) -> str:
     if name not in RUN_TOPICS:
         raise ValueError(f"unknown run topic {name!r}; valid: {', '.join(RUN_TOPICS)}")
     return f"{check_name('run', run)}.{name}"
+
+
+def changelog_topic(run: str) -> str:
+    """``<run>.aggregate_changelog``, the aggregator's state changelog."""
+    return f"{check_name('run', run)}.{AGGREGATE_CHANGELOG}"
 
 
 def prompts_topic(dataset: str) -> str:

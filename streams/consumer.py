@@ -68,11 +68,16 @@ class BatchConsumer:
         validate_rows: run the full row validator (:func:`relax.schemas.validate`)
             in addition to the field/type check.
         error_producer: producer for error records (default: one of its own).
+        on_assign / on_revoke: callbacks ``fn(list[TopicPartition])`` run inside
+            :meth:`poll` when the group hands partitions to / takes them from this
+            instance (after the finished prefix of revoked ones is committed); stages
+            with partition-local state load and drop it there.
     """
 
     def __init__(self, cfg: BusConfig, group_id: str | None, topics: list[str] | None = None, *,
                  stage: str, from_beginning: bool = True, validate_rows: bool = True,
-                 error_producer: BatchProducer | None = None, client_id: str | None = None):
+                 error_producer: BatchProducer | None = None, client_id: str | None = None,
+                 on_assign=None, on_revoke=None):
         from kafka import KafkaConsumer
 
         self.cfg, self.stage, self.validate_rows = cfg, stage, validate_rows
@@ -81,6 +86,7 @@ class BatchConsumer:
         self._errors = error_producer
         self._own_errors = error_producer is None
         self.routed_errors = 0
+        self.on_assign, self.on_revoke = on_assign, on_revoke
         if topics:
             self._kc.subscribe(topics, listener=_Listener(self))
 
@@ -206,8 +212,11 @@ def _Listener(owner: BatchConsumer):
             if revoked:
                 owner.commit()
                 owner._tracker.forget(revoked)
+                if owner.on_revoke is not None:
+                    owner.on_revoke(list(revoked))
 
         def on_partitions_assigned(self, assigned):
-            pass
+            if assigned and owner.on_assign is not None:
+                owner.on_assign(list(assigned))
 
     return Listener()

@@ -87,7 +87,8 @@ class BatchProducer:
                 ("relax-producer", self.producer_id.encode())]
 
     def send(self, topic: str, batch: pa.RecordBatch | pa.Table, *, schema: str | None = None,
-             key: str | bytes | None = None) -> int:
+             key: str | bytes | None = None, partition: int | None = None,
+             headers: list[tuple[str, bytes]] | None = None) -> int:
         """Queue ``batch`` for ``topic``; returns the number of messages queued.
 
         Rows are grouped by the schema's key column (:data:`KEY_COLUMNS`) unless an
@@ -98,6 +99,8 @@ class BatchProducer:
             batch: ``[N rows]`` with the v1 schema of the topic.
             schema: v1 schema name, when the topic name does not tell it.
             key: one key for every row (overrides the key column).
+            partition: send to this partition instead of the key's (state changelogs).
+            headers: extra Kafka headers.
 
         Raises:
             relax.streams.codec.RecordTooLarge: a row does not fit in a message.
@@ -105,7 +108,7 @@ class BatchProducer:
         schema = schema or topic_names.schema_for_topic(topic)
         if batch.num_rows == 0:
             return 0
-        headers = self._headers(schema)
+        headers = self._headers(schema) + list(headers or [])
         key_col = KEY_COLUMNS.get(schema)
         if key is not None or key_col is None:
             parts = [(key, batch)]
@@ -115,24 +118,26 @@ class BatchProducer:
         for k, part in parts:
             kb = k.encode() if isinstance(k, str) else k
             for value in encode_messages(part, self.cfg.max_message_bytes, self._blobs):
-                self._send(topic, value, kb, headers)
+                self._send(topic, value, kb, headers, partition)
                 n += 1
         self.stats.rows += batch.num_rows
         self.stats.per_topic_rows[topic] = self.stats.per_topic_rows.get(topic, 0) + batch.num_rows
         return n
 
     def send_value(self, topic: str, value: bytes, key: bytes | None = None,
-                   headers: list[tuple[str, bytes]] | None = None) -> None:
+                   headers: list[tuple[str, bytes]] | None = None,
+                   partition: int | None = None) -> None:
         """Queue one raw message value (no Arrow); failures surface in :meth:`flush`."""
-        self._send(topic, value, key, headers or [])
+        self._send(topic, value, key, headers or [], partition)
 
-    def _send(self, topic, value, key, headers) -> None:
+    def _send(self, topic, value, key, headers, partition=None) -> None:
         from kafka.errors import KafkaError
 
         self.stats.messages += 1
         self.stats.bytes += len(value)
         try:
-            self._futures.append(self._kp.send(topic, value=value, key=key, headers=headers))
+            self._futures.append(self._kp.send(topic, value=value, key=key, headers=headers,
+                                               partition=partition))
         except KafkaError as e:  # kafka-python raises size errors synchronously
             self._futures.append(e)
 

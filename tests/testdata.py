@@ -19,3 +19,179 @@ def rollout_rows(n: int, group_size: int = 4, tokens: int = 16, prompt_tokens: i
             prompt_text="What is 1 + 1?", response_text="2", label="2", metadata="{}", media=None,
             temperature=1.0, top_p=1.0, top_k=0, engine_id="test", started_at=0, finished_at=0))
     return rows
+
+
+# --- rows of every per-run topic (archive/replay, monitor and dashboard tests) ---
+
+
+def alternating_rewards(rollouts: list[dict], name: str = "gsm8k") -> list[dict]:
+    """``rewards`` rows (via :func:`reward_rows`): 1.0 for even sample_index, else 0.0."""
+    return reward_rows(rollouts, name, [1.0 if r["sample_index"] % 2 == 0 else 0.0
+                                        for r in rollouts])
+
+
+def ref_logprob_rows(rollouts: list[dict]) -> list[dict]:
+    """One valid ``ref_logprobs`` row per rollout (same length as its response_ids)."""
+    return [dict(rollout_id=r["rollout_id"], group_id=r["group_id"],
+                 ref_logprobs=[-0.5] * len(r["response_ids"]), ref_policy_version=0)
+            for r in rollouts]
+
+
+def train_sample_rows(rollouts: list[dict], rewards: list[dict]) -> list[dict]:
+    """One valid ``train_samples`` row per rollout, its reward from ``rewards`` (same order)."""
+    out = []
+    for r, w in zip(rollouts, rewards):
+        n = len(r["response_ids"])
+        out.append(dict(
+            rollout_id=r["rollout_id"], group_id=r["group_id"], prompt_id=r["prompt_id"],
+            dataset=r["dataset"], sample_index=r["sample_index"], group_size=r["group_size"],
+            prompt_ids=r["prompt_ids"], response_ids=r["response_ids"], loss_mask=r["loss_mask"],
+            logprobs=r["logprobs"], ref_logprobs=[-0.5] * n,
+            advantages=[w["value"] - 0.5] * n, reward=w["value"],
+            reward_components=[(w["reward_name"], w["value"])], token_policy_versions=None,
+            policy_version_start=r["policy_version_start"],
+            policy_version_end=r["policy_version_end"], finish_reason=r["finish_reason"],
+            temperature=1.0, top_p=1.0, top_k=0, drop_reason=None, finished_at=0))
+    return out
+
+
+def weight_rows(policy_version: int) -> list[dict]:
+    """One valid ``weights`` announcement (two tensors, checkpoint transport)."""
+    manifest = [dict(name="w", shape=[4, 4], dtype="float32", offset=0, nbytes=64),
+                dict(name="b", shape=[4], dtype="float32", offset=64, nbytes=16)]
+    return [dict(policy_version=policy_version, manifest=manifest, total_bytes=80,
+                 bucket_bytes=1 << 20, checksum="sha256:00", transport="checkpoint",
+                 rendezvous=None, group_name="relax-weights",
+                 checkpoint_uri=f"/tmp/ckpt/{policy_version}", published_at=0)]
+
+
+def trainer_metric_rows(policy_version: int, reward_mean: float, accuracy: float,
+                        staleness_counts: dict[int, int], step_s: float = 2.0,
+                        data_wait_s: float = 0.5, ts_ms: int = 0) -> list[dict]:
+    """The ``metrics`` rows the trainer writes for one optimizer step (names from
+    ``relax.schemas.metric_names``)."""
+    from relax.schemas import metric_names as mn
+
+    values = {mn.STEP_S: step_s, mn.DATA_WAIT_S: data_wait_s, mn.TRAIN_S: step_s - data_wait_s,
+              mn.LOSS: 0.1, mn.REWARD_MEAN: reward_mean, mn.ACCURACY: accuracy,
+              mn.SAMPLES_TRAINED: sum(staleness_counts.values())}
+    values.update({mn.staleness_hist_name(k): v for k, v in staleness_counts.items()})
+    return [dict(ts=ts_ms, component="trainer", name=k, value=float(v),
+                 policy_version=policy_version) for k, v in values.items()]
+
+
+def produce_run(cfg, run: str, steps: int = 3, groups_per_step: int = 2, group_size: int = 4,
+                partitions: int = 2) -> dict[str, int]:
+    """Write a short synthetic run onto the bus: for each step, rollouts (policy_version
+    = step), rewards, ref_logprobs, train_samples, a weights announcement and trainer
+    metrics, plus one error record in ``<run>.rollouts.errors``. Creates every per-run
+    topic (``partitions`` each, errors topics 1). Returns ``{topic: rows written}``."""
+    import pyarrow as pa
+
+    from relax.schemas import SCHEMAS, topics, validate
+    from relax.streams.client import ensure_topics
+    from relax.streams.errors import error_row
+    from relax.streams.producer import BatchProducer
+
+    names = {n: topics.run_topic(run, n) for n in topics.RUN_TOPICS}
+    ensure_topics(cfg, {**{t: partitions for t in names.values()},
+                        **{topics.errors_topic(t): 1 for t in names.values()}})
+    p = BatchProducer(cfg, producer_id=f"synthetic-{run}")
+    written: dict[str, int] = {}
+
+    def send(name: str, rows: list[dict]) -> None:
+        batch = pa.RecordBatch.from_pylist(rows, schema=SCHEMAS[name])
+        validate(batch, name)
+        p.send(names[name], batch)
+        written[names[name]] = written.get(names[name], 0) + len(rows)
+
+    for step in range(steps):
+        rolls = rollout_rows(groups_per_step * group_size, group_size=group_size, tokens=8,
+                             policy_version=step)
+        for r in rolls:  # distinct groups per step
+            r["group_id"] = f"s{step}-{r['group_id']}"
+            r["rollout_id"] = f"{r['group_id']}/{r['sample_index']}"
+        rews = alternating_rewards(rolls)
+        send("rollouts", rolls)
+        send("rewards", rews)
+        send("ref_logprobs", ref_logprob_rows(rolls))
+        send("train_samples", train_sample_rows(rolls, rews))
+        send("weights", weight_rows(step + 1))
+        acc = sum(1 for w in rews if w["value"] > 0) / len(rews)
+        send("metrics", trainer_metric_rows(step + 1, reward_mean=0.2 + 0.1 * step,
+                                            accuracy=acc, staleness_counts={0: 6, 1: 2 + step},
+                                            ts_ms=1_700_000_000_000 + step * 1000))
+    p.send_errors(names["rollouts"], [error_row(
+        source_topic=names["rollouts"], source_partition=0, source_offset=0, stage="test/decode",
+        error="DecodeError: synthetic", key=b"s0-g0000", value=b"\x00garbage")])
+    written[topics.errors_topic(names["rollouts"])] = 1
+    p.flush()
+    p.close()
+    return written
+
+
+def reward_rows(rollouts: list[dict], name: str, values: list[float | None],
+                errors: list[str | None] | None = None) -> list[dict]:
+    """``rewards`` rows for the given rollout rows (one value each)."""
+    errors = errors or [None] * len(rollouts)
+    return [dict(rollout_id=r["rollout_id"], group_id=r["group_id"], reward_name=name, value=v,
+                 details="{}", error=e, elapsed_s=0.01)
+            for r, v, e in zip(rollouts, values, errors)]
+
+
+# --- prompts, and a scripted model/tokenizer for engine tests (rollout, engines) ---
+
+
+def prompt_rows(n: int, dataset: str = "test", messages: bool = False) -> list[dict]:
+    """``n`` valid ``prompts`` rows ``What is i + 1?`` with prompt_ids ``p0000, ...``."""
+    return [dict(prompt_id=f"p{i:04d}", dataset=dataset, prompt=f"What is {i} + 1?",
+                 messages=[{"role": "user", "content": f"What is {i} + 1?"}] if messages else None,
+                 label=str(i + 1), metadata="{}", media=None, created_at=0) for i in range(n)]
+
+
+class StubTokenizer:
+    """A tokenizer over ``vocab`` ids: id ``i`` decodes to ``chr(ord('a') + i % 26)``;
+    ``eos``/``pad`` ids as given (for masks and finish-reason tests)."""
+
+    def __init__(self, eos: int = 2, pad: int | None = None):
+        self.eos_token_id = eos
+        self.pad_token_id = eos if pad is None else pad
+        self.eos_token = "<eos>"
+
+    def decode(self, ids, skip_special_tokens: bool = False) -> str:
+        return "".join(chr(ord("a") + int(i) % 26) for i in ids
+                       if not (skip_special_tokens and int(i) == self.eos_token_id))
+
+
+def scripted_lm(scripts: dict[int, list[int]] | list[int], vocab: int = 16, eos: int | None = None):
+    """A causal LM (torch module) whose next token is scripted: for a prompt of length
+    ``P`` (its attention-mask sum at prefill), after ``k`` sampled tokens it puts logit 30
+    on ``script[k]`` (the last entry repeats), 0 elsewhere. ``scripts`` maps ``P`` -> script
+    (or one script for all). Records every ``attention_mask`` it gets in ``.masks``.
+    ``generation_config.eos_token_id = eos`` (e.g. an end-of-turn id). For
+    :class:`relax.consumers.engines.hf.HFEngine` single-call tests."""
+    from types import SimpleNamespace
+
+    import torch
+
+    class ScriptedLM(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.dummy = torch.nn.Parameter(torch.zeros(1))
+            self.generation_config = SimpleNamespace(eos_token_id=eos)
+            self.masks: list = []
+            self._p: list[int] = []
+
+        def forward(self, input_ids, attention_mask, position_ids, past_key_values=None,
+                    use_cache=True, logits_to_keep=1):
+            self.masks.append(attention_mask.clone())
+            if input_ids.shape[1] > 1 or not self._p:
+                self._p = attention_mask.sum(dim=1).tolist()
+            logits = torch.zeros(input_ids.shape[0], 1, vocab)
+            for b, pos in enumerate(position_ids[:, -1].tolist()):
+                script = scripts if isinstance(scripts, list) else scripts[self._p[b]]
+                k = pos + 1 - self._p[b]
+                logits[b, 0, script[min(k, len(script) - 1)]] = 30.0
+            return SimpleNamespace(logits=logits + 0 * self.dummy, past_key_values=past_key_values)
+
+    return ScriptedLM()

@@ -59,16 +59,15 @@ def format_reward(responses: list[str], labels: list[str | None], metadata: list
     elif pattern == "think":
         check = _think_format
     elif pattern == "answer_tag":
-        check = lambda t: _ANSWER_TAG_RE.search(t) is not None  # noqa: E731
+        check = _ANSWER_TAG_RE.search
     elif pattern == "regex":
         if not regex:
             raise ValueError("format pattern 'regex' needs the option regex=<pattern>")
-        compiled = re.compile(regex, re.DOTALL)
-        check = lambda t: compiled.search(t) is not None  # noqa: E731
+        check = re.compile(regex, re.DOTALL).search
     else:
         raise ValueError(f"unknown format pattern {pattern!r}; valid: {', '.join(PATTERNS)}")
     out = []
     for text in responses:
-        ok = check(text)
+        ok = bool(check(text))
         out.append(Score(bonus if ok else 0.0, {"pattern": pattern, "ok": ok}))
     return out

@@ -20,7 +20,7 @@ per-row error. Values: 1.0 equal, 0.0 different or no number; None without a lab
 from __future__ import annotations
 
 import re
-from decimal import Decimal, InvalidOperation
+from decimal import Decimal
 
 from relax.consumers.reward.base import Score
 

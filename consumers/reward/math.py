@@ -1,12 +1,13 @@
 """Maths answers, DeepScaleR convention: the last box of the final answer segment,
 checked against the label by math-verify.
 
-Convention (DeepScaleR ``deepscaler_reward_fn``, agentica-project/rllm; fixes from
-the public cases):
+Convention (DeepScaleR ``deepscaler_reward_fn``, agentica-project/rllm, as slime's
+``get_deepscaler_rule_based_reward``; fixes from the public cases):
 
 1. Final segment: the text after the last answer marker (``</think>``,
-   ``###Response``); the whole text when none occurs. Always the *last* marker,
-   never the second split piece (public case C14).
+   ``###Response``); the whole text when none occurs (DeepScaleR scores a response
+   without a marker as a format error: ``require_marker=True``). Always the *last*
+   marker, never the second split piece (public case C14).
 2. Answer: the last box of that segment (:func:`find_last_boxed`), read with a
    balanced-brace scan, so nested braces survive and an earlier, retracted box never
    wins (C18). One rule for the space form: ``\\boxed 5`` counts as a box whose
@@ -109,8 +110,12 @@ def bare_answer(text: str) -> str:
 
 
 def equivalent(label: str, answer: str, _gold_cache: dict | None = None) -> bool:
-    """True when math-verify finds ``answer`` equal to ``label`` (both LaTeX or plain;
-    numeric, symbolic, set and interval equality as math-verify defines it)."""
+    """True when math-verify finds ``answer`` equal to ``label``.
+
+    Both sides go through :func:`bare_answer` and are parsed as ``\\boxed{...}``
+    (LaTeX or plain); equality is numeric, symbolic, set or interval equality as
+    ``math_verify.verify`` defines it (gold first). ``_gold_cache`` maps labels to their
+    parse within one batch (labels repeat across a GRPO group)."""
     from math_verify import parse, verify
 
     t = _timeout_s()
@@ -125,7 +130,8 @@ def equivalent(label: str, answer: str, _gold_cache: dict | None = None) -> bool
 
 def math_reward(responses: list[str], labels: list[str | None], metadata: list[dict], *,
                 markers: list[str] | tuple[str, ...] = ANSWER_MARKERS, correct: float = 1.0,
-                incorrect: float = 0.0, no_answer: float = 0.0) -> list[Score]:
+                incorrect: float = 0.0, no_answer: float = 0.0,
+                require_marker: bool = False) -> list[Score]:
     """DeepScaleR-style maths reward (see the module docstring for the rules).
 
     Args:
@@ -133,6 +139,7 @@ def math_reward(responses: list[str], labels: list[str | None], metadata: list[d
             (plain or boxed LaTeX); metadata: ``[N]`` (unused).
         markers: answer markers; the final segment follows the last one.
         correct / incorrect / no_answer: values for a match, a mismatch, no box.
+        require_marker: a response with no marker scores ``no_answer`` (DeepScaleR).
 
     Returns:
         ``[N]`` :class:`Score` with details ``{"extracted": str | None}``; value None
@@ -146,7 +153,9 @@ def math_reward(responses: list[str], labels: list[str | None], metadata: list[d
         if label is None:
             out.append(Score(None, {"reason": "no label"}))
             continue
-        answer = last_boxed(final_segment(text, tuple(markers)))
+        marked = any(m in text for m in markers)
+        answer = last_boxed(final_segment(text, tuple(markers))) \
+            if marked or not require_marker else None
         if answer is None:
             out.append(Score(no_answer, {"extracted": None}))
             continue

@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import json
 import time
-import urllib.error
-import urllib.request
 
 from relax.consumers.reward.base import Score
 
@@ -47,6 +45,10 @@ def post_json(url: str, payload: dict, *, timeout_s: float = 30.0, retries: int 
         RemoteRewardError: with the last failure, after ``retries + 1`` attempts or at
             once for a non-retryable HTTP status or a non-JSON answer.
     """
+    import http.client
+    import urllib.error
+    import urllib.request
+
     body = json.dumps(payload).encode()
     hdrs = {"Content-Type": "application/json", **(headers or {})}
     last = ""
@@ -63,7 +65,8 @@ def post_json(url: str, payload: dict, *, timeout_s: float = 30.0, retries: int 
                 raise RemoteRewardError(f"reward service {url} answered {last} "
                                         f"(not retried)") from None
             continue
-        except (urllib.error.URLError, TimeoutError, ConnectionError) as e:
+        except (urllib.error.URLError, http.client.HTTPException, TimeoutError,
+                ConnectionError) as e:
             last = f"{type(e).__name__}: {getattr(e, 'reason', e)}"
             continue
         try:

@@ -1,0 +1,213 @@
+"""From one joined GRPO group to train samples: final reward, filters, advantages.
+
+Pure function over Arrow tables (no Kafka): the aggregator calls
+:func:`build_train_samples` when a group is complete (or timed out). Every
+rollout of the group comes out as one ``train_samples`` row, trained or not:
+``drop_reason`` says why one is not (so the trainer's ledger accounts for every
+sampled rollout, ARCHITECTURE section 3).
+
+Order of operations (each optional step off by default):
+
+1. final reward = sum over the counted reward names of weight x value; an
+   abstaining reward (null value, no error) adds 0 (TRL's ``nansum``
+   convention); a counted reward that failed (null value with an error) drops
+   the rollout (``error_reward``); a rollout with ``finish_reason == "error"``
+   is dropped (``error_rollout``);
+2. soft overlong punishment added to the reward (DAPO Eq. 13);
+3. KL in the reward (when ``kl_in == "reward"``): reward -= kl_coef x sum over
+   loss tokens of the per-token KL estimate between rollout and reference
+   log-probs (a sequence-level penalty, since outcome estimators take one
+   reward per sample);
+4. advantages by the configured estimator over the kept rollouts of the group;
+5. DAPO dynamic sampling: a kept group with zero reward variance is dropped
+   (``filtered_zero_variance``);
+6. overlong filtering: a ``finish_reason == "length"`` rollout keeps its row and
+   its place in the group statistics, but its ``loss_mask`` becomes all 0 (C23).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Literal
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import torch
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from relax.consumers.advantage import ADVANTAGE_ESTIMATORS, compute_advantages
+from relax.consumers.advantage.filters import (TRUNCATED_REASONS, keep_groups_with_variance,
+                                               soft_overlong_penalty)
+from relax.schemas.v1 import TRAIN_SAMPLES
+
+
+class SoftOverlong(BaseModel):
+    """DAPO soft overlong punishment: penalty rising linearly to ``penalty`` over the last
+    ``cache_length`` tokens before ``max_length`` (tokens)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    max_length: int = Field(gt=0)
+    cache_length: int = Field(gt=0)
+    penalty: float = Field(1.0, gt=0)
+
+
+class AdvantageConfig(BaseModel):
+    """How a joined group becomes train samples.
+
+    Attributes:
+        estimator: a key of ``ADVANTAGE_ESTIMATORS``.
+        estimator_options: keyword options of the estimator (e.g. ``{"eps": 1e-4}``).
+        rewards: counted reward names and their weights; the final reward is the
+            weighted sum. Other reward names on the topic are ignored.
+        dynamic_sampling: drop groups with zero reward variance (DAPO).
+        overlong_filter: zero the loss_mask of truncated rollouts (DAPO).
+        soft_overlong: DAPO soft overlong punishment, or None.
+        kl_in_reward_coef: > 0 puts a sequence KL penalty into the reward (needs
+            ref_logprobs); the loss must then not add KL (the trainer's config check).
+        kl_estimator: k1 | k2 | k3 for the KL-in-reward penalty.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    estimator: str = "grpo"
+    estimator_options: dict[str, float | bool] = Field(default_factory=dict)
+    rewards: dict[str, float] = Field(default_factory=lambda: {"math": 1.0})
+    dynamic_sampling: bool = False
+    overlong_filter: bool = False
+    soft_overlong: SoftOverlong | None = None
+    kl_in_reward_coef: float = Field(0.0, ge=0)
+    kl_estimator: Literal["k1", "k2", "k3"] = "k1"
+
+    @model_validator(mode="after")
+    def _check(self):
+        if self.estimator not in ADVANTAGE_ESTIMATORS:
+            raise ValueError(f"unknown advantage estimator {self.estimator!r}; valid: "
+                             f"{', '.join(ADVANTAGE_ESTIMATORS)}")
+        if not self.rewards:
+            raise ValueError("rewards: at least one counted reward name is needed")
+        return self
+
+    @property
+    def needs_ref(self) -> bool:
+        """Whether reference log-probs are needed to build samples."""
+        return self.kl_in_reward_coef > 0
+
+
+RewardCell = tuple[float | None, str | None]
+"""One reward result: (value or None, error text or None)."""
+
+
+def _list_column(values: np.ndarray, lengths: np.ndarray, typ: pa.DataType) -> pa.Array:
+    offsets = np.zeros(len(lengths) + 1, dtype=np.int32)
+    np.cumsum(lengths, out=offsets[1:])
+    return pa.ListArray.from_arrays(pa.array(offsets), pa.array(values, typ))
+
+
+def _kl_penalty(logprobs: list[np.ndarray], ref: list[np.ndarray], masks: list[np.ndarray],
+                estimator: str) -> np.ndarray:
+    out = np.zeros(len(logprobs), np.float64)
+    for i, (lp, rl, m) in enumerate(zip(logprobs, ref, masks)):
+        r = np.clip(lp.astype(np.float64) - rl, -20, 20)  # log(pi / pi_ref)
+        kl = {"k1": r, "k2": 0.5 * r * r, "k3": np.exp(-r) - 1 + r}[estimator]
+        out[i] = float(np.sum(kl[m.astype(bool)]))
+    return out
+
+
+def build_train_samples(rollouts: pa.Table, rewards: dict[str, dict[str, RewardCell]],
+                        ref_logprobs: dict[str, list[float]] | None, cfg: AdvantageConfig,
+                        timed_out: set[str] | None = None) -> pa.Table:
+    """Turn one group's rollouts into ``train_samples`` rows.
+
+    Args:
+        rollouts: ``[n rows]`` of the ``rollouts`` schema, all with the same group_id.
+        rewards: ``{rollout_id: {reward_name: (value, error)}}``; must hold every
+            counted reward of every rollout not in ``timed_out``.
+        ref_logprobs: ``{rollout_id: [len(response_ids)] float}`` or None (KL off).
+        cfg: the advantage configuration.
+        timed_out: rollout_ids whose results did not all arrive before the group
+            timeout; they are emitted with ``drop_reason = filtered_group_timeout``
+            and left out of the group statistics (public case C02: uneven groups).
+
+    Returns:
+        ``[n rows]`` table with the ``train_samples`` schema, in the input order.
+
+    Raises:
+        KeyError: a counted reward is missing for a rollout not in ``timed_out``.
+    """
+    timed_out = timed_out or set()
+    n = rollouts.num_rows
+    ids = rollouts.column("rollout_id").to_pylist()
+    finish = rollouts.column("finish_reason").to_pylist()
+    drop: list[str | None] = [None] * n
+    reward = np.zeros(n, np.float64)
+    components: list[list[tuple[str, float]]] = []
+    for i, rid in enumerate(ids):
+        comp = []
+        if rid in timed_out:
+            drop[i] = "filtered_group_timeout"
+        elif finish[i] in ("error", "abort"):
+            drop[i] = "error_rollout"
+        for name, weight in cfg.rewards.items():
+            if rid in timed_out and name not in rewards.get(rid, {}):
+                continue
+            value, error = rewards[rid][name]
+            if value is None:
+                if error is not None and drop[i] is None:
+                    drop[i] = "error_reward"
+                continue
+            comp.append((name, float(value)))
+            reward[i] += weight * float(value)
+        components.append(comp)
+    lengths = pc.list_value_length(rollouts.column("response_ids")).to_numpy(zero_copy_only=False)
+    if cfg.soft_overlong is not None:
+        so = cfg.soft_overlong
+        reward += so.penalty * soft_overlong_penalty(
+            torch.tensor(lengths), max_length=so.max_length, cache_length=so.cache_length
+        ).double().numpy()
+    mask_col = rollouts.column("loss_mask").combine_chunks()
+    flat_mask = mask_col.flatten().to_numpy(zero_copy_only=False).copy()
+    starts = np.concatenate([[0], np.cumsum(lengths)])
+    ref_col = None
+    if ref_logprobs is not None:
+        ref_col = [ref_logprobs.get(rid) for rid in ids]
+    if cfg.kl_in_reward_coef > 0:
+        if ref_col is None or any(r is None for r, d in zip(ref_col, drop) if d is None):
+            raise KeyError("kl_in_reward_coef > 0 needs ref_logprobs for every kept rollout")
+        lp = rollouts.column("logprobs").combine_chunks().flatten().to_numpy(zero_copy_only=False)
+        keep_idx = [i for i in range(n) if drop[i] is None]
+        pen = _kl_penalty([lp[starts[i]:starts[i + 1]] for i in keep_idx],
+                          [np.asarray(ref_col[i], np.float64) for i in keep_idx],
+                          [flat_mask[starts[i]:starts[i + 1]] for i in keep_idx], cfg.kl_estimator)
+        reward[keep_idx] -= cfg.kl_in_reward_coef * pen
+    keep = np.array([d is None for d in drop])
+    adv = np.zeros(n, np.float32)
+    if keep.any():
+        r = torch.as_tensor(reward[keep], dtype=torch.float32)
+        g = torch.zeros(int(keep.sum()), dtype=torch.int64)
+        opts = dict(cfg.estimator_options)
+        adv[keep] = compute_advantages(cfg.estimator, r, g, **opts).numpy()
+        if cfg.dynamic_sampling and not bool(keep_groups_with_variance(r, g).all()):
+            for i in np.flatnonzero(keep):
+                drop[i] = "filtered_zero_variance"
+            adv[:] = 0
+    if cfg.overlong_filter:
+        for i in range(n):
+            if finish[i] in TRUNCATED_REASONS:
+                flat_mask[starts[i]:starts[i + 1]] = 0
+    cols = {name: rollouts.column(name) for name in TRAIN_SAMPLES.names if name in rollouts.schema.names}
+    cols["group_size"] = pa.array(np.full(n, n, np.int32))
+    cols["loss_mask"] = _list_column(flat_mask, lengths, pa.int8())
+    cols["ref_logprobs"] = pa.array(ref_col, pa.list_(pa.float32())) if ref_col is not None \
+        else pa.array([None] * n, pa.list_(pa.float32()))
+    cols["advantages"] = _list_column(np.repeat(adv, lengths), lengths, pa.float32())
+    cols["reward"] = pa.array(reward.astype(np.float32))
+    cols["reward_components"] = pa.array(components, TRAIN_SAMPLES.field("reward_components").type)
+    cols["drop_reason"] = pa.array(drop, pa.string())
+    arrays = [cols[f.name] for f in TRAIN_SAMPLES]
+    arrays = [a.combine_chunks() if isinstance(a, pa.ChunkedArray) else a for a in arrays]
+    return pa.Table.from_arrays(arrays, schema=TRAIN_SAMPLES)
+
+
+def reward_details(cells: dict[str, RewardCell]) -> str:
+    """JSON of one rollout's reward cells (for logs and error records)."""
+    return json.dumps({k: {"value": v, "error": e} for k, (v, e) in cells.items()})

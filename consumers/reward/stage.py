@@ -1,0 +1,284 @@
+"""The reward stage: ``<run>.rollouts`` -> one reward function -> ``<run>.rewards``.
+
+Delivery contract (at-least-once, the same as :mod:`relax.streams.stage`):
+
+* Input: ``<run>.rollouts`` in the consumer group ``<run>.reward.<name>``
+  (:func:`relax.schemas.topics.reward_group`): each reward reads every rollout on its
+  own, so attaching a reward to a live or finished run is starting one more consumer,
+  and several instances with the same name share the partitions (scale-out).
+* Output: one ``rewards`` row per rollout (``reward_name`` = the stage's name), keyed
+  by group_id, so rewards are co-partitioned with their rollouts. A failed score is a
+  row too: ``value`` null and ``error`` set (exception, timeout, memory limit, bad
+  metadata JSON), counted in ``<run>.metrics`` (component ``reward.<name>``, names
+  ``reward_errors``, ``reward_timeouts``, ... below; each poll's rows carry the newest
+  policy_version_start of the poll); the stage never stops on one. A null ``value``
+  without ``error`` is an abstention.
+* Each poll's rows are scored together in the :class:`~relax.consumers.reward.pool.RewardPool`;
+  outputs and metrics are flushed, then the input offsets are committed (the next
+  offset to read). A crash in between redelivers the poll; downstream drops
+  duplicates by (rollout_id, reward_name).
+* Records that do not decode go to ``<run>.rollouts.errors`` (by the consumer).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Callable
+
+import pyarrow as pa
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from relax.consumers.reward import default_reward_name, load_reward_fn
+from relax.consumers.reward.pool import DEFAULT_MEMORY_LIMIT_BYTES, RewardPool, RowResult
+from relax.schemas import metric_names, topics
+from relax.schemas.v1 import REWARDS
+from relax.streams.client import BusConfig, ensure_topics, topic_partitions
+from relax.streams.consumer import BatchConsumer
+from relax.streams.metrics import MetricsWriter
+from relax.streams.producer import BatchProducer
+from relax.streams.stage import StageStats
+
+log = logging.getLogger(__name__)
+
+# metrics of component reward.<name> beyond relax.schemas.metric_names (counts per poll;
+# reward_timeouts / _exceptions / _memory_errors count failed calls: a failed batch call
+# and the one-row retries after it count separately; reward_errors counts rows)
+REWARD_ROWS = "reward_rows"
+REWARD_ABSTAINS = "reward_abstains"
+REWARD_EXCEPTIONS = "reward_exceptions"
+REWARD_MEMORY_ERRORS = "reward_memory_errors"
+REWARD_WORKER_RESTARTS = "reward_worker_restarts"
+REWARD_VALUE_MEAN = "reward_value_mean"            # mean of the non-null values of the poll
+REWARD_SCORE_S = "reward_score_s"                  # seconds scoring the poll
+
+
+class RewardStageConfig(BaseModel):
+    """Settings of one reward consumer.
+
+    Attributes:
+        bus: how to reach the bus.
+        run: run name (reads ``<run>.rollouts``, writes ``<run>.rewards``).
+        reward: a :data:`relax.consumers.reward.REWARD_FNS` name or ``module:function``.
+        name: ``reward_name`` on the rows and in the consumer group
+            ``<run>.reward.<name>``; default: the reward name or the function's name.
+        options: keyword options of the reward function (JSON values).
+        workers: scoring processes (>= 1).
+        timeout_s: time limit of one scoring call (seconds).
+        memory_limit_bytes: address-space limit of each worker (bytes); None = none.
+        batch_rows: most rows per scoring call.
+        from_beginning: where a new consumer group starts: earliest (True) or latest.
+        poll_timeout_s: longest wait of one poll (seconds).
+        max_records: most messages per poll (bounds the work between commits).
+        exit_when_idle_s: stop after this many seconds without new rollouts once the
+            consumer has partitions (scripts, tests); None = run until stopped.
+        startup_timeout_s: time a worker may take to load the function (seconds).
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    bus: BusConfig
+    run: str
+    reward: str
+    name: str | None = None
+    options: dict = Field(default_factory=dict)
+    workers: int = Field(1, ge=1)
+    timeout_s: float = Field(30.0, gt=0)
+    memory_limit_bytes: int | None = Field(DEFAULT_MEMORY_LIMIT_BYTES, ge=64 << 20)
+    batch_rows: int = Field(64, ge=1)
+    from_beginning: bool = True
+    poll_timeout_s: float = Field(1.0, gt=0)
+    max_records: int = Field(64, ge=1)
+    exit_when_idle_s: float | None = Field(None, gt=0)
+    startup_timeout_s: float = Field(300.0, gt=0)
+
+    @field_validator("run")
+    @classmethod
+    def _run_name(cls, v: str) -> str:
+        return topics.check_name("run", v)
+
+    @model_validator(mode="after")
+    def _legal_reward_name(self) -> RewardStageConfig:
+        self.reward_name  # noqa: B018  (raises ValueError for a name Kafka would reject)
+        return self
+
+    @property
+    def reward_name(self) -> str:
+        """The name written on rows and used in the consumer group."""
+        return topics.check_name("reward", self.name or default_reward_name(self.reward))
+
+
+def parse_metadata(raw: str | None) -> dict:
+    """A rollout's metadata JSON as a dict (``{}`` for null or empty).
+
+    Raises:
+        ValueError: naming what was found when it is not a JSON object.
+    """
+    if not raw:
+        return {}
+    value = json.loads(raw)
+    if not isinstance(value, dict):
+        raise ValueError(f"metadata must be a JSON object, got {type(value).__name__}")
+    return value
+
+
+def reward_batch(table: pa.Table, results: list[RowResult], reward_name: str) -> pa.RecordBatch:
+    """``rewards`` rows for the rollouts in ``table`` (``[N]`` rows) and their results
+    (``[N]``, same order); values are cast to float32."""
+    return pa.RecordBatch.from_pydict({
+        "rollout_id": table.column("rollout_id").to_pylist(),
+        "group_id": table.column("group_id").to_pylist(),
+        "reward_name": [reward_name] * len(results),
+        "value": [r.value for r in results],
+        "details": [json.dumps(r.details, default=str) for r in results],
+        "error": [r.error for r in results],
+        "elapsed_s": [r.elapsed_s for r in results],
+    }, schema=REWARDS)
+
+
+def score_table(pool: RewardPool, table: pa.Table) -> list[RowResult]:
+    """Score every rollout of ``table`` through ``pool``; a row whose metadata is not a
+    JSON object gets an error result without being scored."""
+    metas: list[dict | None] = []
+    bad: dict[int, str] = {}
+    for i, raw in enumerate(table.column("metadata").to_pylist()):
+        try:
+            metas.append(parse_metadata(raw))
+        except ValueError as e:
+            metas.append(None)
+            bad[i] = f"bad metadata JSON: {e}"
+    ok = [i for i in range(table.num_rows) if i not in bad]
+    responses = table.column("response_text").to_pylist()
+    labels = table.column("label").to_pylist()
+    scored = pool.score([responses[i] for i in ok], [labels[i] for i in ok], [metas[i] for i in ok])
+    results = [RowResult(None, {}, bad[i]) if i in bad else None for i in range(table.num_rows)]
+    for i, r in zip(ok, scored):
+        results[i] = r
+    return results  # type: ignore[return-value]
+
+
+class RewardStage:
+    """One reward consumer (module docstring for the contract).
+
+    Usage: ``RewardStage(RewardStageConfig(bus=..., run="exp1", reward="gsm8k")).run(stop)``.
+
+    Raises (at construction):
+        ValueError: unknown reward or bad name (lists the valid ones).
+    """
+
+    def __init__(self, cfg: RewardStageConfig):
+        load_reward_fn(cfg.reward)
+        self.cfg, self.name = cfg, cfg.reward_name
+        self.component = f"reward.{self.name}"
+        self.rollouts = topics.run_topic(cfg.run, topics.ROLLOUTS)
+        self.rewards = topics.run_topic(cfg.run, topics.REWARDS)
+        self.stats = StageStats()
+        self.pool: RewardPool | None = None
+        self.assignment: set = set()
+        """Partitions (``kafka.TopicPartition``) this instance owned at its last poll."""
+
+    def ensure_topics(self) -> None:
+        """Create the output topics that are missing: ``<run>.rewards`` with the
+        partition count of ``<run>.rollouts`` (co-partitioned), ``<run>.metrics`` and
+        ``<run>.rollouts.errors`` with one.
+
+        Raises:
+            ValueError: when ``<run>.rollouts`` does not exist (names it), or the rewards
+                topic exists with another partition count.
+        """
+        cfg = self.cfg.bus
+        metrics, errors = topics.run_topic(self.cfg.run, topics.METRICS), \
+            topics.errors_topic(self.rollouts)
+        have = topic_partitions(cfg, [self.rollouts, self.rewards, metrics, errors])
+        if not have.get(self.rollouts):
+            raise ValueError(f"run {self.cfg.run!r} has no topic {self.rollouts!r}: is the run "
+                             f"name right, and has the run started?")
+        want = {self.rewards: have[self.rollouts]}
+        want.update({t: 1 for t in (metrics, errors) if not have.get(t)})
+        ensure_topics(cfg, want)
+
+    def run(self, should_stop: Callable[[], bool] = lambda: False) -> StageStats:
+        """Consume, score, produce and commit until ``should_stop()`` is true (or the
+        stage was idle for ``exit_when_idle_s``).
+
+        Returns:
+            the counters; ``errors`` counts rows written with an error (null value).
+
+        Raises:
+            ValueError: no ``<run>.rollouts`` topic (see :meth:`ensure_topics`).
+            relax.consumers.reward.pool.RewardLoadError: the function does not load in
+                a worker (bad options, import error, no start within the time limit).
+        """
+        cfg = self.cfg
+        self.ensure_topics()
+        producer = BatchProducer(cfg.bus, producer_id=self.component)
+        consumer = BatchConsumer(cfg.bus, topics.reward_group(cfg.run, self.name), [self.rollouts],
+                                 stage=self.component, from_beginning=cfg.from_beginning,
+                                 error_producer=producer)
+        metrics = MetricsWriter(producer, cfg.run, self.component)
+        try:
+            self.pool = RewardPool(cfg.reward, cfg.options, workers=cfg.workers,
+                                   timeout_s=cfg.timeout_s, memory_limit_bytes=cfg.memory_limit_bytes,
+                                   batch_rows=cfg.batch_rows, startup_timeout_s=cfg.startup_timeout_s)
+            idle_since = None
+            while not should_stop():
+                n = self.process_once(consumer, producer, metrics)
+                if n or not self.assignment:
+                    idle_since = None
+                elif idle_since is None:
+                    idle_since = time.monotonic()
+                elif cfg.exit_when_idle_s and time.monotonic() - idle_since >= cfg.exit_when_idle_s:
+                    break
+        finally:
+            if self.pool is not None:
+                self.pool.close()
+            consumer.close()
+            producer.close()
+        return self.stats
+
+    def process_once(self, consumer: BatchConsumer, producer: BatchProducer,
+                     metrics: MetricsWriter) -> int:
+        """One poll: score every delivered rollout, produce rewards and metrics, flush,
+        then commit. Returns the number of deliveries (0 for an empty poll)."""
+        stats = self.stats
+        deliveries = consumer.poll(self.cfg.poll_timeout_s, self.cfg.max_records)
+        self.assignment = set(consumer.kafka.assignment())
+        stats.polls += 1
+        if not deliveries:
+            consumer.commit()  # errors routed during decode still move the offset
+            return 0
+        t0 = time.perf_counter()
+        pool_before = dict(vars(self.pool.stats))
+        table = pa.concat_tables([d.table for d in deliveries])
+        results = score_table(self.pool, table)
+        producer.send(self.rewards, reward_batch(table, results, self.name))
+        busy = time.perf_counter() - t0
+        stats.messages += len(deliveries)
+        stats.rows_in += table.num_rows
+        stats.rows_out += table.num_rows
+        errors = sum(1 for r in results if r.error is not None)
+        stats.errors += errors
+        stats.busy_s += busy
+        values = [r.value for r in results if r.value is not None]
+        delta = {k: v - pool_before[k] for k, v in vars(self.pool.stats).items()}
+        version = max(table.column("policy_version_start").to_pylist())
+        metrics.add_many({
+            REWARD_ROWS: table.num_rows, metric_names.REWARD_ERRORS: errors,
+            REWARD_ABSTAINS: sum(1 for r in results if r.value is None and r.error is None),
+            metric_names.REWARD_TIMEOUTS: delta["timeouts"],
+            REWARD_EXCEPTIONS: delta["exceptions"], REWARD_MEMORY_ERRORS: delta["memory_errors"],
+            REWARD_WORKER_RESTARTS: delta["restarts"], REWARD_SCORE_S: busy,
+            metric_names.REWARD_ROWS_PER_S: table.num_rows / max(busy, 1e-9),
+        }, policy_version=version)
+        if values:
+            metrics.add(REWARD_VALUE_MEAN, sum(values) / len(values), version)
+        metrics.flush()
+        producer.flush()
+        consumer.done(deliveries)
+        if consumer.commit():
+            stats.commits += 1
+        if errors:
+            log.warning("%s: %d of %d rows failed, e.g. %s", self.component, errors,
+                        table.num_rows, next(r.error for r in results if r.error))
+        return len(deliveries)

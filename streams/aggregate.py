@@ -1,0 +1,264 @@
+"""The aggregator: joins rollouts, rewards and reference log-probs per GRPO group and
+emits train samples with advantages.
+
+Input: ``<run>.rollouts``, ``<run>.rewards`` and (when the KL penalty is in the
+reward) ``<run>.ref_logprobs``, all keyed by group_id with the same partition
+count, read in consumer group ``<run>.aggregate``. The range assignor gives an
+instance the same partition numbers of the three topics, so every row of a
+group meets in one instance. Output: ``<run>.train_samples`` (keyed by
+group_id), one row per rollout, ``drop_reason`` set on those not to train.
+
+A group is emitted when it holds ``group_size`` rollouts, each with every counted
+reward (and its reference log-probs when needed), or when ``group_timeout_s`` has
+passed since its first row: then the complete rollouts form an uneven group
+(public case C02) and the others are emitted with ``filtered_group_timeout``.
+
+State and delivery contract (at-least-once, restart loses nothing):
+
+* Every accepted input row is appended to ``<run>.aggregate_changelog`` in the
+  partition of its input, and an ``emitted`` marker follows each emitted group.
+  Input offsets are committed only after the changelog records and the train
+  samples of a poll are flushed.
+* When the group assigns a partition, its state is rebuilt by reading the
+  changelog partition to its fetch high watermark (``streams/changelog.py``;
+  faust tables were the plan, but their recovery reads to ``end_offsets``, which
+  the local broker answers wrongly, so they would lose partial groups).
+* Duplicates (redelivered inputs) are dropped by rollout_id; rows of an already
+  emitted group are ignored, so a redelivered group is not emitted twice (a
+  crash between flushing the samples and the marker can emit one twice: the
+  trainer drops duplicates by rollout_id).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import pyarrow as pa
+from pydantic import BaseModel, ConfigDict, Field
+
+from relax.consumers.advantage.samples import AdvantageConfig, RewardCell, build_train_samples
+from relax.schemas import topics
+from relax.streams.changelog import read_partition
+from relax.streams.client import BusConfig, ensure_topics
+from relax.streams.codec import decode
+from relax.streams.consumer import BatchConsumer
+from relax.streams.metrics import MetricsWriter
+from relax.streams.producer import BatchProducer
+
+log = logging.getLogger(__name__)
+
+EMITTED = b"emitted"
+
+
+class AggregateConfig(BaseModel):
+    """Configuration of the aggregator stage.
+
+    Attributes:
+        run: run name.
+        partitions: partition count of the run's co-partitioned topics.
+        advantage: rewards counted, estimator and filters.
+        group_timeout_s: emit an incomplete group this long after its first row (seconds).
+        poll_timeout_s: consumer poll timeout (seconds).
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    run: str
+    partitions: int = Field(4, ge=1)
+    advantage: AdvantageConfig = Field(default_factory=AdvantageConfig)
+    group_timeout_s: float = Field(600.0, gt=0)
+    poll_timeout_s: float = Field(0.5, gt=0)
+
+
+@dataclass
+class GroupState:
+    """Partial join of one group: rollouts (one-row tables), reward cells, ref log-probs."""
+
+    first_seen_s: float
+    group_size: int = 0
+    rollouts: dict[str, pa.Table] = field(default_factory=dict)
+    rewards: dict[str, dict[str, RewardCell]] = field(default_factory=dict)
+    ref: dict[str, list[float]] = field(default_factory=dict)
+
+
+class JoinState:
+    """The join of one partition: pure bookkeeping, no I/O.
+
+    Args:
+        cfg: advantage configuration (which rewards count, whether ref is needed).
+    """
+
+    def __init__(self, cfg: AdvantageConfig):
+        self.cfg = cfg
+        self.groups: dict[str, GroupState] = {}
+        self.emitted: set[str] = set()
+        self.duplicates = 0
+
+    def add(self, schema: str, table: pa.Table, ts_s: float) -> pa.Table | None:
+        """Apply rows of ``rollouts`` / ``rewards`` / ``ref_logprobs``; returns the rows
+        that changed the state (to write to the changelog), or None."""
+        keep = []
+        rows = table.to_pylist() if schema != "rollouts" else None
+        for i in range(table.num_rows):
+            gid = table.column("group_id")[i].as_py()
+            if gid in self.emitted:
+                self.duplicates += 1
+                continue
+            if schema == "rewards" and rows[i]["reward_name"] not in self.cfg.rewards:
+                continue
+            if schema == "ref_logprobs" and not self.cfg.needs_ref:
+                continue
+            g = self.groups.get(gid)
+            if g is None:
+                g = self.groups[gid] = GroupState(first_seen_s=ts_s)
+            rid = table.column("rollout_id")[i].as_py()
+            if schema == "rollouts":
+                if rid in g.rollouts:
+                    self.duplicates += 1
+                    continue
+                g.rollouts[rid] = table.slice(i, 1)
+                g.group_size = table.column("group_size")[i].as_py()
+            elif schema == "rewards":
+                r = rows[i]
+                cells = g.rewards.setdefault(rid, {})
+                if r["reward_name"] in cells:
+                    self.duplicates += 1
+                    continue
+                cells[r["reward_name"]] = (r["value"], r["error"])
+            else:
+                if rid in g.ref:
+                    self.duplicates += 1
+                    continue
+                g.ref[rid] = rows[i]["ref_logprobs"]
+            keep.append(i)
+        if not keep:
+            return None
+        return table.take(pa.array(keep)) if len(keep) < table.num_rows else table
+
+    def _complete_ids(self, g: GroupState) -> list[str]:
+        names = self.cfg.rewards.keys()
+        return [rid for rid in g.rollouts
+                if all(n in g.rewards.get(rid, {}) for n in names)
+                and (not self.cfg.needs_ref or rid in g.ref)]
+
+    def mark_emitted(self, gid: str) -> None:
+        """Forget a group's state and remember it was emitted."""
+        self.groups.pop(gid, None)
+        self.emitted.add(gid)
+
+    def take_ready(self, now_s: float, timeout_s: float) -> list[tuple[str, pa.Table]]:
+        """Build train samples for groups that are complete or timed out, and mark them
+        emitted. Returns ``[(group_id, train_samples table)]``."""
+        out = []
+        for gid, g in list(self.groups.items()):
+            done = self._complete_ids(g)
+            complete = g.group_size > 0 and len(done) == g.group_size == len(g.rollouts)
+            if not complete and now_s - g.first_seen_s < timeout_s:
+                continue
+            if not g.rollouts:  # results without any rollout: nothing to train
+                self.mark_emitted(gid)
+                continue
+            timed_out = set(g.rollouts) - set(done)
+            table = pa.concat_tables(list(g.rollouts.values()))
+            samples = build_train_samples(table, g.rewards, g.ref if self.cfg.needs_ref else None,
+                                          self.cfg, timed_out=timed_out)
+            out.append((gid, samples))
+            self.mark_emitted(gid)
+        return out
+
+
+class AggregateStage:
+    """The aggregator as a process: ``AggregateStage(cfg, bus).run(should_stop)``.
+
+    Args:
+        cfg: aggregator configuration.
+        bus: bus settings.
+        instance: a name for this instance (producer id, metrics component).
+    """
+
+    def __init__(self, cfg: AggregateConfig, bus: BusConfig, instance: str = "aggregate-0"):
+        self.cfg, self.bus, self.instance = cfg, bus, instance
+        run = cfg.run
+        self.inputs = [topics.run_topic(run, topics.ROLLOUTS), topics.run_topic(run, topics.REWARDS)]
+        if cfg.advantage.needs_ref:
+            self.inputs.append(topics.run_topic(run, topics.REF_LOGPROBS))
+        self.out_topic = topics.run_topic(run, topics.TRAIN_SAMPLES)
+        self.changelog = topics.changelog_topic(run)
+        ensure_topics(bus, {t: cfg.partitions for t in self.inputs + [self.out_topic, self.changelog]})
+        self.producer = BatchProducer(bus, producer_id=instance)
+        self.metrics = MetricsWriter(self.producer, run, instance)
+        self.states: dict[int, JoinState] = {}
+        self.emitted_groups = 0
+        self.emitted_rows = 0
+        self.consumer = BatchConsumer(bus, topics.group(run, "aggregate"), self.inputs,
+                                      stage="aggregate", error_producer=self.producer,
+                                      on_assign=self._assign, on_revoke=self._revoke)
+
+    def _assign(self, tps) -> None:
+        for p in sorted({tp.partition for tp in tps}):
+            if p not in self.states:
+                self.states[p] = self._recover(p)
+
+    def _revoke(self, tps) -> None:
+        for p in {tp.partition for tp in tps}:
+            self.states.pop(p, None)
+
+    def _recover(self, partition: int) -> JoinState:
+        """Rebuild a partition's join state from its changelog partition."""
+        t0 = time.monotonic()
+        state = JoinState(self.cfg.advantage)
+        n = 0
+        for m in read_partition(self.bus, self.changelog, partition):
+            n += 1
+            headers = dict(m.headers or [])
+            if headers.get("relax-op") == EMITTED:
+                state.mark_emitted(m.key.decode())
+                continue
+            schema = headers["relax-schema"].decode()
+            state.add(schema, decode(m.value, schema), m.timestamp / 1000)
+        log.info("recovered partition %d from %d changelog records in %.2fs: %d partial groups",
+                 partition, n, time.monotonic() - t0, len(state.groups))
+        return state
+
+    def step(self) -> int:
+        """One poll: join, emit ready groups, flush, commit. Returns deliveries handled."""
+        deliveries = self.consumer.poll(self.cfg.poll_timeout_s)
+        for d in deliveries:
+            state = self.states.get(d.partition)
+            if state is None:  # assigned before the callback ran: recover now
+                state = self.states[d.partition] = self._recover(d.partition)
+            schema = d.headers.get("relax-schema", b"").decode() or topics.schema_for_topic(d.topic)
+            changed = state.add(schema, d.table, d.timestamp_ms / 1000)
+            if changed is not None:
+                self.producer.send(self.changelog, changed, schema=schema, partition=d.partition)
+        now = time.time()
+        for p, state in self.states.items():
+            for gid, samples in state.take_ready(now, self.cfg.group_timeout_s):
+                self.producer.send(self.out_topic, samples)
+                self.producer.send_value(self.changelog, b"", key=gid.encode(),
+                                         headers=[("relax-op", EMITTED)], partition=p)
+                self.emitted_groups += 1
+                self.emitted_rows += samples.num_rows
+        if deliveries:
+            self.metrics.add("groups_emitted", self.emitted_groups)
+            self.metrics.add("partial_groups", sum(len(s.groups) for s in self.states.values()))
+            self.metrics.flush()
+        self.producer.flush()
+        self.consumer.done(deliveries)
+        self.consumer.commit()
+        return len(deliveries)
+
+    def run(self, should_stop: Callable[[], bool]) -> None:
+        """Run :meth:`step` until ``should_stop()``; then close."""
+        try:
+            while not should_stop():
+                self.step()
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        """Close the consumer (no commit beyond what was flushed) and the producer."""
+        self.consumer.close()
+        self.producer.close()

@@ -1,0 +1,99 @@
+"""build_train_samples: one joined group -> train samples (pure, no Kafka)."""
+
+from __future__ import annotations
+
+import math
+
+import pyarrow as pa
+import pytest
+
+from relax.consumers.advantage.samples import AdvantageConfig, SoftOverlong, build_train_samples
+from relax.schemas import validate
+from relax.schemas.v1 import ROLLOUTS
+
+from testdata import rollout_rows
+
+
+def _group(n=4, tokens=3):
+    rows = rollout_rows(n, group_size=n, tokens=tokens)
+    return rows, pa.Table.from_pylist(rows, schema=ROLLOUTS)
+
+
+def _cells(rows, values, name="math"):
+    return {r["rollout_id"]: {name: (v, None)} for r, v in zip(rows, values)}
+
+
+def test_grpo_group_advantages_broadcast_per_token():
+    rows, t = _group()
+    out = build_train_samples(t, _cells(rows, [1, 0, 0, 0]), None, AdvantageConfig())
+    validate(out, "train_samples")
+    adv = out.column("advantages").to_pylist()
+    want = [1.5, -0.5, -0.5, -0.5]  # C05: mean 0.25, sample std 0.5 (eps 1e-4)
+    for a, w in zip(adv, want):
+        assert len(a) == 3 and all(math.isclose(x, w / (1 + 2e-4), rel_tol=1e-3) for x in a)
+    assert out.column("drop_reason").to_pylist() == [None] * 4
+    assert out.column("reward_components").to_pylist()[0] == [("math", 1.0)]
+
+
+def test_weighted_rewards_abstain_and_error():
+    rows, t = _group()
+    cells = {r["rollout_id"]: {"math": (1.0, None), "fmt": (0.5, None)} for r in rows}
+    cells[rows[1]["rollout_id"]]["fmt"] = (None, None)            # abstains: adds 0
+    cells[rows[2]["rollout_id"]]["math"] = (None, "TimeoutError")  # failed: dropped
+    cfg = AdvantageConfig(rewards={"math": 1.0, "fmt": 0.2})
+    out = build_train_samples(t, cells, None, cfg)
+    assert out.column("reward").to_pylist() == pytest.approx([1.1, 1.0, 0.1, 1.1])
+    assert out.column("drop_reason").to_pylist() == [None, None, "error_reward", None]
+    assert out.column("advantages").to_pylist()[2] == [0.0, 0.0, 0.0]
+
+
+def test_c02_timeout_uneven_group_stats_over_present_rollouts():
+    rows, t = _group(3)
+    cells = _cells(rows[:2], [0, 1])
+    out = build_train_samples(t, cells, None, AdvantageConfig(), timed_out={rows[2]["rollout_id"]})
+    a = [x[0] for x in out.column("advantages").to_pylist()]
+    assert a[0] == pytest.approx(-0.70711, abs=1e-3) and a[1] == pytest.approx(0.70711, abs=1e-3)
+    assert a[2] == 0
+    assert out.column("drop_reason").to_pylist() == [None, None, "filtered_group_timeout"]
+
+
+def test_dynamic_sampling_drops_zero_variance_group_but_emits_rows():
+    rows, t = _group()
+    out = build_train_samples(t, _cells(rows, [1, 1, 1, 1]), None,
+                              AdvantageConfig(dynamic_sampling=True))
+    assert out.column("drop_reason").to_pylist() == ["filtered_zero_variance"] * 4
+    out = build_train_samples(t, _cells(rows, [1, 1, 1, 1]), None, AdvantageConfig())
+    assert out.column("drop_reason").to_pylist() == [None] * 4
+    assert all(x == 0 for a in out.column("advantages").to_pylist() for x in a)
+
+
+def test_c23_overlong_filter_by_finish_reason_not_token():
+    rows, _ = _group(2)
+    rows[0].update(response_ids=[5, 6, 9], finish_reason="stop")    # ends with end-of-turn 9
+    rows[1].update(response_ids=[5, 6, 7], finish_reason="length")  # hit max tokens
+    t = pa.Table.from_pylist(rows, schema=ROLLOUTS)
+    out = build_train_samples(t, _cells(rows, [1, 0]), None, AdvantageConfig(overlong_filter=True))
+    assert out.column("loss_mask").to_pylist() == [[1, 1, 1], [0, 0, 0]]
+    assert out.column("drop_reason").to_pylist() == [None, None]
+
+
+def test_soft_overlong_penalty_and_kl_in_reward():
+    rows, t = _group(2, tokens=4)
+    ref = {r["rollout_id"]: [-0.75] * 4 for r in rows}  # rollout logprobs are -0.25
+    cfg = AdvantageConfig(kl_in_reward_coef=0.1, kl_estimator="k1",
+                          soft_overlong=SoftOverlong(max_length=4, cache_length=2))
+    out = build_train_samples(t, _cells(rows, [1, 0]), ref, cfg)
+    # k1 per token = 0.5, 4 tokens -> 2.0; x 0.1 = 0.2; length 4 = max -> penalty -1
+    assert out.column("reward").to_pylist() == pytest.approx([1 - 1 - 0.2, 0 - 1 - 0.2])
+    assert out.column("ref_logprobs").to_pylist()[0] == [-0.75] * 4
+
+
+def test_missing_counted_reward_is_an_error():
+    rows, t = _group(2)
+    with pytest.raises(KeyError):
+        build_train_samples(t, _cells(rows[:1], [1]), None, AdvantageConfig())
+
+
+def test_unknown_estimator_lists_valid():
+    with pytest.raises(ValueError, match="grpo"):
+        AdvantageConfig(estimator="nope")

@@ -1,0 +1,120 @@
+"""relax dashboard: the JSON API, and the page rendered by a real headless chromium."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+from testdata import produce_run
+
+from relax.infra.dashboard import Dashboard
+from relax.schemas import topics
+
+CHROMIUM = Path("/usr/bin/chromium")
+ARTIFACTS = Path(__file__).resolve().parents[2] / "artifacts"
+CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic",
+                 "--no-first-run", "--disable-background-networking",
+                 "--disable-component-update", "--disable-sync"]
+
+
+def _commit(cfg, group: str, topic: str, offsets: dict[int, int]) -> None:
+    """Commit offsets for ``group`` without joining it (manual assignment)."""
+    from kafka import KafkaConsumer, TopicPartition
+    from kafka.structs import OffsetAndMetadata
+
+    from relax.streams.client import consumer_kwargs
+
+    c = KafkaConsumer(**consumer_kwargs(cfg, group))
+    try:
+        tps = {TopicPartition(topic, p): OffsetAndMetadata(o, "", -1) for p, o in offsets.items()}
+        c.assign(list(tps))
+        c.commit(tps)
+    finally:
+        c.close(autocommit=False)
+
+
+def _finished_run(cfg, run: str) -> str:
+    """A synthetic finished run whose trainer consumer group is 2 messages behind."""
+    produce_run(cfg, run, steps=4)
+    group = topics.group(run, "trainer")
+    _commit(cfg, group, topics.run_topic(run, "train_samples"), {0: 3, 1: 3})  # of 8 messages
+    return group
+
+
+def _get(url: str) -> bytes:
+    with urllib.request.urlopen(url, timeout=10) as r:
+        assert r.status == 200
+        return r.read()
+
+
+def test_dashboard_api_serves_the_snapshot(bus, unique):
+    group = _finished_run(bus, unique)
+    d = Dashboard(bus, unique, port=0, interval_s=0.3)
+    try:
+        url = d.start()
+        assert url.startswith("http://127.0.0.1:")
+        deadline = time.monotonic() + 20
+        snap = json.loads(_get(url + "api/snapshot"))
+        while snap.get("pending") and time.monotonic() < deadline:
+            time.sleep(0.1)
+            snap = json.loads(_get(url + "api/snapshot"))
+        assert snap["run"] == unique and snap["error"] is None and snap["interval_s"] == 0.3
+        assert snap["groups"][group]["lag"] == 2
+        assert [v["policy_version"] for v in snap["versions"]] == [1, 2, 3, 4]
+        assert b"<svg id=\"reward-chart\"" in _get(url)
+        with pytest.raises(urllib.error.HTTPError):
+            _get(url + "nope")
+    finally:
+        d.stop()
+
+
+@pytest.mark.browser
+def test_dashboard_page_renders_charts_in_headless_chromium(bus, unique):
+    if not CHROMIUM.exists():
+        pytest.skip(f"{CHROMIUM} is absent (apt-get install -y chromium)")
+    from playwright.sync_api import sync_playwright
+
+    _finished_run(bus, unique)
+    d = Dashboard(bus, unique, port=0, interval_s=0.5)
+    url = d.start()
+    try:
+        with sync_playwright() as pw:
+            browser = pw.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
+            try:
+                page = browser.new_page(viewport={"width": 1400, "height": 1000})
+                page.goto(url)
+                # reward: 4 versions x (reward_mean, accuracy); lag: >= 2 refreshes
+                page.wait_for_function(
+                    "document.querySelectorAll('#reward-chart circle.pt-reward').length === 4"
+                    " && document.querySelectorAll('#lag-chart circle.pt-lag').length >= 2",
+                    timeout=30_000)
+                assert page.locator("#reward-chart circle.pt-accuracy").count() == 4
+                assert page.locator("#reward-chart polyline").count() == 2
+                bars = page.locator("#staleness-chart rect.bar")
+                assert bars.count() == 2
+                assert [bars.nth(i).get_attribute("data-v") for i in range(2)] == ["24", "14"]
+                ys = [float(page.locator("#reward-chart circle.pt-reward").nth(i)
+                            .get_attribute("data-y")) for i in range(4)]
+                assert ys == pytest.approx([0.2, 0.3, 0.4, 0.5])
+                assert page.text_content("#tile-version") == "4"
+                assert page.text_content("#tile-wait") == "25.0%"
+                assert page.text_content("#tile-lag") == "2"
+                assert page.text_content("#tile-errors") == "1"
+                assert page.text_content("#tile-reward") == "0.500"
+                assert "trainer" in page.text_content("#groups")
+                assert page.locator("#topics tr").count() == 6
+                assert "updated" in page.text_content("#status")
+                ARTIFACTS.mkdir(exist_ok=True)
+                shot = ARTIFACTS / "dashboard.png"
+                page.screenshot(path=str(shot), full_page=True)
+                assert shot.stat().st_size > 10_000
+                print(f"dashboard screenshot: {shot}")
+            finally:
+                browser.close()
+    finally:
+        d.stop()
+    assert os.path.exists(shot)

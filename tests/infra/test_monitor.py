@@ -1,0 +1,133 @@
+"""relax monitor: lag of a real consumer group, snapshot contents, rates, --once --json."""
+
+from __future__ import annotations
+
+import json
+
+import pyarrow as pa
+import pytest
+from testdata import alternating_rewards, produce_run, rollout_rows, train_sample_rows
+
+from relax.infra.monitor import MetricsFold, Monitor, Reading, SamplesFold, build_snapshot, snapshot
+from relax.schemas import topics
+from relax.schemas.v1 import ROLLOUTS, TRAIN_SAMPLES
+from relax.streams.consumer import BatchConsumer
+from relax.streams.producer import BatchProducer
+
+
+def _consume_all(c: BatchConsumer, messages: int, max_polls: int = 40) -> None:
+    got = 0
+    for _ in range(max_polls):
+        ds = c.poll(1.0)
+        c.done(ds)
+        got += len(ds)
+        if got >= messages:
+            break
+    assert got == messages
+    assert c.commit()
+
+
+def test_lag_is_positive_while_a_consumer_is_stopped_and_zero_after_it_commits(bus, unique):
+    from typer.testing import CliRunner
+
+    from relax.infra.cli import app
+
+    run = unique
+    written = produce_run(bus, run, steps=3)
+    src = topics.run_topic(run, "rollouts")
+    g = topics.reward_group(run, "test")
+    first = BatchConsumer(bus, g, [src], stage="reward.test")
+    _consume_all(first, 6)  # 3 steps x 2 groups = 6 keyed messages
+    first.close()  # stopped
+
+    p = BatchProducer(bus)
+    extra = rollout_rows(12, group_size=4, tokens=8)  # 3 more groups -> 3 messages
+    p.send(src, pa.RecordBatch.from_pylist(extra, schema=ROLLOUTS))
+    p.close()
+
+    res = CliRunner().invoke(app, ["monitor", "--run", run, "--once", "--json",
+                                   "--bootstrap", bus.bootstrap_servers])
+    assert res.exit_code == 0, res.output
+    snap = json.loads(res.output)
+    assert snap["groups"][g]["lag"] == 3 and snap["groups"][g]["topics"] == {src: 3}
+    assert sum(snap["groups"][g]["partitions"].values()) == 3
+    assert snap["lag_total"] == 3
+    # the rest of the snapshot: what the synthetic trainer wrote
+    assert snap["staleness_hist"] == {"0": 18.0, "1": 9.0}
+    assert [v["policy_version"] for v in snap["versions"]] == [1, 2, 3]
+    assert [round(v["reward_mean"], 6) for v in snap["versions"]] == [0.2, 0.3, 0.4]
+    assert {v["source"] for v in snap["versions"]} == {"metrics"}
+    assert snap["trainer"]["steps"] == 3 and snap["trainer"]["data_wait_pct"] == 25.0
+    assert snap["errors"][topics.errors_topic(src)] == 1 and snap["errors_total"] == 1
+    assert snap["topics"][src]["records"] == 9
+    assert snap["topics"][topics.run_topic(run, "metrics")]["records"] == 3
+    assert set(snap["topics"]) == {t for t in written if not t.endswith(".errors")}
+
+    second = BatchConsumer(bus, g, [src], stage="reward.test")
+    _consume_all(second, 3)
+    second.close()
+    after = snapshot(bus, run)
+    assert after["groups"][g]["lag"] == 0 and after["lag_total"] == 0
+
+
+def test_monitor_refresh_reads_metrics_incrementally_and_gives_rates(bus, unique):
+    run = unique
+    produce_run(bus, run, steps=2)
+    m = Monitor(bus, run)
+    try:
+        s1 = m.refresh()
+        assert s1["topics"][f"{run}.rollouts"]["rows_per_s"] is None  # one reading: no rate
+        metric_rows = m.reader.metrics.rows
+        assert metric_rows == 2 * 9
+        produce_run(bus, run, steps=1)
+        s2 = m.refresh()
+        assert m.reader.metrics.rows == metric_rows + 9  # only the new rows were folded
+        assert s2["topics"][f"{run}.rollouts"]["rows_per_s"] > 0
+        assert s2["topics"][f"{run}.metrics"]["records_per_s"] > 0
+        assert len(s2["history"]) == 2
+    finally:
+        m.close()
+
+
+def _reading(ts, hw, rows, nbytes, metrics=None, samples=None, committed=None):
+    return Reading("r", ts, hw, committed or {}, rows, nbytes, metrics or MetricsFold(),
+                   samples or SamplesFold())
+
+
+def test_build_snapshot_is_pure_rates_lag_and_sample_fallback():
+    samples = SamplesFold()
+    rolls = rollout_rows(8, group_size=4, policy_version=5)
+    samples.add(pa.Table.from_pylist(train_sample_rows(rolls, alternating_rewards(rolls)),
+                                     schema=TRAIN_SAMPLES))
+    hw1 = {"r.rollouts": {0: 10, 1: 0}, "r.rollouts.errors": {0: 2}, "prompts.x": {0: 4}}
+    hw2 = {"r.rollouts": {0: 30, 1: 10}, "r.rollouts.errors": {0: 2}, "prompts.x": {0: 8}}
+    committed = {"r.reward.a": {"r.rollouts": {0: 25}}, "r.idle": {}}
+    before = _reading(100.0, hw1, {"r.rollouts": 40}, {"r.rollouts": 1_000_000})
+    now = _reading(102.0, hw2, {"r.rollouts": 140}, {"r.rollouts": 5_000_000}, samples=samples,
+                   committed=committed)
+    s = build_snapshot(now, before)
+    t = s["topics"]["r.rollouts"]
+    assert (t["records"], t["records_per_s"], t["rows_per_s"], t["mb_per_s"]) == (40, 15.0, 50.0, 2.0)
+    # a consumer group's input topic (not read): records/s from watermarks, no rows/s
+    assert s["topics"]["prompts.x"] == {"partitions": 1, "records": 8, "records_per_s": 2.0,
+                                        "rows_per_s": None, "mb_per_s": None}
+    assert s["errors"] == {"r.rollouts.errors": 2} and s["errors_total"] == 2
+    # partition 1 never committed: counts from offset 0
+    assert s["groups"]["r.reward.a"] == {"lag": 15, "topics": {"r.rollouts": 15},
+                                         "partitions": {"r.rollouts[0]": 5, "r.rollouts[1]": 10}}
+    assert s["groups"]["r.idle"]["lag"] is None
+    assert s["versions"] == [{"policy_version": 5, "reward_mean": 0.5, "accuracy": 0.5,
+                              "samples": 8, "source": "train_samples"}]
+    assert s["trainer"]["steps"] == 0 and s["trainer"]["data_wait_pct"] is None
+    assert build_snapshot(now, before) == s  # same input, same output
+    json.dumps(s)
+
+
+@pytest.mark.parametrize("k", [0, 3])
+def test_metrics_fold_staleness_histogram(k):
+    f = MetricsFold()
+    f.add([{"component": "trainer", "name": f"staleness_hist.{k}", "value": 4.0,
+            "policy_version": 1},
+           {"component": "trainer", "name": f"staleness_hist.{k}", "value": 2.0,
+            "policy_version": 2}])
+    assert f.staleness == {k: 6.0}
