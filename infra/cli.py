@@ -173,6 +173,7 @@ def errors_cmd(topic: str, n: int = typer.Option(20, "-n", help="error records t
 
 # --- commands of other components register below (keep one line each) ---
 from relax.consumers.reward.cli import reward_app; app.add_typer(reward_app, name="reward")  # noqa: E402,E702
+from relax.consumers.stage_cli import register as _stages; _stages(app)  # rollout, reference  # noqa: E402,E702,E501
 
 
 @app.command("publish")
@@ -224,9 +225,31 @@ def archive_cmd(run: str = typer.Option(..., "--run", help="run whose topics to 
 
 @app.command("replay")
 def replay_cmd(archive_dir: str = typer.Argument(..., help="folder written by relax archive"),
-               run: str = typer.Option(..., "--run", help="new run name to replay into"),
+               run: Optional[str] = typer.Option(None, "--run", help="new run name to replay into"),
+               recompute_loss: bool = typer.Option(
+                   False, "--recompute-loss", help="recompute each recorded step's loss on CPU "
+                   "from the archive and the run's checkpoints (needs --run-dir)"),
+               run_dir: Optional[str] = typer.Option(None, "--run-dir",
+                                                     help="the archived run's folder"),
+               rtol: float = typer.Option(1e-3, help="relative tolerance of --recompute-loss"),
                bootstrap: Optional[str] = BootstrapOpt) -> None:
-    """Replay an archive into a new run's topics (same rows, keys, partitions, order)."""
+    """Replay an archive into a new run's topics (same rows, keys, partitions, order), or
+    with --recompute-loss report the first step whose loss differs beyond a tolerance."""
+    if recompute_loss:
+        from relax.infra.offline import recompute_losses
+
+        if not run_dir:
+            raise typer.BadParameter("--recompute-loss needs --run-dir", param_hint="--run-dir")
+        rep = recompute_losses(archive_dir, run_dir, rtol=rtol)
+        for step, rec, new in rep.steps:
+            typer.echo(f"step {step}: recorded loss {rec:.6f} recomputed {new:.6f} "
+                       f"diff {abs(rec - new):.2e}")
+        if rep.skipped:
+            typer.echo(f"skipped steps (no weights or rows): {rep.skipped}")
+        typer.echo(f"steps={len(rep.steps)} first_divergent_step={rep.first_divergent}")
+        raise typer.Exit(1 if rep.first_divergent is not None else 0)
+    if not run:
+        raise typer.BadParameter("give --run NEW (or --recompute-loss)", param_hint="--run")
     from relax.producers.replay import replay
 
     try:
@@ -269,6 +292,44 @@ def dashboard_cmd(run: str = typer.Option(..., "--run", help="run to show"),
     from relax.infra.dashboard import serve
 
     serve(bus_config(bootstrap), run, port=port, interval_s=interval)
+
+
+@app.command("train")
+def train_cmd(recipe: str = typer.Argument(..., help="recipe YAML (see recipes/)"),
+              overrides: Optional[list[str]] = typer.Argument(
+                  None, help="dotted overrides key=value, e.g. trainer.steps=3"),
+              bootstrap: Optional[str] = typer.Option(
+                  None, "--bootstrap", "-b", envvar="RELAX_BOOTSTRAP",
+                  help="Kafka cluster host:port (default: the recipe's, else a local broker)"),
+              from_archive: Optional[str] = typer.Option(
+                  None, "--from-archive", help="train offline from a run archive's train samples"),
+              timeout_s: Optional[float] = typer.Option(None, help="give up after this long")) -> None:
+    """Run GRPO end to end: rollout, rewards, aggregation, trainer, each its own process."""
+    import logging
+
+    from relax.infra.recipe import RecipeError, load_recipe
+
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    extra = list(overrides or [])
+    if bootstrap:
+        extra.append(f"bootstrap_servers={bootstrap}")
+    try:
+        rec = load_recipe(recipe, extra)
+    except (RecipeError, FileNotFoundError, ValueError) as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2) from None
+    if from_archive:
+        from relax.infra.offline import train_from_archive
+
+        summary = train_from_archive(rec, from_archive, say=typer.echo)
+    else:
+        from relax.infra.launch import final_line, train
+
+        summary = train(rec, say=typer.echo, timeout_s=timeout_s)
+    from relax.infra.launch import final_line
+
+    typer.echo(f"run folder: {summary['run_dir']}")
+    typer.echo(final_line(summary))
 
 
 def main() -> None:

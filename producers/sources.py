@@ -27,7 +27,7 @@ import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from urllib.parse import parse_qs
+from urllib.parse import unquote
 
 REASONING_GYM_PREFIX = "reasoning_gym:"
 HF_PREFIX = "hf://"
@@ -58,11 +58,28 @@ class SourceRow:
 
 @dataclass(frozen=True)
 class ReasoningGymSpec:
-    """A parsed ``reasoning_gym:TASK?size=N&seed=S`` source."""
+    """A parsed ``reasoning_gym:TASK?size=N&seed=S[&key=value...]`` source; other keys
+    are the task's config (e.g. ``min_digits=2&operators=+``; comma lists become
+    tuples, numbers and true/false are parsed)."""
 
     task: str
     size: int
     seed: int
+    config: tuple[tuple[str, object], ...] = ()
+
+
+def _config_value(text: str):
+    if "," in text:
+        return tuple(_config_value(t) for t in text.split(",") if t)
+    low = text.lower()
+    if low in ("true", "false"):
+        return low == "true"
+    for cast in (int, float):
+        try:
+            return cast(text)
+        except ValueError:
+            pass
+    return text
 
 
 def json_default(v):
@@ -85,7 +102,8 @@ def to_json_bytes(obj) -> bytes:
 
 
 def parse_reasoning_gym(source: str) -> ReasoningGymSpec:
-    """Parse ``reasoning_gym:TASK?size=N&seed=S``.
+    """Parse ``reasoning_gym:TASK?size=N&seed=S[&key=value...]`` (values are taken
+    literally: ``+`` stays a plus sign).
 
     Raises:
         SourceError: no task, or size/seed not integers (size >= 1).
@@ -94,10 +112,13 @@ def parse_reasoning_gym(source: str) -> ReasoningGymSpec:
     task, _, query = rest.partition("?")
     if not task:
         raise SourceError(f"{source!r}: expected reasoning_gym:TASK?size=N&seed=S")
-    params = {k: v[-1] for k, v in parse_qs(query, keep_blank_values=True).items()}
-    unknown = set(params) - {"size", "seed"}
-    if unknown:
-        raise SourceError(f"{source!r}: unknown parameter(s) {sorted(unknown)}; valid: size, seed")
+    params = {}
+    for part in filter(None, query.split("&")):
+        key, eq, value = part.partition("=")
+        if not eq:
+            raise SourceError(f"{source!r}: parameter {key!r} needs a value (key=value)")
+        params[unquote(key)] = unquote(value)
+    config = tuple((k, _config_value(v)) for k, v in params.items() if k not in ("size", "seed"))
     try:
         size = int(params.get("size", RG_DEFAULT_SIZE))
         seed = int(params.get("seed", RG_DEFAULT_SEED))
@@ -105,7 +126,7 @@ def parse_reasoning_gym(source: str) -> ReasoningGymSpec:
         raise SourceError(f"{source!r}: size and seed must be integers") from None
     if size < 1:
         raise SourceError(f"{source!r}: size must be >= 1, got {size}")
-    return ReasoningGymSpec(task, size, seed)
+    return ReasoningGymSpec(task, size, seed, config)
 
 
 def source_kind(source: str) -> str:
@@ -285,8 +306,9 @@ def _read_reasoning_gym(source: str) -> Iterator[SourceRow]:
 
     spec = parse_reasoning_gym(source)
     try:
-        ds = reasoning_gym.create_dataset(spec.task, size=spec.size, seed=spec.seed)
-    except ValueError as e:
+        ds = reasoning_gym.create_dataset(spec.task, size=spec.size, seed=spec.seed,
+                                          **dict(spec.config))
+    except (ValueError, TypeError, AssertionError) as e:
         from reasoning_gym.factory import DATASETS
 
         raise SourceError(f"reasoning-gym task {spec.task!r}: {e}; valid tasks: "
@@ -295,5 +317,6 @@ def _read_reasoning_gym(source: str) -> Iterator[SourceRow]:
         entry = json.loads(to_json_bytes(entry))  # JSON-serialisable copy
         rec = {"question": entry.get("question"), "answer": entry.get("answer"),
                "_reasoning_gym": {"source": "reasoning_gym", "task": spec.task, "entry": entry,
-                                  "index": i, "seed": spec.seed, "size": spec.size}}
+                                  "index": i, "seed": spec.seed, "size": spec.size,
+                                  "config": dict(spec.config)}}
         yield SourceRow(i + 1, to_json_bytes(entry), rec)

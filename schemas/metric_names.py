@@ -44,3 +44,10 @@ EVAL_ACCURACY = "eval_accuracy"        # greedy held-out accuracy at policy_vers
 def staleness_hist_name(k: int) -> str:
     """Metric name holding the count of samples with staleness ``k``."""
     return f"{STALENESS_HIST_PREFIX}{k}"
+
+# trainer progress, read by the rollout stage to size its credit (see consumers/rollout.py):
+# groups the trainer has decided (trained in a finished step, or dropped), and groups it still
+# needs to finish the run. started - consumed <= min(budget, needed) keeps the rollout stage
+# from sampling groups that the run will never train.
+GROUPS_CONSUMED = "groups_consumed"
+GROUPS_NEEDED = "groups_needed"

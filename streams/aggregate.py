@@ -190,6 +190,7 @@ class AggregateStage:
         self.producer = BatchProducer(bus, producer_id=instance)
         self.metrics = MetricsWriter(self.producer, run, instance)
         self.states: dict[int, JoinState] = {}
+        self._to_recover: set[int] = set()
         self.emitted_groups = 0
         self.emitted_rows = 0
         self.consumer = BatchConsumer(bus, topics.group(run, "aggregate"), self.inputs,
@@ -197,13 +198,13 @@ class AggregateStage:
                                       on_assign=self._assign, on_revoke=self._revoke)
 
     def _assign(self, tps) -> None:
-        for p in sorted({tp.partition for tp in tps}):
-            if p not in self.states:
-                self.states[p] = self._recover(p)
+        # runs on the consumer's I/O thread: only note it; step() recovers the state
+        self._to_recover.update(tp.partition for tp in tps)
 
     def _revoke(self, tps) -> None:
         for p in {tp.partition for tp in tps}:
             self.states.pop(p, None)
+            self._to_recover.discard(p)
 
     def _recover(self, partition: int) -> JoinState:
         """Rebuild a partition's join state from its changelog partition."""
@@ -225,9 +226,13 @@ class AggregateStage:
     def step(self) -> int:
         """One poll: join, emit ready groups, flush, commit. Returns deliveries handled."""
         deliveries = self.consumer.poll(self.cfg.poll_timeout_s)
+        for p in sorted(self._to_recover):
+            if p not in self.states:
+                self.states[p] = self._recover(p)
+        self._to_recover.clear()
         for d in deliveries:
             state = self.states.get(d.partition)
-            if state is None:  # assigned before the callback ran: recover now
+            if state is None:
                 state = self.states[d.partition] = self._recover(d.partition)
             schema = d.headers.get("relax-schema", b"").decode() or topics.schema_for_topic(d.topic)
             changed = state.add(schema, d.table, d.timestamp_ms / 1000)

@@ -11,8 +11,8 @@ Contract (at-least-once):
   were flushed; :meth:`commit` flushes routed error records, then commits per
   partition one past the longest finished prefix (the NEXT offset to read,
   public case C29), so nothing still in flight is ever skipped on restart.
-* On a rebalance the finished prefix of revoked partitions is committed and
-  their state forgotten; unfinished records are redelivered to the new owner
+* On a rebalance the state of revoked partitions is forgotten; a stage commits
+  after every poll, so only unfinished records are redelivered to the new owner
   (downstream is idempotent by rollout_id).
 """
 
@@ -69,9 +69,9 @@ class BatchConsumer:
             in addition to the field/type check.
         error_producer: producer for error records (default: one of its own).
         on_assign / on_revoke: callbacks ``fn(list[TopicPartition])`` run inside
-            :meth:`poll` when the group hands partitions to / takes them from this
-            instance (after the finished prefix of revoked ones is committed); stages
-            with partition-local state load and drop it there.
+            :meth:`poll`, on the client's I/O thread, when the group hands partitions to
+            / takes them from this instance; they must not block (record the change and
+            act on it after ``poll`` returns).
     """
 
     def __init__(self, cfg: BusConfig, group_id: str | None, topics: list[str] | None = None, *,
@@ -166,6 +166,11 @@ class BatchConsumer:
         for d in deliveries if isinstance(deliveries, list) else [deliveries]:
             self._tracker.done(TopicPartition(d.topic, d.partition), d.offset)
 
+    def positions(self) -> dict[tuple[str, int], int]:
+        """``{(topic, partition): next offset}`` of the finished prefix of each partition
+        (what :meth:`commit` would commit, whether or not it was committed)."""
+        return {(tp.topic, tp.partition): o for tp, o in self._tracker.positions().items()}
+
     def in_flight(self) -> int:
         """Deliveries handed out and not yet :meth:`done`."""
         return self._tracker.in_flight()
@@ -203,14 +208,17 @@ class BatchConsumer:
 
 
 def _Listener(owner: BatchConsumer):
-    """A kafka-python rebalance listener that commits the finished prefix of revoked
-    partitions, then forgets them."""
+    """A kafka-python rebalance listener: forgets revoked partitions and calls the
+    owner's callbacks. It runs on the client's I/O thread, so it never blocks on the
+    consumer (kafka-python 3 refuses a blocking commit there): stages commit after every
+    poll, so nothing finished is left uncommitted at a rebalance; what is in flight is
+    redelivered to the new owner (the trainer, which commits only with checkpoints,
+    relies on exactly that)."""
     from kafka import ConsumerRebalanceListener
 
     class Listener(ConsumerRebalanceListener):
         def on_partitions_revoked(self, revoked):
             if revoked:
-                owner.commit()
                 owner._tracker.forget(revoked)
                 if owner.on_revoke is not None:
                     owner.on_revoke(list(revoked))

@@ -66,6 +66,11 @@ class OffsetTracker:
         :meth:`mark_committed`: one past the longest finished prefix."""
         return {tp: n for tp, n in self._next.items() if self._committed.get(tp) != n}
 
+    def positions(self) -> dict[Hashable, int]:
+        """``{tp: next offset}`` of every partition with a finished prefix (committed or
+        not): where a checkpoint taken now resumes."""
+        return dict(self._next)
+
     def mark_committed(self, offsets: dict[Hashable, int]) -> None:
         """Record that ``offsets`` were committed to the broker."""
         self._committed.update(offsets)

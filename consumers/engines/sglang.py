@@ -1,0 +1,282 @@
+"""Rollout engine backed by an SGLang server, over its HTTP API.
+
+**UNVERIFIED HERE.** SGLang (0.5.x) needs a CUDA torch and an older transformers
+than relax's CPU stack, and its server does not start on CPU, so no SGLang server
+has run against this code on the machines relax is developed on. The request and
+response handling is tested against hand-written fixtures that follow SGLang's public
+source (``python/sglang/srt/managers/io_struct.py``: ``GenerateReqInput``,
+``UpdateWeightsFromDistributedReqInput``, ``InitWeightsUpdateGroupReqInput``;
+``tokenizer_manager.py``: the ``meta_info`` of a response), served by a local HTTP
+server in the tests. Nothing from ``sglang`` is imported; only ``requests``.
+
+Endpoints used:
+
+* ``POST /generate`` with ``input_ids`` (a batch), per-request ``sampling_params``
+  and ``return_logprob: true``. Each answer item has ``text``, ``output_ids`` and
+  ``meta_info`` with ``finish_reason`` (``{"type": "stop" | "length" | "abort", ...}``),
+  ``output_token_logprobs`` (``[[logprob, token_id, text_or_null], ...]``) and
+  ``weight_version`` (the server's version string when the answer was built).
+  Log-probs: SGLang returns log-probs of the temperature-scaled logits unless the
+  server runs with ``SGLANG_RETURN_ORIGINAL_LOGPROB=1`` (then raw T = 1 log-probs,
+  public case C12): run the server without it.
+* ``POST /init_weights_update_group`` (``master_address``, ``master_port``,
+  ``rank_offset``, ``world_size``, ``group_name``, ``backend``) and ``POST
+  /update_weights_from_distributed`` (``names``, ``dtypes``, ``shapes``,
+  ``group_name``, ``flush_cache``, ``weight_version``, ``load_format``). With
+  ``load_format="flattened_bucket"`` SGLang receives one flat uint8 tensor per call
+  whose layout (each tensor's bytes, in order, no padding) is relax's bucket layout
+  (``relax.streams.weights.plan_buckets``), so :meth:`SGLangEngine.weight_update_requests`
+  makes one request per relax bucket.
+* ``POST /pause_generation`` / ``POST /continue_generation`` around a weight update
+  (partial rollout: in-flight requests keep their KV cache with ``mode="in_place"`` or
+  are retracted; ``abort`` cancels them).
+
+Missing (see the report): relax's publisher forms its broadcast groups on its own
+rendezvous store with a ``PrefixStore``; SGLang forms its group with ``init_method
+tcp://master_address:master_port``. Making the publisher host an SGLang-compatible
+group (one TCPStore per group) is not done, so ``update_weights`` here raises.
+"""
+
+from __future__ import annotations
+
+from relax.consumers.engines.base import Generation, SamplingParams
+
+_FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
+
+
+def sampling_params_json(params: SamplingParams) -> dict:
+    """SGLang ``sampling_params`` for relax :class:`SamplingParams` (top_k 0 -> -1 = off).
+    ``no_stop_trim`` keeps a matched stop string in the text (relax keeps the tokens)."""
+    out = {
+        "max_new_tokens": params.max_new_tokens,
+        "temperature": params.temperature,
+        "top_p": params.top_p,
+        "top_k": params.top_k if params.top_k > 0 else -1,
+        "skip_special_tokens": True,
+        "no_stop_trim": True,
+    }
+    if params.stop:
+        out["stop"] = list(params.stop)
+    if params.seed is not None:
+        out["sampling_seed"] = params.seed
+    return out
+
+
+def generate_request(prompts: list[list[int]], params: SamplingParams) -> dict:
+    """The ``/generate`` JSON body for a batch of token-id prompts."""
+    return {
+        "input_ids": [list(map(int, p)) for p in prompts],
+        "sampling_params": [sampling_params_json(params) for _ in prompts],
+        "return_logprob": True,
+        "logprob_start_len": -1,
+        "top_logprobs_num": 0,
+        "stream": False,
+    }
+
+
+def parse_version(raw, default: int) -> int:
+    """SGLang's ``weight_version`` string as a policy_version (``"default"`` or missing
+    -> ``default``)."""
+    if raw is None:
+        return default
+    try:
+        return int(str(raw))
+    except ValueError:
+        return default
+
+
+def parse_generate_response(body, n: int, default_version: int) -> list[Generation]:
+    """Generations from a ``/generate`` answer.
+
+    Args:
+        body: the decoded JSON (a list for a batch; a dict for one prompt).
+        n: prompts sent.
+        default_version: policy_version when the answer has no numeric weight_version.
+
+    Raises:
+        ValueError: wrong item count, a missing field, token ids that disagree with
+            ``output_ids``, or an unknown finish_reason (names the item and field).
+    """
+    items = body if isinstance(body, list) else [body]
+    if len(items) != n:
+        raise ValueError(f"/generate answered {len(items)} item(s) for {n} prompt(s)")
+    out = []
+    for i, item in enumerate(items):
+        meta = item.get("meta_info")
+        if not isinstance(meta, dict):
+            raise ValueError(f"/generate item {i}: no meta_info")
+        pairs = meta.get("output_token_logprobs")
+        if pairs is None:
+            raise ValueError(
+                f"/generate item {i}: meta_info.output_token_logprobs missing "
+                f"(was return_logprob sent?)"
+            )
+        ids = [int(p[1]) for p in pairs]
+        lps = [float(p[0]) for p in pairs]
+        if "output_ids" in item and list(item["output_ids"]) != ids:
+            raise ValueError(
+                f"/generate item {i}: output_ids {item['output_ids'][:8]}... differ "
+                f"from the token ids of output_token_logprobs {ids[:8]}..."
+            )
+        fr = meta.get("finish_reason")
+        kind = fr.get("type") if isinstance(fr, dict) else fr
+        if kind not in _FINISH:
+            raise ValueError(
+                f"/generate item {i}: finish_reason {fr!r} is not one of {sorted(_FINISH)}"
+            )
+        v = parse_version(meta.get("weight_version"), default_version)
+        out.append(
+            Generation(
+                token_ids=ids,
+                logprobs=lps,
+                finish_reason=_FINISH[kind],
+                policy_version_start=v,
+                policy_version_end=v,
+                text=item.get("text", ""),
+                meta={"sglang_id": meta.get("id")},
+            )
+        )
+    return out
+
+
+class SGLangError(RuntimeError):
+    """An SGLang endpoint answered with an error or ``success: false``."""
+
+
+class SGLangEngine:
+    """Client of one SGLang server (unverified here; see the module docstring).
+
+    Args:
+        url: ``http://host:port`` of the server (or router).
+        tokenizer: the model's tokenizer (chat template; the server is sent token ids).
+        engine_id: name written into rollouts.
+        policy_version: version of the weights the server starts with.
+        timeout_s: HTTP timeout per request (seconds).
+        session: a ``requests.Session`` (default: a new one).
+    """
+
+    def __init__(
+        self,
+        url: str,
+        tokenizer,
+        *,
+        engine_id: str = "sglang-0",
+        policy_version: int = 0,
+        timeout_s: float = 600.0,
+        session=None,
+    ):
+        import requests
+
+        self.url = url.rstrip("/")
+        self.tokenizer = tokenizer
+        self.engine_id = engine_id
+        self.timeout_s = timeout_s
+        self._session = session or requests.Session()
+        self._version = policy_version
+        eos = getattr(tokenizer, "eos_token_id", None)
+        self.stop_token_ids = frozenset({eos} if eos is not None else set())
+
+    @property
+    def policy_version(self) -> int:
+        """The newest weight version the server reported (or that was installed)."""
+        return self._version
+
+    def _post(self, path: str, body: dict):
+        r = self._session.post(self.url + path, json=body, timeout=self.timeout_s)
+        if r.status_code >= 400:
+            raise SGLangError(f"POST {path} -> HTTP {r.status_code}: {r.text[:500]}")
+        data = r.json() if r.content else {}
+        if isinstance(data, dict) and data.get("success") is False:
+            raise SGLangError(f"POST {path} failed: {data.get('message')}")
+        return data
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
+        """Sample one continuation per prompt (``[N][prompt_len]`` token ids).
+
+        Raises:
+            SGLangError: HTTP error; ValueError: a malformed answer.
+        """
+        if not prompts:
+            return []
+        body = self._post("/generate", generate_request(prompts, params))
+        gens = parse_generate_response(body, len(prompts), self._version)
+        for g in gens:
+            self._version = max(self._version, g.policy_version_end)
+        return gens
+
+    def update_weights(self, named_tensors: dict, policy_version: int) -> None:
+        """Not available: SGLang receives weights from the broadcast group (see
+        :meth:`weight_update_requests`); raises NotImplementedError."""
+        raise NotImplementedError(
+            "SGLang engines receive weights through "
+            "init_weights_update_group/update_weights_from_distributed; "
+            "in-process tensors cannot be handed to a server"
+        )
+
+    def init_weights_update_group(
+        self,
+        master_address: str,
+        master_port: int,
+        rank_offset: int,
+        world_size: int,
+        group_name: str,
+        backend: str = "nccl",
+    ) -> dict:
+        """Ask the server to join a broadcast group (its TP ranks take ranks
+        ``rank_offset .. rank_offset + tp - 1`` of ``world_size``)."""
+        return self._post(
+            "/init_weights_update_group",
+            {
+                "master_address": master_address,
+                "master_port": int(master_port),
+                "rank_offset": int(rank_offset),
+                "world_size": int(world_size),
+                "group_name": group_name,
+                "backend": backend,
+            },
+        )
+
+    @staticmethod
+    def weight_update_requests(announcement: dict, *, flush_cache: bool = True) -> list[dict]:
+        """``/update_weights_from_distributed`` bodies for a WEIGHTS announcement: one per
+        relax bucket, ``load_format="flattened_bucket"``, ``weight_version`` = the
+        policy_version (cache flushed after the last one only)."""
+        from relax.streams.weights import manifest_from_rows, plan_buckets
+
+        manifest = manifest_from_rows(announcement["manifest"])
+        buckets = plan_buckets(manifest, announcement["bucket_bytes"])
+        out = []
+        for k, (_, _, idx) in enumerate(buckets):
+            out.append(
+                {
+                    "names": [manifest[i].name for i in idx],
+                    "dtypes": [manifest[i].dtype for i in idx],
+                    "shapes": [list(manifest[i].shape) for i in idx],
+                    "group_name": announcement["group_name"],
+                    "flush_cache": flush_cache and k == len(buckets) - 1,
+                    "weight_version": str(announcement["policy_version"]),
+                    "load_format": "flattened_bucket",
+                }
+            )
+        return out
+
+    def receive_weights(self, announcement: dict) -> int:
+        """Have the server receive an announced version from its broadcast group (the
+        publisher broadcasts the same buckets meanwhile); returns the new version.
+
+        Raises:
+            SGLangError: a request failed (the server's weights may be partly updated).
+        """
+        for body in self.weight_update_requests(announcement):
+            self._post("/update_weights_from_distributed", body)
+        self._version = int(announcement["policy_version"])
+        return self._version
+
+    def pause_generation(self, mode: str = "abort") -> dict:
+        """``/pause_generation`` (``abort`` cancels in-flight requests; ``retract`` /
+        ``in_place`` keep them for :meth:`continue_generation`)."""
+        return self._post("/pause_generation", {"mode": mode})
+
+    def continue_generation(self) -> dict:
+        """``/continue_generation``: resume after a pause."""
+        return self._post("/continue_generation", {})

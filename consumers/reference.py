@@ -1,0 +1,286 @@
+"""The reference stage: per-token log-probs of each rollout's response under a reference model.
+
+Consumes ``<run>.rollouts`` in consumer group ``<run>.reference`` and writes
+``<run>.ref_logprobs`` (keyed by group_id, co-partitioned with the rollouts), one row
+per rollout: ``ref_logprobs[t] = log softmax(logits_t / T)[response_ids[t]]`` with the
+rollout's own temperature ``T``, computed by :func:`relax.trainer.logprobs.token_logprobs`
+(the function the rollout engine and the trainer use: public case C12), for every
+response token (environment tokens of multi-turn rollouts included; the loss mask
+decides later which count).
+
+Batching: rows of one delivery with the same temperature are packed with the prompt
+left-padded and the response right-padded, so every response starts at the same
+column and only the response positions' logits are computed
+(``logits_to_keep``). Attention mask and position ids come from the lengths, never
+from token values (public case C24: pad id == EOS id). Batches are capped at
+``max_batch_tokens`` padded tokens.
+
+The model is frozen (``ref_policy_version`` 0) unless ``follow_every`` = N > 0: then
+the stage subscribes to the weight broadcast and, between deliveries, installs the
+newest received version once it is at least N versions newer than the one in use.
+
+Delivery: :func:`relax.streams.stage.run_stage` (at-least-once; a rollout whose token
+ids fall outside the vocabulary goes to ``<run>.rollouts.errors``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pyarrow as pa
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+
+from relax.schemas import topics
+from relax.schemas.v1 import REF_LOGPROBS
+from relax.schemas.validate import validate
+from relax.streams.client import BusConfig, ensure_topics
+from relax.trainer.logprobs import token_logprobs
+
+
+class ReferenceConfig(BaseModel):
+    """Settings of one reference instance.
+
+    Attributes:
+        bus: bus settings.
+        run: run name.
+        model: reference model (name/folder/Hub id; the initial policy's weights).
+        device: default cuda if available.
+        member_id: id in the weight group and metrics component.
+        follow_every: follow the policy every N versions (0 = frozen).
+        weights_rendezvous: ``tcp://host:port`` of the publisher (see RolloutConfig).
+        max_batch_tokens: padded tokens per forward pass.
+        poll_timeout_s: rollouts poll timeout (seconds).
+        from_beginning: where a new consumer group starts.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    bus: BusConfig
+    run: str
+    model: str = "tiny-llama"
+    device: str | None = None
+    member_id: str = "reference-0"
+    follow_every: int = Field(0, ge=0)
+    weights_rendezvous: str | None = None
+    max_batch_tokens: int = Field(4096, ge=1)
+    poll_timeout_s: float = Field(1.0, gt=0)
+    from_beginning: bool = True
+
+
+@torch.no_grad()
+def response_logprobs(
+    model, prompts: list[list[int]], responses: list[list[int]], temperature: float
+) -> list[list[float]]:
+    """Log-probs of each response given its prompt, from ``logits / temperature``.
+
+    Args:
+        model: a causal LM (``logits_to_keep`` supported, as transformers models are).
+        prompts: ``[B][P_b]`` prompt token ids (non-empty).
+        responses: ``[B][R_b]`` response token ids.
+        temperature: > 0.
+
+    Returns:
+        ``[B][R_b]`` float log-probs (nats).
+
+    Raises:
+        ValueError: an empty prompt or a token id outside the vocabulary.
+    """
+    if not prompts:
+        return []
+    device = next(model.parameters()).device
+    vocab = model.get_output_embeddings().weight.shape[0]
+    for b, (p, r) in enumerate(zip(prompts, responses)):
+        if not p:
+            raise ValueError(f"row {b}: empty prompt")
+        bad = [t for t in p + r if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"row {b}: token id {bad[0]} outside the vocabulary [0, {vocab})")
+    p_len = torch.tensor([len(p) for p in prompts], device=device)
+    r_len = torch.tensor([len(r) for r in responses], device=device)
+    pmax, rmax = int(p_len.max()), int(r_len.max())
+    if rmax == 0:
+        return [[] for _ in prompts]
+    width = pmax + rmax
+    ids = torch.zeros((len(prompts), width), dtype=torch.long, device=device)
+    for b, (p, r) in enumerate(zip(prompts, responses)):
+        ids[b, pmax - len(p) : pmax] = torch.tensor(p, device=device)
+        if r:
+            ids[b, pmax : pmax + len(r)] = torch.tensor(r, device=device)
+    col = torch.arange(width, device=device)[None, :]
+    start = (pmax - p_len)[:, None]
+    attn = ((col >= start) & (col < pmax + r_len[:, None])).long()  # from lengths (C24)
+    pos = (col - start).clamp(min=0)
+    logits = model(
+        input_ids=ids, attention_mask=attn, position_ids=pos, logits_to_keep=rmax + 1
+    ).logits[:, :-1]  # predicts cols pmax..
+    lp = token_logprobs(logits, ids[:, pmax:], temperature)
+    return [lp[b, : len(r)].tolist() for b, r in enumerate(responses)]
+
+
+def _batches(rows: list[dict], max_batch_tokens: int):
+    """Indices of rows grouped by temperature, each batch under ``max_batch_tokens``
+    padded tokens (a longer row goes alone)."""
+    by_t: dict[float, list[int]] = {}
+    for i, r in enumerate(rows):
+        by_t.setdefault(float(r["temperature"]), []).append(i)
+    for t, idx in by_t.items():
+        batch, pmax, rmax = [], 0, 0
+        for i in idx:
+            p, r = len(rows[i]["prompt_ids"]), len(rows[i]["response_ids"])
+            np_, nr = max(pmax, p), max(rmax, r)
+            if batch and (len(batch) + 1) * (np_ + nr) > max_batch_tokens:
+                yield t, batch
+                batch, np_, nr = [], p, r
+            batch.append(i)
+            pmax, rmax = np_, nr
+        if batch:
+            yield t, batch
+
+
+def ref_batch(
+    model, rows: list[dict], ref_policy_version: int, max_batch_tokens: int = 4096
+) -> pa.RecordBatch:
+    """REF_LOGPROBS rows for ROLLOUTS rows (validated).
+
+    Raises:
+        ValueError: see :func:`response_logprobs`.
+    """
+    out: list[list[float] | None] = [None] * len(rows)
+    for t, idx in _batches(rows, max_batch_tokens):
+        lps = response_logprobs(
+            model, [rows[i]["prompt_ids"] for i in idx], [rows[i]["response_ids"] for i in idx], t
+        )
+        for i, lp in zip(idx, lps):
+            out[i] = lp
+    batch = pa.RecordBatch.from_pylist(
+        [
+            {
+                "rollout_id": r["rollout_id"],
+                "group_id": r["group_id"],
+                "ref_logprobs": lp,
+                "ref_policy_version": ref_policy_version,
+            }
+            for r, lp in zip(rows, out)
+        ],
+        schema=REF_LOGPROBS,
+    )
+    validate(batch, "ref_logprobs")
+    return batch
+
+
+class ReferenceStage:
+    """One reference instance: ``ReferenceStage(cfg).run(should_stop)``.
+
+    Args:
+        cfg: the settings.
+        model: a loaded model to use instead of loading ``cfg.model``.
+    """
+
+    def __init__(self, cfg: ReferenceConfig, model=None):
+        from relax.trainer.models import load_model
+
+        self.cfg = cfg
+        device = cfg.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        self.model = model if model is not None else load_model(cfg.model, device=device)
+        self.model.eval()
+        self.version = 0
+        self.rollouts = topics.run_topic(cfg.run, topics.ROLLOUTS)
+        self.ref_topic = topics.run_topic(cfg.run, topics.REF_LOGPROBS)
+        self._subscriber = None
+
+    def handle(self, delivery) -> list[tuple[str, pa.RecordBatch]]:
+        """Stage function: ref log-probs of one delivery's rollouts.
+
+        Raises:
+            relax.streams.stage.RecordError: a row the model cannot score.
+        """
+        from relax.streams.stage import RecordError
+
+        rows = delivery.table.to_pylist()
+        try:
+            return [
+                (
+                    self.ref_topic,
+                    ref_batch(self.model, rows, self.version, self.cfg.max_batch_tokens),
+                )
+            ]
+        except ValueError as e:
+            raise RecordError(f"reference/{self.cfg.member_id}: {e}") from e
+
+    def maybe_follow(self) -> bool:
+        """Install the newest received policy weights if they are ``follow_every``
+        versions newer than the ones in use; True if installed."""
+        sub = self._subscriber
+        if sub is None:
+            return False
+        sub.poll(0)
+        if sub.version is None or sub.version - self.version < self.cfg.follow_every:
+            return False
+        applied = sub.apply(self.model)
+        if applied is None:
+            return False
+        self.version = applied
+        return True
+
+    def ensure_topics(self) -> None:
+        """Create ``<run>.ref_logprobs`` with the partition count of ``<run>.rollouts``.
+
+        Raises:
+            ValueError: ``<run>.rollouts`` does not exist.
+        """
+        from relax.streams.client import topic_partitions
+
+        have = topic_partitions(self.cfg.bus, [self.rollouts])
+        if not have.get(self.rollouts):
+            raise ValueError(f"run {self.cfg.run!r} has no topic {self.rollouts!r}")
+        ensure_topics(
+            self.cfg.bus,
+            {self.ref_topic: have[self.rollouts], topics.errors_topic(self.rollouts): 1},
+        )
+
+    def run(self, should_stop: Callable[[], bool] = lambda: False):
+        """Consume, score, produce and commit until ``should_stop()``; returns the
+        :class:`relax.streams.stage.StageStats`."""
+        from relax.streams.consumer import BatchConsumer
+        from relax.streams.producer import BatchProducer
+        from relax.streams.stage import StageStats, process_once
+        from relax.streams.weights import WeightSubscriber
+
+        cfg = self.cfg
+        self.ensure_topics()
+        producer = BatchProducer(cfg.bus, producer_id=f"{cfg.run}-{cfg.member_id}")
+        consumer = BatchConsumer(
+            cfg.bus,
+            topics.group(cfg.run, "reference"),
+            [self.rollouts],
+            stage=f"reference/{cfg.member_id}",
+            from_beginning=cfg.from_beginning,
+            error_producer=producer,
+        )
+        if cfg.follow_every:
+            self._subscriber = WeightSubscriber(
+                cfg.bus,
+                cfg.run,
+                member_id=cfg.member_id,
+                rendezvous=cfg.weights_rendezvous,
+                device=next(self.model.parameters()).device,
+            ).start()
+        stats = StageStats()
+        try:
+            while not should_stop():
+                self.maybe_follow()
+                process_once(
+                    consumer,
+                    producer,
+                    self.handle,
+                    stage=f"reference/{cfg.member_id}",
+                    poll_timeout_s=cfg.poll_timeout_s,
+                    stats=stats,
+                )
+        finally:
+            if self._subscriber is not None:
+                self._subscriber.close()
+            consumer.close()
+            producer.close()
+        return stats

@@ -1,0 +1,195 @@
+"""Offline work from a run archive (``relax archive``): training from archived train
+samples, and recomputing a finished run's losses to find where it diverged.
+
+* :func:`train_from_archive` (``relax train RECIPE --from-archive DIR``): the
+  archived ``train_samples`` rows, in the order they were written, become batches of
+  ``trainer.batch_groups`` groups for the recipe's trainer; no broker, no rollout.
+  Rows with a ``drop_reason`` are skipped (they were never meant to be trained);
+  staleness is not applied (offline data is as old as the archive).
+* :func:`recompute_losses` (``relax replay DIR --recompute-loss --run-dir RUN_DIR``):
+  for every recorded step k, the rows the trainer's ledger says it trained at
+  policy_version k-1 are loaded from the archive, the weights of version k-1 are
+  loaded from the run's checkpoints (version 0 = the initial model), the loss is
+  computed again on CPU with the run's loss settings and compared with the ``loss``
+  metric recorded for step k; the first step that differs by more than the
+  tolerance is reported.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pyarrow as pa
+
+from relax.infra.recipe import Recipe
+
+
+def _archived_topic(archive_dir: str | Path, name: str) -> str:
+    from relax.producers.archive import load_manifest
+
+    found = [t for t in load_manifest(archive_dir)["topics"] if t.endswith("." + name)]
+    if not found:
+        raise ValueError(f"{archive_dir}: no archived '<run>.{name}' topic")
+    return found[0]
+
+
+def archived_rows(archive_dir: str | Path, name: str) -> pa.Table:
+    """Every archived row of the run's ``name`` topic (e.g. ``train_samples``), with its
+    v1 schema, in archive order.
+
+    Raises:
+        ValueError: the archive has no such topic.
+    """
+    from relax.producers.archive import iter_archive, strip_meta
+
+    topic = _archived_topic(archive_dir, name)
+    tables = [strip_meta(t, name) for t in iter_archive(archive_dir, topic)]
+    if not tables:
+        from relax.schemas.v1 import get_schema
+
+        return get_schema(name).empty_table()
+    return pa.concat_tables(tables)
+
+
+def _groups(table: pa.Table) -> list[pa.Table]:
+    from relax.streams.codec import group_by_key
+
+    return [g for _, g in group_by_key(table, "group_id")]
+
+
+def train_from_archive(recipe: Recipe, archive_dir: str, *, say: Callable[[str], None] = print) -> dict:
+    """Train the recipe's model on the archive's train samples; returns a summary (also in
+    ``<run_root>/<run>/summary.json``); the model goes to ``final_model``."""
+    import time
+
+    from relax.trainer import checkpoint
+    from relax.trainer.backends import build_backend
+    from relax.trainer.batching import micro_batches
+    from relax.trainer.ledger import Ledger
+
+    t = recipe.trainer
+    run_dir = Path(recipe.run_root) / recipe.run
+    run_dir.mkdir(parents=True, exist_ok=True)
+    rows = archived_rows(archive_dir, "train_samples")
+    keep = rows.filter(rows.column("drop_reason").is_null())
+    groups = _groups(keep)
+    backend = build_backend(t)
+    ledger = Ledger()
+    t0 = time.time()
+    steps = min(t.steps, len(groups) // t.batch_groups)
+    if steps == 0:
+        raise ValueError(f"{archive_dir}: {len(groups)} trainable groups, fewer than one batch "
+                         f"of {t.batch_groups}")
+    for step in range(steps):
+        batch = groups[step * t.batch_groups:(step + 1) * t.batch_groups]
+        stats = backend.train_step(micro_batches(batch, t.max_tokens_per_microbatch))
+        for g in batch:
+            for rid in g.column("rollout_id").to_pylist():
+                ledger.record(rid, "trained", step)
+        say(f"offline step {step + 1}/{steps} loss={stats['loss']:.4f} "
+            f"grad_norm={stats['grad_norm']:.3f} rows={sum(g.num_rows for g in batch)}")
+    checkpoint.save(run_dir, backend, checkpoint.TrainerState(steps), ledger)
+    backend.model.save_pretrained(run_dir / "final_model", safe_serialization=True)
+    summary = {"run": recipe.run, "run_dir": str(run_dir), "steps": steps,
+               "sampled": rows.num_rows, "trained": len(ledger), "stale": 0,
+               "filtered": rows.num_rows - keep.num_rows, "errors": 0,
+               "offline_from": str(archive_dir), "train_s": round(time.time() - t0, 1)}
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+    return summary
+
+
+@dataclass
+class RecomputeReport:
+    """Per-step ``(step, recorded loss, recomputed loss)``, the first step whose relative
+    difference exceeds the tolerance (None if none), and steps skipped for lack of
+    weights."""
+
+    steps: list[tuple[int, float, float]] = field(default_factory=list)
+    first_divergent: int | None = None
+    skipped: list[int] = field(default_factory=list)
+
+
+def recompute_losses(archive_dir: str, run_dir: str, *, rtol: float = 1e-3,
+                     atol: float = 1e-5) -> RecomputeReport:
+    """Recompute every recorded step's loss from the archive and the run's checkpoints.
+
+    Args:
+        archive_dir: the run's archive (train_samples and metrics topics).
+        run_dir: the run folder (``recipe.yaml``, ``checkpoints/step_*``).
+        rtol / atol: a step diverges when |recorded - recomputed| > atol + rtol |recorded|.
+
+    Raises:
+        ValueError: no recorded losses, or no checkpoint with a ledger in ``run_dir``.
+    """
+    import torch
+
+    from relax.infra.recipe import load_recipe
+    from relax.trainer import checkpoint
+    from relax.trainer.backends.torch_backend import TorchBackend
+    from relax.trainer.batching import micro_batches
+    from relax.trainer.ledger import Ledger
+    from relax.trainer.losses import compute_policy_loss
+    from relax.trainer.losses.aggregate import mask_counts
+
+    run_dir_p = Path(run_dir)
+    recipe = load_recipe(run_dir_p / "recipe.yaml")
+    t = recipe.trainer
+    metrics = archived_rows(archive_dir, "metrics").to_pylist()
+    recorded = {int(r["policy_version"]): r["value"] for r in metrics
+                if r["component"] == "trainer" and r["name"] == "loss"}
+    if not recorded:
+        raise ValueError(f"{archive_dir}: no recorded trainer loss")
+    ckpt = checkpoint.latest(run_dir_p)
+    if ckpt is None:
+        raise ValueError(f"{run_dir}: no checkpoint (with its ledger)")
+    ledger = Ledger.load(ckpt / "ledger.parquet")
+    by_version: dict[int, set[str]] = {}
+    for rid, (outcome, version, _) in ledger.items():
+        if outcome == "trained":
+            by_version.setdefault(version, set()).add(rid)
+    samples = archived_rows(archive_dir, "train_samples")
+    backend = TorchBackend(t)
+    report = RecomputeReport()
+    for step in sorted(recorded):
+        ids = by_version.get(step - 1)
+        weights = run_dir_p / "checkpoints" / f"step_{step - 1:06d}"
+        if not ids or (step > 1 and not weights.exists()):
+            report.skipped.append(step)
+            continue
+        if step > 1:
+            backend.load(weights)
+        else:
+            backend = TorchBackend(t)
+        rows = samples.filter(pa.compute.is_in(samples.column("rollout_id"),
+                                               value_set=pa.array(sorted(ids))))
+        rows = _dedup(rows)
+        mbs = micro_batches(_groups(rows), t.max_tokens_per_microbatch)
+        counts = [mask_counts(mb.loss_mask) for mb in mbs]
+        tokens, seqs = sum(c[0] for c in counts), sum(c[1] for c in counts)
+        total = 0.0
+        with torch.no_grad():
+            for mb in mbs:
+                lp, ent = backend.logprobs(mb, with_entropy=t.loss.entropy_coef != 0)
+                old = mb.rollout_logprobs if t.old_logprobs == "rollout" else lp
+                loss, _ = compute_policy_loss(t.loss, lp, old, mb.advantages, mb.loss_mask,
+                                              rollout_logprobs=mb.rollout_logprobs,
+                                              ref_logprobs=mb.ref_logprobs, entropy=ent,
+                                              global_tokens=max(tokens, 1), global_seqs=max(seqs, 1))
+                total += float(loss)
+        rec = float(recorded[step])
+        report.steps.append((step, rec, total))
+        if report.first_divergent is None and abs(rec - total) > atol + rtol * abs(rec):
+            report.first_divergent = step
+    return report
+
+
+def _dedup(rows: pa.Table) -> pa.Table:
+    seen, keep = set(), []
+    for i, rid in enumerate(rows.column("rollout_id").to_pylist()):
+        if rid not in seen:
+            seen.add(rid)
+            keep.append(i)
+    return rows.take(pa.array(keep)) if len(keep) < rows.num_rows else rows

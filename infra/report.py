@@ -1,0 +1,69 @@
+"""The run folder: metrics as JSON lines, a PNG of reward and accuracy per step, and
+``summary.json`` with the fate of every sampled rollout (they must add up)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from relax.schemas import metric_names as M
+
+
+def step_rows(metric_rows: list[dict]) -> list[dict]:
+    """Trainer metric rows grouped into one dict per policy_version (step), in order."""
+    steps: dict[int, dict] = {}
+    for r in metric_rows:
+        if r["component"] != "trainer" or r["policy_version"] is None:
+            continue
+        if r["name"] in (M.GROUPS_CONSUMED, M.GROUPS_NEEDED, "done"):
+            continue
+        steps.setdefault(int(r["policy_version"]), {"step": int(r["policy_version"])})[r["name"]] \
+            = r["value"]
+    return [steps[k] for k in sorted(steps) if M.STEP_S in steps[k]]
+
+
+def write_metrics_jsonl(path: Path, metric_rows: list[dict]) -> None:
+    """Every metric row as one JSON object per line."""
+    with open(path, "w") as f:
+        for r in metric_rows:
+            f.write(json.dumps({**r, "ts": str(r["ts"])}) + "\n")
+
+
+def plot_curves(path: Path, steps: list[dict], eval_before: float | None = None,
+                eval_after: float | None = None) -> None:
+    """PNG with sampled reward mean and accuracy per step (and held-out greedy accuracy
+    before/after as two points)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    xs = [s["step"] for s in steps]
+    ax.plot(xs, [s.get(M.REWARD_MEAN) for s in steps], "o-", label="reward mean (sampled)")
+    ax.plot(xs, [s.get(M.ACCURACY) for s in steps], "s-", label="accuracy (sampled)")
+    if eval_before is not None:
+        ax.plot([0], [eval_before], "k^", ms=9, label="held-out greedy, before")
+    if eval_after is not None and xs:
+        ax.plot([max(xs)], [eval_after], "r^", ms=9, label="held-out greedy, after")
+    ax.set_xlabel("policy_version (optimizer step)")
+    ax.set_ylim(-0.02, 1.02)
+    ax.grid(alpha=0.3)
+    ax.legend(loc="lower right", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def accounting(sampled_ids: set[str], ledger_counts: dict[str, int], ledger_ids: set[str]) -> dict:
+    """The fate of every sampled rollout: ``sampled``, ``trained``, ``stale``,
+    ``filtered``, ``errors``, and ``unaccounted`` (sampled but not in the ledger) and
+    ``unknown`` (in the ledger but never sampled); ``balanced`` when
+    trained + stale + filtered + errors == sampled and nothing is unaccounted."""
+    out = {"sampled": len(sampled_ids), "trained": ledger_counts.get("trained", 0),
+           "stale": ledger_counts.get("stale", 0), "filtered": ledger_counts.get("filtered", 0),
+           "errors": ledger_counts.get("error", 0),
+           "unaccounted": len(sampled_ids - ledger_ids), "unknown": len(ledger_ids - sampled_ids)}
+    out["balanced"] = (out["trained"] + out["stale"] + out["filtered"] + out["errors"]
+                       == out["sampled"] and out["unaccounted"] == 0)
+    return out

@@ -1,0 +1,204 @@
+"""SGLang engine client against a local HTTP server serving hand-written answers that
+follow SGLang's source (see fixtures/sglang/README.md). No SGLang server runs here."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+import torch
+from testdata import StubTokenizer
+
+from relax.consumers.engines.base import Engine, SamplingParams
+from relax.consumers.engines.sglang import (
+    SGLangEngine,
+    SGLangError,
+    generate_request,
+    parse_generate_response,
+    sampling_params_json,
+)
+from relax.streams.weights import build_manifest, manifest_rows, plan_buckets
+
+FIXTURES = Path(__file__).parent / "fixtures" / "sglang"
+
+
+def _fixture(name: str):
+    return json.loads((FIXTURES / name).read_text())
+
+
+class _Server:
+    """A local HTTP server: ``routes[path] = (status, json body)``; records requests."""
+
+    def __init__(self):
+        self.routes: dict[str, tuple[int, object]] = {}
+        self.requests: list[tuple[str, dict]] = []
+        owner = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])) or b"{}")
+                owner.requests.append((self.path, body))
+                status, payload = owner.routes.get(self.path, (404, {"detail": "Not Found"}))
+                raw = json.dumps(payload).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(raw)))
+                self.end_headers()
+                self.wfile.write(raw)
+
+            def log_message(self, *args):
+                pass
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+@pytest.fixture
+def server():
+    s = _Server()
+    yield s
+    s.close()
+
+
+def test_module_imports_no_sglang():
+    code = (
+        "import sys, relax.consumers.engines.sglang as m; "
+        "assert 'sglang' not in sys.modules, 'sglang imported'; print('ok')"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
+
+
+def test_generate_request_and_response(server):
+    server.routes["/generate"] = (200, _fixture("generate_batch.json"))
+    engine = SGLangEngine(server.url, StubTokenizer(eos=2), engine_id="sg-0")
+    assert isinstance(engine, Engine)
+    params = SamplingParams(
+        max_new_tokens=4, temperature=0.7, top_p=0.9, top_k=0, stop=("\n\n",), seed=7
+    )
+    gens = engine.generate([[1, 2, 3], [1, 2]], params)
+    path, body = server.requests[0]
+    assert path == "/generate"
+    assert body["input_ids"] == [[1, 2, 3], [1, 2]] and body["return_logprob"] is True
+    assert body["sampling_params"][0] == {
+        "max_new_tokens": 4,
+        "temperature": 0.7,
+        "top_p": 0.9,
+        "top_k": -1,
+        "skip_special_tokens": True,
+        "no_stop_trim": True,
+        "stop": ["\n\n"],
+        "sampling_seed": 7,
+    }
+    a, b = gens
+    assert a.token_ids == [216, 37, 2] and a.finish_reason == "stop"
+    assert a.logprobs == pytest.approx([-0.9164103, -0.0421352, -0.3307513])
+    assert b.token_ids == [504, 3114, 314, 216] and b.finish_reason == "length"
+    assert (a.policy_version_start, a.policy_version_end) == (3, 3)
+    assert engine.policy_version == 3 and a.text == " 5"
+
+
+def test_abort_and_default_weight_version(server):
+    server.routes["/generate"] = (200, _fixture("generate_abort.json"))
+    engine = SGLangEngine(server.url, StubTokenizer(), policy_version=5)
+    (g,) = engine.generate([[1, 2]], SamplingParams(max_new_tokens=2))
+    assert g.finish_reason == "abort" and g.policy_version_start == 5  # "default" -> known version
+
+
+def test_malformed_answers_fail_clearly(server):
+    good = _fixture("generate_batch.json")
+    with pytest.raises(ValueError, match="answered 2 item"):
+        parse_generate_response(good, 3, 0)
+    bad = json.loads(json.dumps(good))
+    del bad[1]["meta_info"]["output_token_logprobs"]
+    with pytest.raises(ValueError, match="item 1: meta_info.output_token_logprobs missing"):
+        parse_generate_response(bad, 2, 0)
+    bad = json.loads(json.dumps(good))
+    bad[0]["output_ids"] = [1, 2, 3]
+    with pytest.raises(ValueError, match="item 0: output_ids"):
+        parse_generate_response(bad, 2, 0)
+    bad = json.loads(json.dumps(good))
+    bad[0]["meta_info"]["finish_reason"] = {"type": "eos"}
+    with pytest.raises(ValueError, match="finish_reason"):
+        parse_generate_response(bad, 2, 0)
+    server.routes["/generate"] = (500, {"detail": "CUDA out of memory"})
+    with pytest.raises(SGLangError, match="HTTP 500.*out of memory"):
+        SGLangEngine(server.url, StubTokenizer()).generate([[1]], SamplingParams())
+
+
+def test_weight_update_requests_follow_relax_buckets(server):
+    tensors = {
+        "a": torch.zeros(256, dtype=torch.float32),
+        "b": torch.zeros(64, dtype=torch.bfloat16),
+        "c": torch.zeros(300, dtype=torch.float32),
+    }
+    manifest = build_manifest(tensors)
+    ann = {
+        "policy_version": 4,
+        "manifest": manifest_rows(manifest),
+        "bucket_bytes": 1400,
+        "group_name": "run.weights.g2",
+    }
+    reqs = SGLangEngine.weight_update_requests(ann)
+    buckets = plan_buckets(manifest, 1400)
+    assert [r["names"] for r in reqs] == [[manifest[i].name for i in idx] for _, _, idx in buckets]
+    assert [r["names"] for r in reqs] == [["a"], ["c", "b"]]
+    assert reqs[1]["dtypes"] == ["float32", "bfloat16"] and reqs[1]["shapes"] == [[300], [64]]
+    assert all(
+        r["load_format"] == "flattened_bucket"
+        and r["weight_version"] == "4"
+        and r["group_name"] == "run.weights.g2"
+        for r in reqs
+    )
+    assert [r["flush_cache"] for r in reqs] == [False, True]
+
+    server.routes["/update_weights_from_distributed"] = (200, _fixture("update_weights_ok.json"))
+    server.routes["/init_weights_update_group"] = (200, _fixture("update_weights_ok.json"))
+    server.routes["/pause_generation"] = (200, {})
+    server.routes["/continue_generation"] = (200, {})
+    engine = SGLangEngine(server.url, StubTokenizer())
+    engine.init_weights_update_group("10.0.0.5", 29600, 1, 3, "run.weights.g2", backend="nccl")
+    engine.pause_generation("in_place")
+    assert engine.receive_weights(ann) == 4 and engine.policy_version == 4
+    engine.continue_generation()
+    paths = [p for p, _ in server.requests]
+    assert paths == [
+        "/init_weights_update_group",
+        "/pause_generation",
+        "/update_weights_from_distributed",
+        "/update_weights_from_distributed",
+        "/continue_generation",
+    ]
+    assert server.requests[0][1] == {
+        "master_address": "10.0.0.5",
+        "master_port": 29600,
+        "rank_offset": 1,
+        "world_size": 3,
+        "group_name": "run.weights.g2",
+        "backend": "nccl",
+    }
+    assert server.requests[1][1] == {"mode": "in_place"}
+    server.routes["/update_weights_from_distributed"] = (
+        200,
+        _fixture("update_weights_failed.json"),
+    )
+    with pytest.raises(SGLangError, match="init_weights_update_group"):
+        engine.receive_weights(ann)
+    with pytest.raises(NotImplementedError):
+        engine.update_weights({}, 5)
+
+
+def test_request_helpers_are_pure():
+    p = SamplingParams(max_new_tokens=3, top_k=5)
+    assert sampling_params_json(p)["top_k"] == 5 and "stop" not in sampling_params_json(p)
+    assert generate_request([[1]], p)["logprob_start_len"] == -1

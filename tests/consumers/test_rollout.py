@@ -1,0 +1,511 @@
+"""Rollout stage on the real broker (tiny model): schema-valid groups, the staleness budget,
+weights followed from the broadcast, epochs; multi-turn accumulation (C22), budgets."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pyarrow as pa
+import pytest
+import torch
+from testdata import prompt_rows
+
+from relax.consumers.engines.base import Generation, SamplingParams
+from relax.consumers.multiturn import TemplateError, observation_ids, render_ids, run_episodes
+from relax.consumers.rollout import RolloutConfig, RolloutStage, instance_budget, rollout_batch
+from relax.infra.read import read_table
+from relax.schemas import metric_names as M
+from relax.schemas import topics
+from relax.schemas.v1 import PROMPTS
+from relax.schemas.validate import validate
+from relax.streams.client import ensure_topics
+from relax.streams.producer import BatchProducer
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from relax.trainer.models import load_tokenizer
+
+    return load_tokenizer("tiny-llama")
+
+
+def _publish_prompts(bus, dataset: str, rows: list[dict], partitions: int = 1) -> None:
+    topic = topics.prompts_topic(dataset)
+    ensure_topics(bus, {topic: partitions})
+    p = BatchProducer(bus)
+    batch = pa.RecordBatch.from_pylist(rows, schema=PROMPTS)
+    validate(batch, "prompts")
+    p.send(topic, batch)
+    p.close()
+
+
+def _trainer_progress(bus, run: str, consumed: int, needed: int) -> None:
+    """Write the trainer's progress metrics as the trainer does (component trainer)."""
+    from relax.schemas.v1 import METRICS
+
+    p = BatchProducer(bus)
+    rows = [
+        dict(
+            ts=0,
+            component="trainer",
+            name=M.GROUPS_CONSUMED,
+            value=float(consumed),
+            policy_version=2,
+        ),
+        dict(
+            ts=0, component="trainer", name=M.GROUPS_NEEDED, value=float(needed), policy_version=2
+        ),
+    ]
+    p.send(topics.run_topic(run, "metrics"), pa.RecordBatch.from_pylist(rows, schema=METRICS))
+    p.close()
+
+
+def _wait(cond, timeout_s: float = 90.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what} not reached in {timeout_s}s")
+        time.sleep(0.05)
+
+
+class _Runner:
+    """Runs a stage in a thread; ``stop()`` ends it and re-raises its exception."""
+
+    def __init__(self, stage: RolloutStage, **kw):
+        self.stage, self.error, self._stop = stage, None, threading.Event()
+
+        def main():
+            try:
+                stage.run(self._stop.is_set, **kw)
+            except BaseException as e:  # re-raised in the test thread
+                self.error = e
+
+        self.thread = threading.Thread(target=main, daemon=True)
+        self.thread.start()
+
+    def check(self):
+        if self.error is not None:
+            raise self.error
+
+    def stop(self):
+        self._stop.set()
+        self.thread.join(timeout=60)
+        self.check()
+
+
+def test_budget_formula_splits_one_global_budget():
+    assert instance_budget(0, 0, 0, 2) == 2
+    assert instance_budget(3, 0, 1, 4) == 20  # (3 + 1 + 1) * 4
+    shares = [instance_budget(2, 0, 1, 5, i, 3) for i in range(3)]
+    assert sum(shares) == 20 and max(shares) - min(shares) <= 1
+    assert instance_budget(7, 7, 0, 3) == 3  # a stage started at trainer v7
+    # the trainer's credit: dropped groups are replaced, and nothing beyond what it needs
+    assert instance_budget(2, 0, 0, 2, groups_consumed=7) == 9  # 7 decided + B = 2
+    assert instance_budget(2, 0, 0, 2, groups_consumed=3) == 6  # never below V * batch_groups
+    assert instance_budget(2, 0, 1, 2, groups_consumed=4, groups_needed=1) == 5
+    assert instance_budget(2, 0, 1, 2, groups_consumed=4, groups_needed=0) == 4
+
+
+def test_rollout_stage_on_the_broker_respects_the_staleness_budget(
+    bus, unique, tmp_path, tokenizer
+):
+    """6 prompts, G = 2, batch_groups = 2, max_staleness = 0: 2 groups at v0, then nothing
+    until the trainer announces v1 (and its weights arrive by broadcast), 2 more at v1,
+    2 more at v2. Every row valid against ROLLOUTS."""
+    from relax.streams.weights import WeightPublisher
+    from relax.trainer.models import load_model
+
+    rows = prompt_rows(8, dataset=unique, messages=False)
+    rows[1]["messages"] = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "What is 1 + 1?"},
+    ]
+    _publish_prompts(bus, unique, rows, partitions=2)
+    pub = WeightPublisher(bus, unique, checkpoint_dir=tmp_path / "ckpt")
+    cfg = RolloutConfig(
+        bus=bus,
+        run=unique,
+        dataset=unique,
+        model="tiny-llama",
+        group_size=2,
+        batch_groups=2,
+        max_staleness=0,
+        max_new_tokens=6,
+        temperature=0.8,
+        seed=0,
+        weights_rendezvous=pub.rendezvous,
+        metrics_every_s=0.5,
+        rollouts_partitions=2,
+    )
+    stage = RolloutStage(cfg)
+    runner = _Runner(stage)
+    trainer = load_model("tiny-llama")
+    params = dict(trainer.named_parameters())
+    try:
+        pub.wait_for_members(1, 60)
+        _wait(lambda: runner.check() or stage.stats.groups >= 2, what="2 groups")
+        time.sleep(2.0)
+        assert stage.stats.groups == 2 and stage.stats.budget_waits > 0
+        for v in (1, 2):
+            with torch.no_grad():
+                for p in params.values():
+                    p.mul_(1.01)
+            assert pub.publish(params, v).result().members == ["rollout-0"]
+            want = 2 + 2 * v
+            _wait(lambda n=want: runner.check() or stage.stats.groups >= n, what=f"groups at v{v}")
+            time.sleep(1.0 if v == 1 else 0.0)
+            assert stage.stats.groups == want
+        assert stage.engine.policy_version == 2
+        # the trainer's progress metrics: it decided 6 groups and needs none -> no group;
+        # then it needs 2 more (it dropped 2, say) -> 2 groups without a new version
+        _trainer_progress(bus, unique, consumed=6, needed=0)
+        time.sleep(2.0)
+        assert stage.stats.groups == 6
+        _trainer_progress(bus, unique, consumed=6, needed=2)
+        _wait(lambda: runner.check() or stage.stats.groups >= 8, what="groups on credit")
+    finally:
+        runner.stop()
+        pub.close()
+
+    table = read_table(bus, topics.run_topic(unique, "rollouts"))
+    validate(table, "rollouts")
+    out = table.to_pylist()
+    assert len(out) == 16
+    by_group: dict[str, list[dict]] = {}
+    for r in out:
+        by_group.setdefault(r["group_id"], []).append(r)
+    assert sorted(by_group) == [f"p{i:04d}:0" for i in range(8)]
+    prompts = {r["prompt_id"]: r for r in rows}
+    versions = []
+    for gid, rs in by_group.items():
+        assert sorted(r["sample_index"] for r in rs) == [0, 1]
+        src = prompts[gid.split(":")[0]]
+        msgs = src["messages"] or [{"role": "user", "content": src["prompt"]}]
+        for r in rs:
+            assert r["rollout_id"] == f"{gid}/{r['sample_index']}" and r["group_size"] == 2
+            assert r["prompt_ids"] == render_ids(tokenizer, msgs)
+            n = len(r["response_ids"])
+            assert 1 <= n <= 6 and r["loss_mask"] == [1] * n and len(r["logprobs"]) == n
+            assert all(lp <= 0 for lp in r["logprobs"])
+            assert r["finish_reason"] in ("stop", "length")
+            assert r["policy_version_start"] == r["policy_version_end"]
+            assert r["token_policy_versions"] is None
+            assert r["turns"] == [{"role": "assistant", "start": 0, "end": n}]
+            assert r["started_at"] <= r["finished_at"] and r["engine_id"] == "rollout-0"
+            assert r["temperature"] == pytest.approx(0.8) and r["label"] == src["label"]
+        versions.append((rs[0]["finished_at"], rs[0]["policy_version_start"]))
+    assert sorted(v for _, v in versions) == [0, 0, 1, 1, 2, 2, 2, 2]
+    metrics = read_table(bus, topics.run_topic(unique, "metrics")).to_pylist()
+    mine = [m for m in metrics if m["component"] == "rollout-0"]
+    names = {m["name"] for m in mine}
+    assert {M.GEN_TOKENS_PER_S, M.GROUPS_IN_FLIGHT, M.BUDGET_WAIT_S, M.GROUPS_SAMPLED} <= names
+    assert max(m["value"] for m in mine if m["name"] == M.BUDGET_WAIT_S) > 1.0
+    assert max(m["value"] for m in mine if m["name"] == M.GROUPS_SAMPLED) == 8
+
+
+def test_epochs_reread_the_prompts_with_the_epoch_in_the_group_id(bus, unique):
+    _publish_prompts(bus, unique, prompt_rows(2, dataset=unique))
+    cfg = RolloutConfig(
+        bus=bus,
+        run=unique,
+        dataset=unique,
+        group_size=1,
+        batch_groups=8,
+        max_staleness=0,
+        max_new_tokens=3,
+        epochs=3,
+        follow_weights=False,
+    )
+    stats = RolloutStage(cfg).run(stop_when_exhausted=True)
+    assert stats.groups == 6 and stats.epochs_started == 2
+    out = read_table(bus, topics.run_topic(unique, "rollouts")).column("group_id").to_pylist()
+    assert sorted(out) == sorted(f"p{i:04d}:{e}" for i in range(2) for e in range(3))
+
+
+# ---------------------------------------------------------------- multi-turn
+
+
+class _ScriptedEngine:
+    """An engine that answers each generate call with scripted texts (+ end-of-turn)."""
+
+    def __init__(self, tokenizer, turns: list[str], version: int = 0):
+        self.tokenizer, self.turns, self.calls = tokenizer, list(turns), []
+        self.engine_id, self.policy_version = "scripted", version
+        self.stop_token_ids = frozenset({tokenizer.eos_token_id})
+
+    def generate(self, prompts, params):
+        self.calls.append((prompts, params))
+        text = self.turns.pop(0)
+        ids = self.tokenizer.encode(text, add_special_tokens=False)
+        reason = "stop" if len(ids) < params.max_new_tokens else "length"
+        ids = (
+            ids + [self.tokenizer.eos_token_id]
+            if reason == "stop"
+            else ids[: params.max_new_tokens]
+        )
+        return [
+            Generation(
+                token_ids=ids,
+                logprobs=[-0.5] * len(ids),
+                finish_reason=reason,
+                policy_version_start=self.policy_version,
+                policy_version_end=self.policy_version,
+                text=self.tokenizer.decode(ids, skip_special_tokens=True),
+            )
+            for _ in prompts
+        ]
+
+    def update_weights(self, named_tensors, policy_version):
+        raise NotImplementedError
+
+
+class _ToolEnv:
+    """Replies with a tool response for the first ``k`` turns, then ends the episode."""
+
+    def __init__(self, replies: list[str], role: str = "user"):
+        self.replies, self.role, self.seen = list(replies), role, []
+
+    def reset(self, prompt_row):
+        return None
+
+    def step(self, response_text):
+        self.seen.append(response_text)
+        if not self.replies:
+            return None, True, 1.0
+        return (
+            {"role": self.role, "content": f"<tool_response>{self.replies.pop(0)}</tool_response>"},
+            False,
+            0.0,
+        )
+
+
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_c22_incremental_tokenisation_equals_the_full_render(tokenizer, k):
+    """k tool turns: prompt + response ids equal the template's full render of the whole
+    conversation (length difference 0; the newline after every <|im_end|> is there), and
+    loss_mask is 1 exactly on the model's tokens (X <|im_end|> ... Z <|im_end|>)."""
+    texts = [f"call tool {i}" for i in range(k)] + ["The answer is Z."]
+    engine = _ScriptedEngine(tokenizer, texts)
+    row = prompt_rows(1)[0]
+    env = _ToolEnv([f"Y{i}" for i in range(k)])
+    (ep,) = run_episodes(
+        engine, tokenizer, [env], row, SamplingParams(max_new_tokens=20), max_turns=k + 1
+    )
+    assert ep.finish_reason == "stop" and env.seen == texts
+    conv = [{"role": "user", "content": row["prompt"]}]
+    for i in range(k):
+        conv += [
+            {"role": "assistant", "content": texts[i]},
+            {"role": "user", "content": f"<tool_response>Y{i}</tool_response>"},
+        ]
+    conv.append({"role": "assistant", "content": texts[-1]})
+    full = render_ids(tokenizer, conv, add_generation_prompt=False)
+    ours = ep.prompt_ids + ep.response_ids
+    newline = tokenizer.encode("\n", add_special_tokens=False)
+    assert full[-1:] == newline  # the template's newline after the final <|im_end|>
+    assert ours == full[:-1]  # token for token; length difference 0
+    eot = tokenizer.eos_token_id
+    model_spans = [t for t in ep.turns if t["role"] == "assistant"]
+    assert len(model_spans) == k + 1 and [t["role"] for t in ep.turns][1::2] == ["user"] * k
+    for t in model_spans:
+        assert ep.response_ids[t["end"] - 1] == eot
+    expected_mask = [0] * len(ep.response_ids)
+    for t in model_spans:
+        expected_mask[t["start"] : t["end"]] = [1] * (t["end"] - t["start"])
+    assert ep.loss_mask == expected_mask
+    for t in ep.turns[1::2]:  # environment spans start with the template newline (mask 0)
+        assert ep.response_ids[t["start"] : t["start"] + 1] == newline
+        assert all(lp == 0.0 for lp in ep.logprobs[t["start"] : t["end"]])
+    faulty = [
+        tok
+        for i, tok in enumerate(ep.response_ids)  # the fault drops those newlines
+        if not any(i == t["start"] for t in ep.turns[1::2])
+    ]
+    assert len(ep.prompt_ids) + len(faulty) == len(full) - 1 - k
+
+
+def test_observation_delta_without_end_of_turn_closes_the_turn(tokenizer):
+    """A model turn cut by a stop string (no <|im_end|>): the template's <|im_end|> and
+    newline are appended with the observation, with loss_mask 0."""
+    conv = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "X"}]
+    ids = observation_ids(
+        tokenizer,
+        conv,
+        [{"role": "user", "content": "Y"}],
+        ended_with_eot=False,
+        eot_text=tokenizer.eos_token,
+    )
+    assert (
+        tokenizer.decode(ids)
+        == "<|im_end|>\n<|im_start|>user\nY<|im_end|>\n<|im_start|>assistant\n"
+    )
+
+
+def test_non_prefix_stable_template_is_refused(tokenizer):
+    class Stripping:
+        eos_token = "<|im_end|>"
+
+        def apply_chat_template(self, messages, add_generation_prompt, tokenize):
+            text = "".join(
+                f"<{m['role']}>{m['content'] if m is messages[-1] else '...'}<|im_end|>"
+                for m in messages
+            )
+            return text
+
+    with pytest.raises(TemplateError, match="prefix-stable"):
+        observation_ids(
+            Stripping(),
+            [{"role": "user", "content": "q"}, {"role": "assistant", "content": "x"}],
+            [{"role": "user", "content": "y"}],
+            ended_with_eot=True,
+            eot_text="<|im_end|>",
+        )
+
+
+def test_turn_and_token_budgets(tokenizer):
+    row = prompt_rows(1)[0]
+    engine = _ScriptedEngine(tokenizer, ["a b c"] * 3)
+    (ep,) = run_episodes(
+        engine,
+        tokenizer,
+        [_ToolEnv(["y"] * 10)],
+        row,
+        SamplingParams(max_new_tokens=10),
+        max_turns=3,
+    )
+    assert ep.finish_reason == "turn_budget"
+    assert [t["role"] for t in ep.turns] == ["assistant", "user"] * 2 + ["assistant"]
+    assert ep.rewards == [0.0, 0.0, 0.0]
+    engine = _ScriptedEngine(tokenizer, ["a b c d e f g h"] * 3)
+    (ep,) = run_episodes(
+        engine,
+        tokenizer,
+        [_ToolEnv(["y"] * 10)],
+        row,
+        SamplingParams(max_new_tokens=30),
+        max_turns=5,
+        max_total_tokens=22,
+    )
+    assert ep.finish_reason == "token_budget" and len(ep.response_ids) <= 22
+    engine = _ScriptedEngine(tokenizer, ["a b c d e f g h i j k l m n o p"])
+    (ep,) = run_episodes(
+        engine, tokenizer, [_ToolEnv(["y"])], row, SamplingParams(max_new_tokens=4), max_turns=3
+    )
+    assert ep.finish_reason == "length" and ep.loss_mask == [1] * 4
+
+
+def test_multiturn_rows_through_the_hf_engine_hold_one_version(tokenizer):
+    """Real engine, G = 3 episodes in lockstep: rows are schema-valid, model tokens are
+    exactly the mask-1 spans, and a weight update staged mid-episode waits for the group."""
+    from relax.consumers.engines.hf import HFEngine
+
+    engine = HFEngine("tiny-llama", device="cpu")
+    staged = {n: p.detach() * 1.0 for n, p in engine.model.named_parameters()}
+
+    class Env(_ToolEnv):
+        def step(self, response_text):
+            if len(self.seen) == 0:
+                engine.update_weights(staged, 1)  # arrives mid-episode
+            return super().step(response_text)
+
+    row = prompt_rows(1)[0]
+    envs = [Env(["Y"]) for _ in range(3)]
+    params = SamplingParams(max_new_tokens=8, temperature=0.9, seed=1, stop=(" ", "e", "a"))
+    eps = run_episodes(engine, engine.tokenizer, envs, row, params, max_turns=2)
+    assert all(len(e.turns) == 3 for e in eps)  # stop strings end turn 1 without <|im_end|>
+    assert all(e.response_ids[e.turns[1]["start"]] == engine.tokenizer.eos_token_id for e in eps)
+    assert engine.pending_version == 1 and engine.policy_version == 0
+    cfg = RolloutConfig(
+        bus={"bootstrap_servers": "unused:1"},
+        run="r",
+        dataset="d",
+        group_size=3,
+        max_new_tokens=8,
+        temperature=0.9,
+    )
+    batch = rollout_batch(row, "p0000:0", eps, cfg, "hf-0", 0, 1)
+    for r in batch.to_pylist():
+        assert r["policy_version_start"] == r["policy_version_end"] == 0
+        for t in r["turns"]:
+            want = 1 if t["role"] == "assistant" else 0
+            assert set(r["loss_mask"][t["start"] : t["end"]]) == {want}
+        assert sum(t["end"] - t["start"] for t in r["turns"]) == len(r["response_ids"])
+    assert engine.generate([[1, 2]], SamplingParams(max_new_tokens=1))[0].policy_version_start == 1
+
+
+def test_relax_rollout_command_runs_the_stage(bus, unique, tmp_path):
+    from typer.testing import CliRunner
+
+    from relax.infra.cli import app
+
+    _publish_prompts(bus, unique, prompt_rows(2, dataset=unique))
+    (tmp_path / "rollout.yaml").write_text("group_size: 2\nmax_new_tokens: 3\nbatch_groups: 4\n")
+    result = CliRunner().invoke(
+        app,
+        [
+            "rollout",
+            "--run",
+            unique,
+            "--dataset",
+            unique,
+            "--model",
+            "tiny-llama",
+            "--config",
+            str(tmp_path / "rollout.yaml"),
+            "--set",
+            "follow_weights=false",
+            "--exit-when-exhausted",
+            "--bootstrap",
+            bus.bootstrap_servers,
+        ],
+    )
+    assert result.exit_code == 0, result.output
+    assert "groups=2 samples=4" in result.output
+    bad = CliRunner().invoke(
+        app,
+        [
+            "rollout",
+            "--run",
+            unique,
+            "--dataset",
+            unique,
+            "--set",
+            "group_size=0",
+            "--bootstrap",
+            bus.bootstrap_servers,
+        ],
+    )
+    assert bad.exit_code == 2 and "group_size" in bad.output
+
+
+def test_prompt_template_is_applied_before_the_chat_template(tokenizer):
+    cfg = RolloutConfig(
+        bus={"bootstrap_servers": "unused:1"},
+        run="r",
+        dataset="d",
+        prompt_template="{prompt}\nReply with just the number.",
+    )
+    engine = _ScriptedEngine(tokenizer, [])
+    stage = RolloutStage(cfg, engine=engine)
+    row = prompt_rows(1)[0]
+    from relax.consumers.rollout import _Item
+
+    ids = stage._render(_Item(None, row, 0))
+    want = [{"role": "user", "content": "What is 0 + 1?\nReply with just the number."}]
+    assert ids == render_ids(tokenizer, want)
+    with pytest.raises(ValueError, match="prompt_template"):
+        RolloutConfig(
+            bus={"bootstrap_servers": "unused:1"},
+            run="r",
+            dataset="d",
+            prompt_template="{question}",
+        )

@@ -1,0 +1,317 @@
+"""Weight channel: flat layout, checksums, safetensors checkpoints, and a real gloo
+broadcast from a publisher to subscriber processes (with a late joiner)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from relax.streams.weights import (
+    AnnouncementReader,
+    WeightPublisher,
+    WeightSubscriber,
+    build_manifest,
+    checksum,
+    flatten_into,
+    plan_buckets,
+    read_safetensors_flat,
+    replay_membership,
+    total_bytes,
+    views,
+    write_safetensors,
+)
+
+
+def _announcements(bus, run: str, n: int, timeout_s: float = 30.0) -> list[dict]:
+    """The first ``n`` announcement rows of ``<run>.weights`` (each validated on read)."""
+    reader = AnnouncementReader(bus, run)
+    rows: list[dict] = []
+    deadline = time.monotonic() + timeout_s
+    try:
+        while len(rows) < n and time.monotonic() < deadline:
+            rows += reader.poll(0.5)
+    finally:
+        reader.close()
+    return rows
+
+
+def _tensors() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return {
+        "emb": torch.randn(10, 4, generator=g),
+        "half": torch.randn(3, 3, generator=g).to(torch.bfloat16),
+        "steps": torch.arange(5, dtype=torch.int64),
+        "mask": torch.tensor([True, False, True]),
+    }
+
+
+def test_manifest_is_aligned_and_contiguous():
+    m = build_manifest(_tensors())
+    assert [e.name for e in m] == ["steps", "emb", "half", "mask"]  # element size 8, 4, 2, 1
+    for e in m:
+        assert e.offset % torch.tensor([], dtype=getattr(torch, e.dtype)).element_size() == 0
+    assert [e.offset for e in m] == [0, 40, 200, 218] and total_bytes(m) == 221
+    with pytest.raises(ValueError, match="empty"):
+        build_manifest({})
+    with pytest.raises(ValueError, match="not supported"):
+        build_manifest({"c": torch.zeros(2, dtype=torch.complex64)})
+
+
+def test_buckets_hold_whole_tensors():
+    m = build_manifest({"a": torch.zeros(100), "b": torch.zeros(10), "c": torch.zeros(30)})
+    assert plan_buckets(m, 160) == [(0, 400, [0]), (400, 560, [1, 2])]  # a (400 B) travels alone
+    assert plan_buckets(m, 10_000) == [(0, 560, [0, 1, 2])]
+    with pytest.raises(ValueError):
+        plan_buckets(m, 0)
+
+
+def test_flat_roundtrip_and_checksum_detects_one_flipped_bit():
+    t = _tensors()
+    m = build_manifest(t)
+    flat = torch.empty(total_bytes(m), dtype=torch.uint8)
+    flatten_into(flat, t, m)
+    for name, v in views(flat, m).items():
+        assert torch.equal(v, t[name])
+    digest = checksum(flat)
+    assert digest.startswith("crc32c:") and len(digest) == 15
+    flat[100] ^= 1
+    assert checksum(flat) != digest
+    with pytest.raises(ValueError, match="manifest says"):
+        flatten_into(flat, {**t, "emb": torch.zeros(4, 10)}, m)
+
+
+def test_safetensors_checkpoint_is_the_flat_stream(tmp_path):
+    from safetensors.torch import load_file
+
+    t = _tensors()
+    m = build_manifest(t)
+    flat = torch.empty(total_bytes(m), dtype=torch.uint8)
+    flatten_into(flat, t, m)
+    write_safetensors(tmp_path / "model.safetensors", flat, m, {"policy_version": "7"})
+    loaded = load_file(tmp_path / "model.safetensors")
+    assert set(loaded) == set(t) and all(torch.equal(loaded[k], t[k]) for k in t)
+    back, m2 = read_safetensors_flat(tmp_path / "model.safetensors")
+    assert m2 == m and checksum(back) == checksum(flat)
+
+
+def test_membership_log_replays_joins_and_leaves_in_order():
+    assert replay_membership(b"+a\n+b\n-a\n+c\n+a\n+b\n") == ["b", "c", "a"]
+    assert replay_membership(b"") == []
+
+
+def test_publish_rejects_old_versions_and_changed_tensors(bus, unique, tmp_path):
+    pub = WeightPublisher(bus, unique, checkpoint_dir=tmp_path)
+    try:
+        w = {"w": torch.ones(3)}
+        stats = pub.publish(w, 1).result()
+        assert stats.members == [] and stats.checkpoint_uri.endswith("v00000001")
+        with pytest.raises(ValueError, match="not newer"):
+            pub.publish(w, 1)
+        with pytest.raises(ValueError, match="differ"):
+            pub.publish({"w": torch.ones(4)}, 2)
+    finally:
+        pub.close()
+    rows = _announcements(bus, unique, 2)
+    assert [r["transport"] for r in rows] == ["gloo", "checkpoint"]
+    assert [r["policy_version"] for r in rows] == [1, 1]
+    assert rows[0]["checkpoint_uri"] is None and rows[1]["checkpoint_uri"] == stats.checkpoint_uri
+    assert rows[0]["checksum"] == rows[1]["checksum"] and rows[0]["total_bytes"] == 12
+
+
+def test_checkpoint_catch_up_and_checksum_failure(bus, unique, tmp_path):
+    """A subscriber with no group catches up from the newest checkpoint into a plain
+    module (the reference stage's use); a corrupted checkpoint is refused."""
+    model = torch.nn.Linear(4, 3)
+    pub = WeightPublisher(bus, unique, checkpoint_dir=tmp_path / "ckpt", checkpoint_every=2)
+    published = {}
+    try:
+        for v in (1, 2, 3):
+            with torch.no_grad():
+                model.weight.add_(1.0)
+            published[v] = model.weight.detach().clone()
+            pub.publish(dict(model.named_parameters()), v).result()
+    finally:
+        pub.close()
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["v00000001", "v00000002"]
+    target = torch.nn.Linear(4, 3)
+    with WeightSubscriber(bus, unique, member_id="ref") as sub:
+        assert sub.wait_for(2, 30) == 2
+        assert sub.apply(target) == 2 and sub.apply(target) is None
+    assert torch.equal(target.weight, published[2]) and torch.equal(target.bias, model.bias)
+    path = tmp_path / "ckpt" / "v00000002" / "model.safetensors"
+    raw = bytearray(path.read_bytes())
+    raw[-1] ^= 0xFF
+    path.write_bytes(bytes(raw))
+    with WeightSubscriber(bus, unique, member_id="ref2") as sub:
+        deadline = time.monotonic() + 30
+        with pytest.raises(RuntimeError, match="stopped") as err:
+            while time.monotonic() < deadline:
+                sub.poll(0.2)
+        assert "checksum" in str(err.value.__cause__)
+        assert sub.stats.checksum_failures == 1
+
+
+_SUBSCRIBER = textwrap.dedent("""
+    import json, sys, time
+    from pathlib import Path
+    import torch
+    torch.set_num_threads(1)
+    from safetensors.torch import save_file
+    from relax.consumers.engines.base import SamplingParams
+    from relax.consumers.engines.hf import HFEngine
+    from relax.streams.client import BusConfig
+    from relax.streams.weights import (WeightSubscriber, build_manifest, checksum, flatten_into,
+                                       total_bytes)
+
+    bootstrap, run, member, rdv, out, mode = sys.argv[1:7]
+    out = Path(out)
+    engine = HFEngine("tiny-llama", device="cpu", partial_rollout=(mode == "partial"),
+                      chunk_tokens=4, stop_token_ids=(), use_default_stop_ids=False)
+    if mode == "late":  # load early; subscribe only once told to
+        while not (out / (member + ".go")).exists():
+            time.sleep(0.05)
+    T0 = time.time()
+    def mark(what):
+        print(member, what, round(time.time() - T0, 2), file=sys.stderr, flush=True)
+    sub = WeightSubscriber(BusConfig(bootstrap_servers=bootstrap), run, member_id=member,
+                           target=engine, rendezvous=rdv or None).start()
+    mark("started")
+    result = {}
+    sub.wait_for(2, 180)
+    mark("v2")
+    engine.apply_pending()
+    assert engine.policy_version == 2, engine.policy_version
+    (out / (member + ".v2")).touch()
+    if mode == "partial":
+        calls = []
+        def hook(e):
+            calls.append(1)
+            if len(calls) == 3:  # after the 2nd chunk: wait until v3 is staged
+                (out / (member + ".waiting")).touch()
+                deadline = time.time() + 180
+                while e.pending_version != 3 and time.time() < deadline:
+                    time.sleep(0.01)
+        engine.safe_point_hook = hook
+        g, = engine.generate([[1, 2, 3, 4]], SamplingParams(max_new_tokens=14, seed=0))
+        engine.safe_point_hook = None
+        result["sample_versions"] = g.token_policy_versions
+    sub.wait_for(3, 180)
+    mark("v3")
+    engine.apply_pending()
+    named = {n: p.detach().clone() for n, p in engine.model.named_parameters()}
+    m = build_manifest(named)
+    flat = torch.empty(total_bytes(m), dtype=torch.uint8)
+    flatten_into(flat, named, m)
+    save_file(named, str(out / (member + ".safetensors")))
+    result.update(version=engine.policy_version, checksum=checksum(flat),
+                  history=sub.stats.history, failures=sub.stats.checksum_failures,
+                  blocked_s=engine.stats.swap_blocked_s)
+    mark("saved")
+    sub.close()
+    mark("closed")
+    (out / (member + ".json")).write_text(json.dumps(result))
+""")
+
+
+def _wait_file(path: Path, procs, timeout_s: float = 180.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not path.exists():
+        for p in procs:
+            if p.poll() not in (None, 0):
+                raise AssertionError(f"subscriber exited {p.returncode} (its stderr is above)")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{path.name} not written in {timeout_s}s")
+        time.sleep(0.05)
+
+
+def test_gloo_broadcast_to_two_subscriber_processes_and_a_late_joiner(bus, unique, tmp_path):
+    """Publisher here, two subscriber processes (HF engines) joined before v1, a third
+    started after v2: all end on v3 with bit-identical weights and verified checksums; the
+    late joiner caught up from the v2 safetensors and joined the broadcast at v3; a sample
+    generated across the v2 -> v3 swap (partial rollout) is tagged 8 x v2 then 6 x v3."""
+    from relax.trainer.models import load_model
+
+    script = tmp_path / "subscriber.py"
+    script.write_text(_SUBSCRIBER)
+    model = load_model("tiny-llama")
+    params = dict(model.named_parameters())
+    pub = WeightPublisher(
+        bus, unique, checkpoint_dir=tmp_path / "ckpt", bucket_bytes=4 << 20, join_timeout_s=120
+    )
+
+    def spawn(member: str, mode: str, rendezvous: str) -> subprocess.Popen:
+        return subprocess.Popen(
+            [
+                sys.executable,
+                str(script),
+                bus.bootstrap_servers,
+                unique,
+                member,
+                rendezvous,
+                str(tmp_path),
+                mode,
+            ],
+            text=True,
+        )
+
+    def step(seed: int) -> None:
+        g = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for p in params.values():
+                p.add_(torch.randn(p.shape, generator=g) * 0.01)
+
+    procs = [
+        spawn("A", "partial", pub.rendezvous),
+        spawn("B", "plain", pub.rendezvous),
+        spawn("C", "late", ""),
+    ]
+    try:
+        assert pub.wait_for_members(2, 180) == ["A", "B"] or set(pub.members()) == {"A", "B"}
+        for v in (1, 2):
+            step(v)
+            stats = pub.publish(params, v).result()
+            assert stats.error is None and sorted(stats.members) == ["A", "B"]
+        for m in ("A", "B"):
+            _wait_file(tmp_path / f"{m}.v2", procs)
+        (tmp_path / "C.go").touch()
+        pub.wait_for_members(3, 180)
+        _wait_file(tmp_path / "C.v2", procs)
+        _wait_file(tmp_path / "A.waiting", procs)
+        step(3)
+        stats = pub.publish(params, 3).result()
+        assert stats.error is None and sorted(stats.members) == ["A", "B", "C"]
+        for m in ("A", "B", "C"):
+            _wait_file(tmp_path / f"{m}.json", procs)
+        for p in procs:
+            assert p.wait(timeout=60) == 0
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+        pub.close()
+
+    from safetensors.torch import load_file
+
+    ann = _announcements(bus, unique, 6)
+    v3 = [a for a in ann if a["policy_version"] == 3 and a["transport"] == "gloo"][0]
+    results = {m: json.loads((tmp_path / f"{m}.json").read_text()) for m in ("A", "B", "C")}
+    for m, r in results.items():
+        assert r["version"] == 3 and r["failures"] == 0
+        assert r["checksum"] == v3["checksum"]
+        got = load_file(tmp_path / f"{m}.safetensors")
+        for name, p in params.items():
+            assert torch.equal(got[name], p.detach()), (m, name)
+    assert (
+        results["A"]["history"]
+        == results["B"]["history"]
+        == [[1, "broadcast"], [2, "broadcast"], [3, "broadcast"]]
+    )
+    assert results["C"]["history"] == [[2, "checkpoint"], [3, "broadcast"]]
+    assert results["A"]["sample_versions"] == [2] * 8 + [3] * 6

@@ -1,0 +1,68 @@
+"""Micro-batching of whole groups and collation (lengths -> masks, never token values)."""
+
+from __future__ import annotations
+
+import pyarrow as pa
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from relax.streams.codec import group_by_key
+from relax.trainer.batching import collate, micro_batches, pack_groups
+
+from testdata import train_sample_table
+
+
+@given(st.lists(st.lists(st.integers(1, 50), min_size=1, max_size=6), min_size=1, max_size=12),
+       st.integers(10, 200))
+@settings(max_examples=60, deadline=None)
+def test_pack_groups_whole_and_under_budget(groups, budget):
+    mbs = pack_groups(groups, budget)
+    assert sorted(i for mb in mbs for i in mb) == list(range(len(groups)))
+    for mb in mbs:
+        rows = sum(len(groups[i]) for i in mb)
+        longest = max(max(groups[i]) for i in mb)
+        assert rows * longest <= budget or len(mb) == 1
+
+
+def test_pack_groups_rejects_bad_budget():
+    with pytest.raises(ValueError, match="max_tokens_per_microbatch"):
+        pack_groups([[3]], 0)
+
+
+def test_collate_positions_and_masks_from_lengths():
+    t = train_sample_table(1, group_size=2, prompt_len=(3, 3), response_len=(2, 4), seed=3)
+    rows = t.to_pylist()
+    rows[0]["response_ids"][-1] = 2  # an EOS id that equals a pad value must stay trained
+    t = pa.Table.from_pylist(rows, schema=t.schema)
+    mb = collate(t)
+    for b, r in enumerate(rows):
+        p, n = len(r["prompt_ids"]), len(r["response_ids"])
+        assert mb.input_ids[b, :p].tolist() == r["prompt_ids"]
+        assert mb.input_ids[b, p:p + n].tolist() == r["response_ids"]
+        assert mb.attention_mask[b].sum() == p + n
+        assert mb.response_index[b, :n].tolist() == list(range(p - 1, p - 1 + n))
+        assert mb.targets[b, :n].tolist() == r["response_ids"]
+        assert mb.loss_mask[b].tolist()[:n] == [1.0] * n and mb.loss_mask[b, n:].sum() == 0
+        assert mb.rollout_logprobs[b, :n].tolist() == pytest.approx(r["logprobs"])
+
+
+def test_collate_rejects_mixed_temperatures():
+    t = train_sample_table(1, group_size=2)
+    rows = t.to_pylist()
+    rows[1]["temperature"] = 0.7
+    with pytest.raises(ValueError, match="temperature"):
+        collate(pa.Table.from_pylist(rows, schema=t.schema))
+
+
+def test_micro_batches_keep_groups_together():
+    t = train_sample_table(6, group_size=3)
+    groups = [g for _, g in group_by_key(t, "group_id")]
+    mbs = micro_batches(groups, max_tokens=60)
+    assert len(mbs) > 1
+    seen = []
+    for mb in mbs:
+        gids = {rid.split("/")[0] for rid in mb.rollout_ids}
+        for g in gids:
+            assert sum(rid.startswith(g + "/") for rid in mb.rollout_ids) == 3
+        seen += mb.rollout_ids
+    assert sorted(seen) == sorted(t.column("rollout_id").to_pylist())

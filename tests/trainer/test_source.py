@@ -1,0 +1,77 @@
+"""SampleSource on the real broker: staleness admission, ledger, drops, duplicates."""
+
+from __future__ import annotations
+
+import time
+
+import pyarrow as pa
+
+from relax.schemas import topics
+from relax.streams.client import ensure_topics
+from relax.streams.producer import BatchProducer
+from relax.trainer.ledger import Ledger
+from relax.trainer.source import SampleSource
+
+from testdata import train_sample_table
+
+
+def _table(start_group, n_groups, version, drop=None, group_size=2):
+    t = train_sample_table(n_groups, group_size=group_size, seed=start_group,
+                           policy_version=version)
+    rows = t.to_pylist()
+    for r in rows:
+        g = int(r["group_id"][1:]) + start_group
+        r["group_id"] = f"g{g:04d}"
+        r["rollout_id"] = f"g{g:04d}/{r['sample_index']}"
+        r["drop_reason"] = drop
+    return pa.Table.from_pylist(rows, schema=t.schema)
+
+
+def test_admission_ledger_and_duplicates(bus, unique):
+    run = unique
+    topic = topics.run_topic(run, "train_samples")
+    ensure_topics(bus, {topic: 2})
+    p = BatchProducer(bus)
+    p.send(topic, _table(0, 1, version=0))                               # g0000: stale at v2
+    p.send(topic, _table(1, 1, version=1, drop="filtered_zero_variance"))  # g0001: filtered
+    p.send(topic, _table(2, 1, version=1, drop="error_reward"))           # g0002: error
+    p.send(topic, _table(3, 3, version=1))                                # g0003..g0005: ok
+    p.send(topic, _table(3, 1, version=1))                                # g0003 again: dup
+    p.send(topic, _table(6, 1, version=2))                                # g0006: ok
+    p.flush()
+    ledger = Ledger()
+    drops = []
+    src = SampleSource(bus, run, ledger, batch_groups=2, max_staleness=1, on_drop=drops.append)
+    b = src.next_batch(2, lambda: False)
+    assert len(b.groups) == 2 and b.staleness == [1] * 4
+    src.trained(b, 2)
+    b2 = src.next_batch(2, lambda: False)
+    assert sorted(g.column("group_id")[0].as_py() for g in b2.groups) == ["g0005", "g0006"]
+    assert sorted(b2.staleness) == [0, 0, 1, 1]
+    src.trained(b2, 2)
+    assert src.duplicates == 2  # g0003 redelivered
+    deadline = time.monotonic() + 3
+    assert src.next_batch(2, lambda: time.monotonic() > deadline) is None
+    src.close()
+    c = ledger.counts()
+    assert c["stale"] == 2 and c["filtered"] == 2 and c["error"] == 2
+    assert c["trained"] == 8
+    assert "g0000/0" in ledger.ids("stale") and "g0001/1" in ledger.ids("filtered")
+    assert sum(drops) == 3  # three whole groups dropped, reported for replacement
+    p.close()
+
+
+def test_ledger_refuses_double_decision(tmp_path):
+    import pytest
+
+    led = Ledger()
+    led.record("a", "trained", 0)
+    with pytest.raises(ValueError, match="already recorded"):
+        led.record("a", "stale", 1)
+    with pytest.raises(ValueError, match="valid"):
+        led.record("b", "lost", 1)
+    led.record("b", "stale", 1, 3)
+    led.save(tmp_path / "l.parquet")
+    back = Ledger.load(tmp_path / "l.parquet")
+    assert back.counts() == {"trained": 1, "stale": 1, "filtered": 0, "error": 0}
+    assert back.ids("stale") == {"b"}

@@ -1,0 +1,20 @@
+"""megatron-core back end (TP/PP/CP/EP): GPU only, not implemented in this release.
+
+megatron-core's forward, schedules and optimizer assume CUDA (ARCHITECTURE
+section 9), and no GPU is available where relax is developed, so this back end is
+a declared seam: the recipe value ``trainer.backend: megatron`` reaches here and
+fails with a clear error instead of silently running something else.
+"""
+
+from __future__ import annotations
+
+
+class MegatronBackend:
+    """Placeholder that refuses to start (see the module docstring)."""
+
+    def __init__(self, cfg, **kwargs):
+        import torch
+
+        if not torch.cuda.is_available():
+            raise RuntimeError("trainer.backend=megatron needs CUDA GPUs; use backend=torch on CPU")
+        raise NotImplementedError("the megatron back end is not implemented yet; use backend=torch")

@@ -1,0 +1,174 @@
+"""The ``torch`` trainer back end: a Hugging Face causal LM, AdamW, gradient
+accumulation over micro-batches, gradient clipping, DDP when several processes.
+
+Log-probs of the response tokens come from :func:`relax.trainer.logprobs.token_logprobs`
+(the same temperature-scaled computation the rollout engines use, public case
+C12). Only response positions go through the LM head: the hidden states of the
+prompt are computed (they condition the response) but their ``[T, vocab]`` logits
+are never built, which on a 135M model with a 49k vocabulary is most of the
+memory of a step.
+
+Each micro-batch loss is normalised by the global token/sequence counts of the
+step, so gradients are summed over micro-batches (no division by the number of
+accumulation steps, public case C06); with DDP (which averages) the loss is
+multiplied by the world size to keep the sum.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from relax.trainer.batching import MicroBatch
+from relax.trainer.config import TrainerConfig
+from relax.trainer.logprobs import token_logprobs
+from relax.trainer.losses import compute_policy_loss
+from relax.trainer.losses.aggregate import mask_counts
+from relax.trainer.losses.entropy import token_entropy
+
+
+def response_logits(model, mb: MicroBatch) -> torch.Tensor:
+    """``[B, R, V]`` logits at the positions that predict the response tokens.
+
+    Runs the decoder on the whole sequence and the LM head on response positions only.
+    """
+    base = model.get_decoder() if hasattr(model, "get_decoder") else model.base_model
+    hidden = base(input_ids=mb.input_ids, attention_mask=mb.attention_mask).last_hidden_state
+    idx = mb.response_index[..., None].expand(-1, -1, hidden.shape[-1])
+    h = torch.gather(hidden, 1, idx)
+    return model.get_output_embeddings()(h)
+
+
+class TorchBackend:
+    """Holds the model and optimizer of the trainer.
+
+    Args:
+        cfg: trainer configuration.
+        device: torch device (default: cuda if available, else cpu).
+        model: an already loaded model (tests); default: ``load_model(cfg.model)``.
+    """
+
+    def __init__(self, cfg: TrainerConfig, device: str | None = None, model=None):
+        from relax.trainer.models import load_model
+
+        self.cfg = cfg
+        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        torch.manual_seed(cfg.seed)
+        self.model = (model if model is not None else load_model(cfg.model)).to(self.device)
+        self.model.train()
+        if getattr(self.model.config, "final_logit_softcapping", None):
+            raise ValueError(f"{cfg.model}: final logit soft-capping is not supported by "
+                             f"response_logits")
+        self.world_size = dist.get_world_size() if dist.is_initialized() else 1
+        self.module = self.model
+        if self.world_size > 1:
+            from torch.nn.parallel import DistributedDataParallel
+
+            self.module = DistributedDataParallel(self.model)
+        o = cfg.optim
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=o.lr, betas=o.betas,
+                                           eps=o.eps, weight_decay=o.weight_decay)
+        self.steps_done = 0
+
+    def _lr(self) -> float:
+        w = self.cfg.optim.warmup_steps
+        scale = min(1.0, (self.steps_done + 1) / w) if w else 1.0
+        return self.cfg.optim.lr * scale
+
+    def logprobs(self, mb: MicroBatch, with_entropy: bool = False):
+        """``([B, R] log-probs, [B, R] entropy or None)`` of the response tokens under the
+        current weights (differentiable)."""
+        logits = response_logits(self.model, _to(mb, self.device))
+        lp = token_logprobs(logits, mb.targets.to(self.device), mb.temperature)
+        ent = token_entropy(logits, temperature=mb.temperature) if with_entropy else None
+        return lp, ent
+
+    def train_step(self, mbs: list[MicroBatch]) -> dict[str, float]:
+        """One optimizer step over the micro-batches of a global batch.
+
+        Returns:
+            metrics: ``loss``, ``grad_norm``, ``lr``, ``train_s``, ``tokens_trained`` and the
+            loss metrics (``policy_loss``, ``ppo_kl``, ``clip_frac_*``, ``entropy``, ...).
+        """
+        t0 = time.perf_counter()
+        counts = [mask_counts(mb.loss_mask) for mb in mbs]
+        tokens = sum(c[0] for c in counts)
+        seqs = sum(c[1] for c in counts)
+        if self.world_size > 1:
+            t = torch.tensor([tokens, seqs], dtype=torch.float64, device=self.device)
+            dist.all_reduce(t)
+            tokens, seqs = int(t[0]), int(t[1])
+        lr = self._lr()
+        for g in self.optimizer.param_groups:
+            g["lr"] = lr
+        old = None
+        if self.cfg.old_logprobs == "recompute":
+            with torch.no_grad():
+                old = [self.logprobs(mb)[0].detach() for mb in mbs]
+        self.optimizer.zero_grad(set_to_none=True)
+        sums: dict[str, float] = {}
+        want_entropy = self.cfg.loss.entropy_coef != 0
+        for i, mb in enumerate(mbs):
+            dmb = _to(mb, self.device)
+            lp, ent = self.logprobs(dmb, with_entropy=want_entropy)
+            if old is not None:
+                old_lp = old[i]
+            elif self.cfg.old_logprobs == "rollout":
+                old_lp = dmb.rollout_logprobs
+            else:
+                old_lp = lp.detach()
+            loss, metrics = compute_policy_loss(
+                self.cfg.loss, lp, old_lp, dmb.advantages, dmb.loss_mask,
+                rollout_logprobs=dmb.rollout_logprobs, ref_logprobs=dmb.ref_logprobs,
+                entropy=ent, global_tokens=max(tokens, 1), global_seqs=max(seqs, 1))
+            (loss * self.world_size).backward()
+            sums["loss"] = sums.get("loss", 0.0) + float(loss.detach())
+            for k, v in metrics.items():
+                sums[k] = sums.get(k, 0.0) + float(v)
+        clip = self.cfg.optim.grad_clip
+        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(),
+                                              clip if clip > 0 else math.inf)
+        self.optimizer.step()
+        self.steps_done += 1
+        sums.update(grad_norm=float(norm), lr=lr, tokens_trained=float(tokens),
+                    train_s=time.perf_counter() - t0)
+        return sums
+
+    def named_tensors(self) -> dict[str, torch.Tensor]:
+        """The weights to publish, ``{name: tensor}`` (detached views, no copy)."""
+        return {k: v.detach() for k, v in self.model.state_dict().items()}
+
+    def save(self, folder: Path) -> None:
+        """Model as HF safetensors + config, optimizer state as a torch file (local only,
+        never on the bus), in ``folder``."""
+        folder.mkdir(parents=True, exist_ok=True)
+        self.model.save_pretrained(folder, safe_serialization=True)
+        torch.save({"optimizer": self.optimizer.state_dict(), "steps_done": self.steps_done},
+                   folder / "optimizer.pt")
+
+    def load(self, folder: Path) -> None:
+        """Restore model weights and optimizer state saved by :meth:`save`."""
+        from safetensors.torch import load_file
+
+        state = {}
+        for f in sorted(folder.glob("*.safetensors")):
+            state.update(load_file(f, device=str(self.device)))
+        missing, unexpected = self.model.load_state_dict(state, strict=False)
+        tied = {k for k in missing if "lm_head" in k}
+        if set(missing) - tied or unexpected:
+            raise ValueError(f"checkpoint {folder} does not match the model: missing "
+                             f"{sorted(set(missing) - tied)[:5]}, unexpected {sorted(unexpected)[:5]}")
+        opt = torch.load(folder / "optimizer.pt", map_location=self.device, weights_only=True)
+        self.optimizer.load_state_dict(opt["optimizer"])
+        self.steps_done = int(opt["steps_done"])
+
+
+def _to(mb: MicroBatch, device: torch.device) -> MicroBatch:
+    if device.type == "cpu":
+        return mb
+    return MicroBatch(**{k: (v.to(device) if isinstance(v, torch.Tensor) else v)
+                         for k, v in mb.__dict__.items()})

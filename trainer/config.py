@@ -1,0 +1,75 @@
+"""Trainer configuration (pydantic): model, optimizer, loss, batching, staleness,
+checkpoints. Built from the recipe's ``trainer:`` section; unknown keys and bad
+values are rejected with the field's name."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from relax.trainer.losses.config import LossConfig
+
+
+class OptimConfig(BaseModel):
+    """AdamW settings (Loshchilov & Hutter, arXiv 1711.05101).
+
+    Attributes:
+        lr: learning rate; betas, eps, weight_decay: AdamW's; grad_clip: max global
+            gradient L2 norm (0 = off); warmup_steps: linear warm-up of lr (steps).
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    lr: float = Field(1e-6, gt=0)
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = Field(1e-8, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    grad_clip: float = Field(1.0, ge=0)
+    warmup_steps: int = Field(0, ge=0)
+
+
+class TrainerConfig(BaseModel):
+    """The trainer stage.
+
+    Attributes:
+        model: model name (``smollm2-135m``, ``tiny-llama``), folder or Hub id.
+        backend: ``torch`` (CPU/GPU, DDP) or ``megatron`` (GPU only).
+        steps: optimizer steps of the run (policy_version goes 0 -> steps).
+        batch_groups: GRPO groups per optimizer step (N).
+        max_staleness: admit a sample iff staleness <= max_staleness (0 = on-policy).
+        max_tokens_per_microbatch: padded-token budget of one forward/backward (tokens).
+        old_logprobs: pi_old of the PPO ratio: ``rollout`` (the engine's log-probs: the
+            behaviour policy, no extra forward), ``recompute`` (a no-grad forward at the
+            start of the step) or ``detached`` (current policy: ratio 1).
+        checkpoint_every: save a checkpoint every K steps (0 = only at the end).
+        keep_checkpoints: newest checkpoints kept on disk.
+        num_threads: torch intra-op threads (None = torch's default).
+        accuracy_reward: reward name whose value decides "correct" (default: the first
+            counted reward); a sample is correct when that value > accuracy_threshold.
+        publish_bucket_bytes: weight broadcast bucket size (bytes).
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    model: str = "tiny-llama"
+    backend: Literal["torch", "megatron"] = "torch"
+    steps: int = Field(3, ge=1)
+    batch_groups: int = Field(2, ge=1)
+    max_staleness: int = Field(1, ge=0)
+    max_tokens_per_microbatch: int = Field(4096, ge=16)
+    optim: OptimConfig = Field(default_factory=OptimConfig)
+    loss: LossConfig = Field(default_factory=LossConfig)
+    old_logprobs: Literal["rollout", "recompute", "detached"] = "rollout"
+    checkpoint_every: int = Field(1, ge=0)
+    keep_checkpoints: int = Field(2, ge=1)
+    num_threads: int | None = Field(None, ge=1)
+    seed: int = 0
+    accuracy_reward: str | None = None
+    accuracy_threshold: float = 0.5
+    publish_bucket_bytes: int = Field(512 << 20, ge=1 << 10)
+
+    @model_validator(mode="after")
+    def _check(self):
+        if self.loss.is_mode is not None and self.old_logprobs == "rollout":
+            raise ValueError("loss.is_mode corrects between trainer and rollout log-probs: it "
+                             "needs old_logprobs 'recompute' (with 'rollout' the weight is 1)")
+        return self

@@ -1,0 +1,100 @@
+"""Greedy held-out accuracy of a model: the "before and after" numbers of a run.
+
+Prompts are rendered exactly as the rollout stage renders them (prompt template,
+then the chat template with the generation prompt), decoded greedily (top-k 1)
+by the ``hf`` engine, and scored by a reward function in-process; a prompt is
+correct when the reward value is > ``threshold``.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+
+from relax.producers.publish import RowError, prompt_row
+from relax.producers.sources import read_source
+
+
+@dataclass
+class EvalResult:
+    """Accuracy of one evaluation: ``correct`` of ``n`` prompts, wall ``seconds``, and a
+    few ``examples`` (prompt, response, value) to look at."""
+
+    accuracy: float
+    n: int
+    correct: int
+    seconds: float
+    examples: list[dict] = field(default_factory=list)
+
+
+def eval_rows(source: str, size: int, *, prompt_field: str, label_field: str,
+              exclude_prompts: set[str] = frozenset(), dataset: str = "eval") -> list[dict]:
+    """The first ``size`` prompt rows of ``source`` whose prompt text is not in
+    ``exclude_prompts`` (the training prompts), as PROMPTS-schema dicts.
+
+    Raises:
+        ValueError: fewer than ``size`` usable rows in the source.
+    """
+    rows, seen = [], set()
+    for src in read_source(source):
+        if src.record is None:
+            continue
+        try:
+            row = prompt_row(src.record, dataset=dataset, prompt_field=prompt_field,
+                             label_field=label_field, source=source, line=src.line,
+                             created_at_ms=0)
+        except RowError:
+            continue
+        if row["prompt"] in exclude_prompts or row["prompt"] in seen:
+            continue
+        seen.add(row["prompt"])
+        rows.append(row)
+        if len(rows) == size:
+            return rows
+    raise ValueError(f"eval source {source!r} has only {len(rows)} prompts not in the training "
+                     f"data; {size} wanted")
+
+
+def greedy_accuracy(model: str, rows: list[dict], *, reward_fn: str, reward_options: dict,
+                    prompt_template: str = "{prompt}", max_new_tokens: int = 16,
+                    batch_size: int = 50, threshold: float = 0.5) -> EvalResult:
+    """Greedy-decode every row with ``model`` and score it with ``reward_fn``.
+
+    Args:
+        model: model name, folder (e.g. a run's ``final_model``) or Hub id.
+        rows: PROMPTS-schema dicts (:func:`eval_rows`).
+        reward_fn: a ``REWARD_FNS`` name or ``module:function``; ``reward_options`` its options.
+        prompt_template: applied to the prompt text before the chat template.
+        max_new_tokens: generation budget (tokens); batch_size: prompts per engine call.
+        threshold: a value > threshold counts as correct.
+    """
+    from relax.consumers.engines.base import SamplingParams
+    from relax.consumers.engines.hf import HFEngine
+    from relax.consumers.multiturn import prompt_messages, render_ids
+    from relax.consumers.reward import load_reward_fn
+    from relax.consumers.reward.base import Score
+    from relax.trainer.models import load
+
+    t0 = time.perf_counter()
+    m, tok = load(model)
+    engine = HFEngine(m, tok, engine_id="eval")
+    fn = load_reward_fn(reward_fn)
+    params = SamplingParams(max_new_tokens=max_new_tokens, temperature=1.0, top_k=1)
+    correct, examples = 0, []
+    for i in range(0, len(rows), batch_size):
+        chunk = rows[i:i + batch_size]
+        ids = [render_ids(tok, prompt_messages({**r, "prompt": prompt_template.format(prompt=r["prompt"])}))
+               for r in chunk]
+        gens = engine.generate(ids, params)
+        texts = [g.text for g in gens]
+        scores = fn(texts, [r["label"] for r in chunk], [json.loads(r["metadata"]) for r in chunk],
+                    **reward_options)
+        for r, text, s in zip(chunk, texts, scores):
+            value = s.value if isinstance(s, Score) else s
+            ok = value is not None and value > threshold
+            correct += ok
+            if len(examples) < 5:
+                examples.append({"prompt": r["prompt"], "response": text, "value": value})
+    n = len(rows)
+    return EvalResult(correct / n if n else 0.0, n, correct, time.perf_counter() - t0, examples)

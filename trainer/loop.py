@@ -1,0 +1,191 @@
+"""The trainer loop: consume a batch, step, publish the weights, checkpoint.
+
+    restore newest checkpoint (or start at policy_version 0)
+    publish the current weights (subscribers start from them)
+    while policy_version < steps:
+        batch  = source.next_batch(policy_version)      # admitted by staleness
+        stats  = backend.train_step(micro_batches(batch))
+        policy_version += 1
+        checkpoint (every K steps), then commit the input offsets
+        publish weights as policy_version               # broadcast overlaps the next step
+        metrics -> <run>.metrics, TensorBoard, Prometheus
+
+Options are fixed when the components are built (``TrainerStage.__init__``); the
+loop itself does not branch on them.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict
+
+from relax.schemas import metric_names as M
+from relax.schemas import topics
+from relax.streams.client import BusConfig
+from relax.streams.metrics import MetricsWriter
+from relax.streams.producer import BatchProducer
+from relax.trainer import checkpoint
+from relax.trainer.backends import build_backend
+from relax.trainer.batching import micro_batches
+from relax.trainer.config import TrainerConfig
+from relax.trainer.ledger import Ledger
+from relax.trainer.source import Batch, SampleSource
+
+log = logging.getLogger(__name__)
+
+
+class TrainerStageConfig(BaseModel):
+    """Where the trainer runs and what it writes.
+
+    Attributes:
+        run: run name.
+        run_dir: run folder (checkpoints, final model, TensorBoard events).
+        trainer: the trainer settings.
+        weights_host: address subscribers reach the weight rendezvous at.
+        weights_port: rendezvous port (0 = free).
+        prometheus_port: serve Prometheus metrics on this port (None = off, 0 = free).
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    run: str
+    run_dir: str
+    trainer: TrainerConfig
+    weights_host: str = "127.0.0.1"
+    weights_port: int = 0
+    prometheus_port: int | None = None
+
+
+def batch_metrics(batch: Batch, accuracy_reward: str | None, threshold: float) -> dict[str, float]:
+    """Reward, accuracy and staleness statistics of a batch's admitted rows."""
+    rewards = np.concatenate([g.column("reward").to_numpy() for g in batch.groups])
+    correct = []
+    for g in batch.groups:
+        for comps in g.column("reward_components").to_pylist():
+            comps = dict(comps)
+            name = accuracy_reward or (next(iter(comps)) if comps else None)
+            correct.append(float(comps.get(name, 0.0) > threshold) if name else 0.0)
+    st = np.asarray(batch.staleness, np.float64)
+    out = {M.REWARD_MEAN: float(rewards.mean()), M.ACCURACY: float(np.mean(correct)),
+           M.STALENESS_MEAN: float(st.mean()), M.STALENESS_MAX: float(st.max()),
+           M.SAMPLES_TRAINED: float(batch.rows), M.DATA_WAIT_S: batch.wait_s,
+           M.SAMPLES_DROPPED_STALE: float(batch.dropped.get("stale", 0)),
+           M.SAMPLES_DROPPED_FILTERED: float(batch.dropped.get("filtered", 0)),
+           M.SAMPLES_ERROR: float(batch.dropped.get("error", 0))}
+    for k, n in Counter(batch.staleness).items():
+        out[M.staleness_hist_name(k)] = float(n)
+    return out
+
+
+class TrainerStage:
+    """The trainer as a process: ``TrainerStage(cfg, bus).run(should_stop)``."""
+
+    def __init__(self, cfg: TrainerStageConfig, bus: BusConfig):
+        import torch
+
+        from relax.streams.weights import WeightPublisher
+        from relax.trainer.telemetry import Telemetry
+
+        t = cfg.trainer
+        if t.num_threads:
+            torch.set_num_threads(t.num_threads)
+        self.cfg, self.bus = cfg, bus
+        self.run_dir = Path(cfg.run_dir)
+        self.backend = build_backend(t)
+        self.ledger = Ledger()
+        state = checkpoint.TrainerState(policy_version=0)
+        ckpt = checkpoint.latest(self.run_dir)
+        if ckpt is not None:
+            state, self.ledger = checkpoint.load(ckpt, self.backend)
+            log.info("resumed from %s at policy_version %d", ckpt, state.policy_version)
+        self.version = state.policy_version
+        self.counters = Counter(state.counters)
+        self.producer = BatchProducer(bus, producer_id=f"{cfg.run}-trainer")
+        self.metrics = MetricsWriter(self.producer, cfg.run, "trainer")
+        self.publisher = WeightPublisher(
+            bus, cfg.run, host=cfg.weights_host, port=cfg.weights_port,
+            checkpoint_dir=self.run_dir / "weights", checkpoint_every=max(1, t.checkpoint_every),
+            bucket_bytes=t.publish_bucket_bytes, producer=self.producer)
+        self.source = SampleSource(bus, cfg.run, self.ledger, batch_groups=t.batch_groups,
+                                   max_staleness=t.max_staleness, offsets=state.offsets,
+                                   on_drop=self._dropped)
+        self.telemetry = Telemetry(self.run_dir / "tensorboard",
+                                   prometheus_port=cfg.prometheus_port)
+
+    # -- progress for the rollout stage's credit
+    def _progress(self) -> None:
+        t = self.cfg.trainer
+        consumed = self.counters["groups_consumed"]
+        self.metrics.add(M.GROUPS_CONSUMED, consumed, self.version)
+        self.metrics.add(M.GROUPS_NEEDED, max(0, t.steps - self.version) * t.batch_groups,
+                         self.version)
+
+    def _dropped(self, n: int) -> None:
+        self.counters["groups_consumed"] += n
+        self._progress()
+        self.metrics.flush()
+        self.producer.flush()
+
+    def _save(self) -> None:
+        state = checkpoint.TrainerState(self.version, self.source.positions(), dict(self.counters))
+        checkpoint.save(self.run_dir, self.backend, state, self.ledger,
+                        keep=self.cfg.trainer.keep_checkpoints)
+        self.source.commit()
+
+    def step(self, should_stop: Callable[[], bool]) -> dict[str, float] | None:
+        """One optimizer step; None when stopped while waiting for data."""
+        t = self.cfg.trainer
+        t0 = time.perf_counter()
+        batch = self.source.next_batch(self.version, should_stop)
+        if batch is None:
+            return None
+        stats = self.backend.train_step(micro_batches(batch.groups, t.max_tokens_per_microbatch))
+        self.source.trained(batch, self.version)
+        out = {**stats, **batch_metrics(batch, t.accuracy_reward, t.accuracy_threshold)}
+        self.version += 1
+        self.counters["groups_consumed"] += len(batch.groups)
+        if (t.checkpoint_every and self.version % t.checkpoint_every == 0) or self.version == t.steps:
+            self._save()
+        tp = time.perf_counter()
+        self.publisher.publish(self.backend.named_tensors(), self.version)
+        out[M.PUBLISH_S] = time.perf_counter() - tp
+        out[M.STEP_S] = time.perf_counter() - t0
+        out[M.SAMPLES_PER_S] = batch.rows / out[M.STEP_S]
+        self.metrics.add_many(out, self.version)
+        self._progress()
+        self.metrics.flush()
+        self.producer.flush()
+        self.telemetry.log_step(out, self.version)
+        return out
+
+    def run(self, should_stop: Callable[[], bool]) -> None:
+        """Publish the starting weights, then step until ``steps`` or ``should_stop()``;
+        save the final model to ``<run_dir>/final_model``."""
+        try:
+            self.publisher.publish(self.backend.named_tensors(), self.version)
+            self._progress()
+            self.metrics.flush()
+            self.producer.flush()
+            while self.version < self.cfg.trainer.steps and not should_stop():
+                self.step(should_stop)
+            if self.version >= self.cfg.trainer.steps:
+                self.publisher.wait()
+                self.backend.model.save_pretrained(self.run_dir / "final_model",
+                                                   safe_serialization=True)
+                self.metrics.add("done", 1.0, self.version)
+                self.metrics.flush()
+                self.producer.flush()
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        """Stop publishing and close the bus clients (no offset commit)."""
+        self.publisher.close()
+        self.source.close()
+        self.telemetry.close()
+        self.producer.close()
