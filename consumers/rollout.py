@@ -232,8 +232,11 @@ WEIGHT_WAIT_S = "weight_wait_s"
 class TrainerProgress:
     """The trainer's ``groups_consumed`` / ``groups_needed`` metrics (component
     ``trainer`` on ``<run>.metrics``), read group-less from the beginning: the rollout
-    stage's credit. ``consumed`` is the largest value seen, ``needed`` the latest (both
-    None until the trainer wrote one). Undecodable records are skipped (logged)."""
+    stage's credit. ``consumed`` and ``needed`` are the latest values (the trainer is
+    their only writer, on one partition, so the latest is the truth even when a
+    restarted trainer goes back to its checkpoint's count), ``version`` the trainer's
+    policy_version when it wrote them (all None until the trainer wrote one).
+    Undecodable records are skipped (logged)."""
 
     def __init__(self, cfg: BusConfig, run: str, *, fetch_wait_ms: int = 20):
         from kafka import KafkaConsumer, TopicPartition
@@ -253,6 +256,7 @@ class TrainerProgress:
         self._kc.seek_to_beginning(*tps)
         self.consumed: int | None = None
         self.needed: int | None = None
+        self.version: int | None = None
 
     def poll(self, timeout_s: float = 0.0) -> None:
         """Read what arrived (waiting up to ``timeout_s``)."""
@@ -273,7 +277,9 @@ class TrainerProgress:
                     if r["component"] != "trainer":
                         continue
                     if r["name"] == M.GROUPS_CONSUMED:
-                        self.consumed = max(self.consumed or 0, int(r["value"]))
+                        self.consumed = int(r["value"])
+                        if r["policy_version"] is not None:
+                            self.version = int(r["policy_version"])
                     elif r["name"] == M.GROUPS_NEEDED:
                         self.needed = int(r["value"])
 
@@ -430,6 +436,7 @@ class RolloutStats:
     weight_wait_s: float = 0.0
     prompt_errors: int = 0
     epochs_started: int = 0
+    repeated_prompts: int = 0
 
 
 class RolloutStage:
@@ -460,6 +467,7 @@ class RolloutStage:
         self._warned_behind = False
         self._progress: TrainerProgress | None = None
         self._consumed0 = 0
+        self._started_ids: set[str] = set()
 
     # ---------------------------------------------------------------- budget
     def _consumed(self) -> int | None:
@@ -509,13 +517,28 @@ class RolloutStage:
         finally:
             kc.resume(*assigned)
 
+    def weights_needed(self) -> int | None:
+        """The oldest policy_version a group started now may be sampled with: it will be
+        consumed ``in_flight // batch_groups`` steps after the trainer's current version
+        (the groups already in flight go first), and must then have staleness <=
+        max_staleness. None when the trainer's version is unknown."""
+        versions = [v for v in (self.trainer_version,
+                                None if self._progress is None else self._progress.version)
+                    if v is not None]
+        if not versions:
+            return None
+        ahead = self.groups_in_flight() * self.cfg.num_instances // self.cfg.batch_groups
+        return max(versions) + ahead - self.cfg.max_staleness
+
     def _weights_behind(self) -> bool:
-        """The engine's weights (staged included) are more than ``max_staleness`` versions
-        behind the trainer's, and ``weights_wait_s`` has not run out."""
-        if self._subscriber is None or self.trainer_version is None:
+        """The engine's weights (staged included) are older than :meth:`weights_needed`
+        (a group started now would be dropped as stale), and ``weights_wait_s`` has not
+        run out."""
+        need = self.weights_needed()
+        if self._subscriber is None or need is None:
             return False
         have = max(self.engine.policy_version, getattr(self.engine, "pending_version", None) or 0)
-        if have >= self.trainer_version - self.cfg.max_staleness:
+        if have >= need:
             self._behind_since, self._warned_behind = None, False
             return False
         now = time.monotonic()
@@ -525,12 +548,11 @@ class RolloutStage:
                 return False
             self._warned_behind = True
             log.warning(
-                "%s: weights v%d are %d versions behind the trainer's v%d after %.0fs; "
+                "%s: weights v%d are older than the v%d a new group needs after %.0fs; "
                 "sampling anyway",
                 self.cfg.engine_id,
                 have,
-                self.trainer_version - have,
-                self.trainer_version,
+                need,
                 self.cfg.weights_wait_s,
             )
             return False
@@ -653,6 +675,11 @@ class RolloutStage:
         items, prompt_ids = [], []
         for item in take:
             self._queue.remove(item)
+            gid = f"{item.row['prompt_id']}:{item.epoch}"
+            if gid in self._started_ids:  # a redelivered or repeated prompt: group exists
+                self.stats.repeated_prompts += 1
+                continue
+            self._started_ids.add(gid)
             try:
                 prompt_ids.append(self._render(item))
                 items.append(item)

@@ -200,6 +200,9 @@ def publish_cmd(
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(1) from None
     typer.echo(f"{r.rows_per_s:.0f} rows/s in {r.seconds:.2f} s", err=True)
+    if r.repeated:
+        typer.echo(f"skipped {r.repeated} rows repeating an earlier prompt (same prompt_id)",
+                   err=True)
     typer.echo(r.summary())
 
 
@@ -310,6 +313,7 @@ def train_cmd(recipe: str = typer.Argument(..., help="recipe YAML (see recipes/)
     from relax.infra.recipe import RecipeError, load_recipe
 
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    logging.getLogger("kafka").setLevel(logging.CRITICAL)  # clients log closed sockets as ERROR
     extra = list(overrides or [])
     if bootstrap:
         extra.append(f"bootstrap_servers={bootstrap}")

@@ -78,7 +78,9 @@ class AlreadyPublished(RuntimeError):
 class PublishResult:
     """What a publish did: rows ``published`` and ``errors`` (rows sent to the error
     topic), existing prompt_ids re-published (``duplicates``, only with force),
-    wall time ``seconds``."""
+    wall time ``seconds``, and ``repeated``: rows of the source whose content (so
+    prompt_id) repeats an earlier row; they are skipped, since one prompt_id is one
+    prompt (and one GRPO group per epoch)."""
 
     topic: str
     partitions: int
@@ -86,6 +88,7 @@ class PublishResult:
     errors: int
     duplicates: int
     seconds: float
+    repeated: int = 0
 
     @property
     def rows_per_s(self) -> float:
@@ -290,6 +293,7 @@ def publish(cfg: BusConfig, source: str, topic: str, *, prompt_field: str = "pro
         batches, errors = _parse(source, dataset=dataset, prompt_field=prompt_field,
                                  label_field=label_field, limit=limit,
                                  max_message_bytes=cfg.max_message_bytes, on_row=bar.advance)
+        batches, repeated = _first_occurrences(batches)
         n_good = sum(b.num_rows for b in batches)
         etopic = topic_names.errors_topic(topic)
         counts = topic_partitions(cfg, [topic, etopic])
@@ -316,7 +320,23 @@ def publish(cfg: BusConfig, source: str, topic: str, *, prompt_field: str = "pro
         finally:
             producer.close()
     return PublishResult(topic, partitions, n_good, len(errors), duplicates,
-                         time.perf_counter() - t0)
+                         time.perf_counter() - t0, repeated)
+
+
+def _first_occurrences(batches: list[pa.RecordBatch]) -> tuple[list[pa.RecordBatch], int]:
+    """Keep the first row of each prompt_id; returns the batches and the rows dropped."""
+    seen: set[str] = set()
+    out, dropped = [], 0
+    for b in batches:
+        keep = []
+        for i, pid in enumerate(b.column("prompt_id").to_pylist()):
+            if pid not in seen:
+                seen.add(pid)
+                keep.append(i)
+        dropped += b.num_rows - len(keep)
+        if keep:
+            out.append(b if len(keep) == b.num_rows else b.take(pa.array(keep)))
+    return out, dropped
 
 
 class _Progress:

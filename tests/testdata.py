@@ -200,8 +200,8 @@ def scripted_lm(scripts: dict[int, list[int]] | list[int], vocab: int = 16, eos:
 def train_sample_table(n_groups: int, group_size: int = 4, prompt_len=(3, 6),
                        response_len=(2, 7), seed: int = 0, vocab: int = 200,
                        policy_version: int = 0):
-    """A ``train_samples`` table of ``n_groups`` groups with random lengths, tokens,
-    log-probs and advantages (every row trainable)."""
+    """A ``train_samples`` table of ``n_groups`` groups (the rows of a group share their
+    prompt) with random lengths, tokens, log-probs and advantages (every row trainable)."""
     import random
 
     import pyarrow as pa
@@ -212,13 +212,14 @@ def train_sample_table(n_groups: int, group_size: int = 4, prompt_len=(3, 6),
     rows = []
     for g in range(n_groups):
         gid = f"g{g:04d}"
+        prompt = [rnd.randrange(3, vocab) for _ in range(rnd.randint(*prompt_len))]
         for i in range(group_size):
-            p, r = rnd.randint(*prompt_len), rnd.randint(*response_len)
+            r = rnd.randint(*response_len)
             adv = rnd.uniform(-1, 1)
             rows.append(dict(
                 rollout_id=f"{gid}/{i}", group_id=gid, prompt_id=f"p{g}", dataset="test",
                 sample_index=i, group_size=group_size,
-                prompt_ids=[rnd.randrange(3, vocab) for _ in range(p)],
+                prompt_ids=list(prompt),
                 response_ids=[rnd.randrange(3, vocab) for _ in range(r)],
                 loss_mask=[1] * r, logprobs=[-rnd.uniform(0.5, 3) for _ in range(r)],
                 ref_logprobs=None, advantages=[adv] * r, reward=float(adv > 0),

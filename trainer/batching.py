@@ -1,7 +1,8 @@
 """Token-budget micro-batches of whole groups, and their padded tensors.
 
 A global batch (``batch_groups`` GRPO groups) is split into micro-batches whose
-padded size ``rows x longest sequence`` stays under ``max_tokens_per_microbatch``;
+padded size ``rows x longest sequence`` stays under ``max_tokens_per_microbatch``
+(a conservative bound: shared prompts make the real cost smaller);
 a group is never split (a group larger than the budget is its own micro-batch).
 Groups are packed longest first to waste little padding. The loss of each
 micro-batch is normalised by the *global* token/sequence counts
@@ -24,15 +25,19 @@ import torch
 
 @dataclass
 class MicroBatch:
-    """Padded tensors of one micro-batch (B rows, L = longest prompt + response,
-    R = longest response).
+    """Padded tensors of one micro-batch: B rows sharing U distinct prompts (the G rows
+    of a GRPO group share theirs); P = longest prompt, R = longest response.
+
+    The prompt of each group goes through the model once; its key/value cache is then
+    shared by the group's responses (see ``relax.trainer.backends.torch_backend``).
 
     Attributes:
-        input_ids: ``[B, L]`` int64 prompt then response tokens, right-padded with 0.
-        attention_mask: ``[B, L]`` int64, 1 on real tokens (from lengths).
-        response_index: ``[B, R]`` int64 position whose logits predict each response
-            token (prompt_len - 1 + t); padded entries point at 0.
-        targets: ``[B, R]`` int64 response token ids (0 on padding).
+        prompt_ids: ``[U, P]`` int64 distinct prompts, left-padded with 0.
+        prompt_mask: ``[U, P]`` int64, 1 on real prompt tokens (from lengths).
+        prompt_of_row: ``[B]`` int64 index into the U prompts of each row.
+        response_ids: ``[B, R]`` int64 response tokens, right-padded with 0 (also the
+            targets: row b's token t is predicted from its prefix).
+        response_mask: ``[B, R]`` int64, 1 on real response tokens (from lengths).
         loss_mask: ``[B, R]`` float32 train sample loss_mask, 0 on padding.
         advantages: ``[B, R]`` float32.
         rollout_logprobs: ``[B, R]`` float32 log-probs recorded by the rollout engine.
@@ -41,10 +46,11 @@ class MicroBatch:
         rollout_ids: ``B`` rollout ids, in row order.
     """
 
-    input_ids: torch.Tensor
-    attention_mask: torch.Tensor
-    response_index: torch.Tensor
-    targets: torch.Tensor
+    prompt_ids: torch.Tensor
+    prompt_mask: torch.Tensor
+    prompt_of_row: torch.Tensor
+    response_ids: torch.Tensor
+    response_mask: torch.Tensor
     loss_mask: torch.Tensor
     advantages: torch.Tensor
     rollout_logprobs: torch.Tensor
@@ -53,9 +59,14 @@ class MicroBatch:
     rollout_ids: list[str]
 
     @property
+    def targets(self) -> torch.Tensor:
+        """``[B, R]`` the response tokens whose log-probs are computed."""
+        return self.response_ids
+
+    @property
     def padded_tokens(self) -> int:
-        """``B x L``: the size the forward pass pays for (tokens)."""
-        return int(self.input_ids.numel())
+        """Tokens the forward pass pays for: ``U x P + B x R``."""
+        return int(self.prompt_ids.numel() + self.response_ids.numel())
 
 
 def pack_groups(group_lengths: list[list[int]], max_tokens: int) -> list[list[int]]:
@@ -100,11 +111,12 @@ def _lists(col: pa.ChunkedArray | pa.Array) -> tuple[np.ndarray, np.ndarray]:
 
 
 def collate(samples: pa.Table) -> MicroBatch:
-    """Pad the rows of a ``train_samples`` table into a :class:`MicroBatch`.
+    """Pad the rows of a ``train_samples`` table into a :class:`MicroBatch`; rows with
+    identical prompt token ids share one prompt row.
 
     Raises:
         ValueError: rows with different temperatures (log-probs must use one T), or a
-            row with an empty response.
+            row with an empty prompt or response.
     """
     temps = set(samples.column("temperature").to_pylist())
     if len(temps) != 1:
@@ -113,26 +125,31 @@ def collate(samples: pa.Table) -> MicroBatch:
     p_vals, p_off = _lists(samples.column("prompt_ids"))
     r_vals, r_off = _lists(samples.column("response_ids"))
     p_len, r_len = np.diff(p_off), np.diff(r_off)
-    if (r_len == 0).any():
-        raise ValueError(f"row {int(np.argmax(r_len == 0))} has an empty response")
-    total = p_len + r_len
-    L, R = int(total.max()), int(r_len.max())
-    input_ids = np.zeros((b, L), np.int64)
-    attention = np.zeros((b, L), np.int64)
-    resp_index = np.zeros((b, R), np.int64)
-    targets = np.zeros((b, R), np.int64)
-    valid = np.zeros((b, R), bool)
+    if (r_len == 0).any() or (p_len == 0).any():
+        bad = int(np.argmax((r_len == 0) | (p_len == 0)))
+        raise ValueError(f"row {bad} has an empty prompt or response")
+    index: dict[bytes, int] = {}
+    prompt_of_row = np.zeros(b, np.int64)
+    firsts = []
     for i in range(b):
-        pl, rl = p_len[i], r_len[i]
-        input_ids[i, :pl] = p_vals[p_off[i]:p_off[i + 1]]
-        input_ids[i, pl:pl + rl] = r_vals[r_off[i]:r_off[i + 1]]
-        attention[i, :pl + rl] = 1
-        resp_index[i, :rl] = np.arange(pl - 1, pl - 1 + rl)
-        targets[i, :rl] = r_vals[r_off[i]:r_off[i + 1]]
-        valid[i, :rl] = True
+        key = p_vals[p_off[i]:p_off[i + 1]].tobytes()
+        if key not in index:
+            index[key] = len(firsts)
+            firsts.append(i)
+        prompt_of_row[i] = index[key]
+    P, R = int(p_len.max()), int(r_len.max())
+    prompt_ids = np.zeros((len(firsts), P), np.int64)
+    prompt_mask = np.zeros((len(firsts), P), np.int64)
+    for u, i in enumerate(firsts):
+        pl = p_len[i]
+        prompt_ids[u, P - pl:] = p_vals[p_off[i]:p_off[i + 1]]
+        prompt_mask[u, P - pl:] = 1
+    response_ids = np.zeros((b, R), np.int64)
+    valid = np.arange(R)[None, :] < r_len[:, None]
+    response_ids[valid] = r_vals
 
     def per_token(name: str, dtype=np.float32) -> np.ndarray:
-        vals, off = _lists(samples.column(name))
+        vals, _ = _lists(samples.column(name))
         out = np.zeros((b, R), dtype)
         out[valid] = vals.astype(dtype)
         return out
@@ -143,8 +160,9 @@ def collate(samples: pa.Table) -> MicroBatch:
             raise ValueError("ref_logprobs must be present on all rows of a micro-batch or none")
         ref = torch.from_numpy(per_token("ref_logprobs"))
     return MicroBatch(
-        input_ids=torch.from_numpy(input_ids), attention_mask=torch.from_numpy(attention),
-        response_index=torch.from_numpy(resp_index), targets=torch.from_numpy(targets),
+        prompt_ids=torch.from_numpy(prompt_ids), prompt_mask=torch.from_numpy(prompt_mask),
+        prompt_of_row=torch.from_numpy(prompt_of_row), response_ids=torch.from_numpy(response_ids),
+        response_mask=torch.from_numpy(valid.astype(np.int64)),
         loss_mask=torch.from_numpy(per_token("loss_mask")),
         advantages=torch.from_numpy(per_token("advantages")),
         rollout_logprobs=torch.from_numpy(per_token("logprobs")), ref_logprobs=ref,

@@ -2,8 +2,9 @@
 
 Sampling loop (batched, with a KV cache):
 
-* prompts are left-padded; the attention mask and position ids come from the
-  prompt *lengths* (never from token values: pad id == EOS id for SmolLM2,
+* identical prompts (the G samples of a group) are prefilled once and their KV
+  cache is shared; prompts are left-padded; the attention mask and position ids
+  come from the prompt *lengths* (never from token values: pad id == EOS id for SmolLM2,
   public case C24), so padded rows see exactly what an unpadded forward sees;
 * at each step the next-token logits of every row are scaled by ``1 /
   temperature``, filtered by top-k / top-p for *sampling*, and the sampled
@@ -372,11 +373,15 @@ class HFEngine:
         from transformers import DynamicCache
 
         version = self._version
-        prefixes = [r.prompt + r.tokens for r in rows]
+        # identical prefixes (the G samples of a group) are prefilled once; the KV cache
+        # and the next-token logits are then expanded to every row
+        unique: dict[tuple[int, ...], int] = {}
+        which = [unique.setdefault(tuple(r.prompt + r.tokens), len(unique)) for r in rows]
+        prefixes = list(unique)
         lengths = torch.tensor([len(p) for p in prefixes], device=self.device)
         width = int(lengths.max())
         ids = torch.full(
-            (len(rows), width), self.pad_token_id, dtype=torch.long, device=self.device
+            (len(prefixes), width), self.pad_token_id, dtype=torch.long, device=self.device
         )
         for i, p in enumerate(prefixes):
             ids[i, width - len(p) :] = torch.tensor(p, dtype=torch.long, device=self.device)
@@ -384,6 +389,10 @@ class HFEngine:
         attn = (positions >= (width - lengths)[:, None]).long()  # from lengths (C24)
         pos_ids = (positions - (width - lengths)[:, None]).clamp(min=0)
         logits, cache = self._forward(ids, attn, pos_ids, DynamicCache())
+        if len(prefixes) < len(rows):
+            index = torch.tensor(which, device=self.device)
+            cache.batch_select_indices(index)
+            logits, attn, lengths = logits[index], attn[index], lengths[index]
         next_pos = lengths.clone()
         max_stop = max((len(s) for s in params.stop), default=0)
         done = [False] * len(rows)

@@ -261,3 +261,20 @@ def test_partial_rollout_swaps_between_chunks_with_per_token_versions():
 def test_empty_prompt_is_rejected(tiny):
     with pytest.raises(ValueError, match="prompt 1 is empty"):
         tiny.generate([[1, 2], []], SamplingParams(max_new_tokens=2))
+
+
+def test_shared_prefill_equals_separate_generation():
+    """Identical prompts are prefilled once: the continuations and log-probs are those
+    each prompt gets alone (greedy, so deterministic)."""
+    from relax.consumers.engines.base import SamplingParams
+    from relax.consumers.engines.hf import HFEngine
+
+    eng = HFEngine("tiny-llama", engine_id="t")
+    a, b = [1, 17, 23, 99, 5], [1, 42, 7]
+    params = SamplingParams(max_new_tokens=6, top_k=1)
+    together = eng.generate([a, a, b, a], params)
+    alone = {tuple(p): eng.generate([p], params)[0] for p in (a, b)}
+    for p, g in zip([a, a, b, a], together):
+        ref = alone[tuple(p)]
+        assert g.token_ids == ref.token_ids
+        assert g.logprobs == pytest.approx(ref.logprobs, abs=1e-5)

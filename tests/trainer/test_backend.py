@@ -40,18 +40,35 @@ def _grads(backend, mbs):
     return total, [p.grad.clone() for p in backend.model.parameters() if p.grad is not None]
 
 
-def test_response_logprobs_equal_full_forward(tiny):
+def _row_by_row(model, t, temperature=1.0):
+    """Reference: each (prompt, response) row alone through the full model, no padding."""
+    out = []
+    for r in t.to_pylist():
+        ids = torch.tensor([r["prompt_ids"] + r["response_ids"]])
+        p, n = len(r["prompt_ids"]), len(r["response_ids"])
+        logits = model(input_ids=ids).logits[:, p - 1:p - 1 + n]
+        out.append(token_logprobs(logits, torch.tensor([r["response_ids"]]), temperature)[0])
+    return out
+
+
+def test_shared_prefix_logprobs_and_grads_equal_row_by_row_forward(tiny):
     b = TorchBackend(TrainerConfig(), model=tiny)
-    t = train_sample_table(2, group_size=2, seed=1)
+    t = train_sample_table(3, group_size=3, prompt_len=(2, 9), response_len=(1, 6), seed=1)
     mb = micro_batches([g for _, g in group_by_key(t, "group_id")], 10_000)[0]
-    with torch.no_grad():
-        lp, _ = b.logprobs(mb)
-        full = b.model(input_ids=mb.input_ids, attention_mask=mb.attention_mask).logits
-        idx = mb.response_index[..., None].expand(-1, -1, full.shape[-1])
-        ref = token_logprobs(torch.gather(full, 1, idx), mb.targets, 1.0)
-        assert response_logits(b.model, mb).shape[:2] == mb.targets.shape
-    mask = mb.loss_mask.bool()
-    assert torch.allclose(lp[mask], ref[mask], atol=1e-5)
+    assert mb.prompt_ids.shape[0] == 3 and mb.response_ids.shape[0] == 9
+    assert response_logits(b.model, mb).shape[:2] == mb.targets.shape
+    b.model.zero_grad()
+    lp, _ = b.logprobs(mb)
+    mask = mb.response_mask.bool()
+    weights = torch.randn(lp.shape)
+    (lp[mask] * weights[mask]).sum().backward()
+    g_shared = [p.grad.clone() for p in b.model.parameters()]
+    b.model.zero_grad()
+    ref = _row_by_row(b.model, t)
+    assert torch.allclose(lp[mask], torch.cat(ref), atol=1e-5)
+    torch.cat([r * weights[i, :len(r)] for i, r in enumerate(ref)]).sum().backward()
+    for a, c in zip(g_shared, (p.grad for p in b.model.parameters())):
+        assert torch.allclose(a, c, atol=1e-5, rtol=1e-4)
 
 
 def test_c06_gradient_does_not_depend_on_micro_batch_split(tiny):

@@ -29,19 +29,20 @@ def test_pack_groups_rejects_bad_budget():
         pack_groups([[3]], 0)
 
 
-def test_collate_positions_and_masks_from_lengths():
-    t = train_sample_table(1, group_size=2, prompt_len=(3, 3), response_len=(2, 4), seed=3)
+def test_collate_shares_prompts_and_builds_masks_from_lengths():
+    t = train_sample_table(2, group_size=3, prompt_len=(3, 5), response_len=(2, 4), seed=3)
     rows = t.to_pylist()
-    rows[0]["response_ids"][-1] = 2  # an EOS id that equals a pad value must stay trained
+    rows[0]["response_ids"][-1] = 0  # a token equal to the pad value must stay trained
     t = pa.Table.from_pylist(rows, schema=t.schema)
     mb = collate(t)
+    assert mb.prompt_ids.shape[0] == 2 and mb.prompt_of_row.tolist() == [0, 0, 0, 1, 1, 1]
+    P = mb.prompt_ids.shape[1]
     for b, r in enumerate(rows):
-        p, n = len(r["prompt_ids"]), len(r["response_ids"])
-        assert mb.input_ids[b, :p].tolist() == r["prompt_ids"]
-        assert mb.input_ids[b, p:p + n].tolist() == r["response_ids"]
-        assert mb.attention_mask[b].sum() == p + n
-        assert mb.response_index[b, :n].tolist() == list(range(p - 1, p - 1 + n))
-        assert mb.targets[b, :n].tolist() == r["response_ids"]
+        u, p, n = int(mb.prompt_of_row[b]), len(r["prompt_ids"]), len(r["response_ids"])
+        assert mb.prompt_ids[u, P - p:].tolist() == r["prompt_ids"]
+        assert mb.prompt_mask[u].tolist() == [0] * (P - p) + [1] * p
+        assert mb.response_ids[b, :n].tolist() == r["response_ids"]
+        assert mb.response_mask[b].tolist()[:n] == [1] * n and mb.response_mask[b, n:].sum() == 0
         assert mb.loss_mask[b].tolist()[:n] == [1.0] * n and mb.loss_mask[b, n:].sum() == 0
         assert mb.rollout_logprobs[b, :n].tolist() == pytest.approx(r["logprobs"])
 

@@ -32,14 +32,32 @@ from relax.trainer.losses.entropy import token_entropy
 
 
 def response_logits(model, mb: MicroBatch) -> torch.Tensor:
-    """``[B, R, V]`` logits at the positions that predict the response tokens.
+    """``[B, R, V]`` logits that predict each response token, the prompt computed once per
+    group.
 
-    Runs the decoder on the whole sequence and the LM head on response positions only.
+    The U distinct prompts (left-padded) go through the decoder once with a key/value
+    cache; the cache is expanded to the B rows (``prompt_of_row``) and the responses run
+    on top of it. Response token 0 is predicted by the prompt's last hidden state, token
+    t by the response's position t-1. Gradients flow through the shared cache into the
+    prompt pass, summed over the group's rows: the same values and gradients as a full
+    forward of every (prompt, response) row, for ``~U x P + B x R`` instead of
+    ``B x (P + R)`` tokens. Only response positions go through the LM head.
     """
     base = model.get_decoder() if hasattr(model, "get_decoder") else model.base_model
-    hidden = base(input_ids=mb.input_ids, attention_mask=mb.attention_mask).last_hidden_state
-    idx = mb.response_index[..., None].expand(-1, -1, hidden.shape[-1])
-    h = torch.gather(hidden, 1, idx)
+    ppos = (mb.prompt_mask.cumsum(-1) - 1).clamp(min=0)
+    out = base(input_ids=mb.prompt_ids, attention_mask=mb.prompt_mask, position_ids=ppos,
+               use_cache=True)
+    cache = out.past_key_values
+    last = out.last_hidden_state[:, -1]                       # [U, H] (left padding)
+    rows = mb.prompt_of_row
+    cache.batch_select_indices(rows)
+    p_len = mb.prompt_mask.sum(-1)[rows]                      # [B]
+    r = mb.response_ids.shape[1]
+    rpos = p_len[:, None] + torch.arange(r, device=p_len.device)[None, :]
+    attn = torch.cat([mb.prompt_mask[rows], mb.response_mask], dim=1)
+    hr = base(input_ids=mb.response_ids, attention_mask=attn, position_ids=rpos,
+              past_key_values=cache, use_cache=True).last_hidden_state  # [B, R, H]
+    h = torch.cat([last[rows][:, None, :], hr[:, :-1]], dim=1)
     return model.get_output_embeddings()(h)
 
 
