@@ -333,6 +333,11 @@ def train_cmd(recipe: str = typer.Argument(..., help="recipe YAML (see recipes/)
     from relax.infra.launch import final_line
 
     typer.echo(f"run folder: {summary['run_dir']}")
+    before, after = summary.get("eval_before"), summary.get("eval_after")
+    if before and after:
+        typer.echo(f"greedy held-out accuracy: before {before['accuracy']:.3f} after "
+                   f"{after['accuracy']:.3f} ({100 * (after['accuracy'] - before['accuracy']):+.1f} "
+                   f"points, n={after['n']})")
     typer.echo(final_line(summary))
 
 

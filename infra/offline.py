@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from relax.infra.recipe import Recipe
 
@@ -163,7 +164,7 @@ def recompute_losses(archive_dir: str, run_dir: str, *, rtol: float = 1e-3,
             backend.load(weights)
         else:
             backend = TorchBackend(t)
-        rows = samples.filter(pa.compute.is_in(samples.column("rollout_id"),
+        rows = samples.filter(pc.is_in(samples.column("rollout_id"),
                                                value_set=pa.array(sorted(ids))))
         rows = _dedup(rows)
         mbs = micro_batches(_groups(rows), t.max_tokens_per_microbatch)

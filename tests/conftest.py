@@ -50,3 +50,20 @@ def _relax_home(tmp_path_factory, monkeypatch):
     home = tmp_path_factory.getbasetemp() / "relax_home"
     home.mkdir(exist_ok=True)
     monkeypatch.setenv("RELAX_HOME", str(home))
+
+
+@pytest.fixture(scope="session")
+def tiny_run(broker, tmp_path_factory):
+    """``(recipe, summary)`` of recipes/tiny_ci.yaml run end to end through the session
+    broker (every stage its own process); its topics stay on the broker for the tests
+    that read them (archive, monitor, dashboard, recompute-loss)."""
+    from relax.infra.launch import train
+    from testdata import tiny_recipe
+
+    root = tmp_path_factory.mktemp("runs")
+    recipe = tiny_recipe(broker, root, "tiny" + uuid.uuid4().hex[:6],
+                         "trainer.keep_checkpoints=10")
+    lines: list[str] = []
+    summary = train(recipe, say=lines.append, timeout_s=400)
+    summary["lines"] = lines
+    return recipe, summary

@@ -228,3 +228,15 @@ def train_sample_table(n_groups: int, group_size: int = 4, prompt_len=(3, 6),
                 finish_reason="stop", temperature=1.0, top_p=1.0, top_k=0, drop_reason=None,
                 finished_at=0))
     return pa.Table.from_pylist(rows, schema=TRAIN_SAMPLES)
+
+
+RECIPES = __import__("pathlib").Path(__file__).resolve().parents[1] / "recipes"
+
+
+def tiny_recipe(broker: str, run_root, run: str, *overrides: str):
+    """recipes/tiny_ci.yaml on ``broker``, writing under ``run_root``, as run ``run``."""
+    from relax.infra.recipe import load_recipe
+
+    return load_recipe(RECIPES / "tiny_ci.yaml", [f"bootstrap_servers={broker}",
+                                                  f"run_root={run_root}", f"run={run}",
+                                                  *overrides])

@@ -178,3 +178,31 @@ def micro_batches(groups: list[pa.Table], max_tokens: int) -> list[MicroBatch]:
         lengths.append((p + r).tolist())
     return [collate(pa.concat_tables([groups[i] for i in mb]))
             for mb in pack_groups(lengths, max_tokens)]
+
+
+def loss_counts(groups: list[pa.Table]) -> tuple[int, int]:
+    """``(loss tokens, sequences with >= 1 loss token)`` of a whole global batch: the
+    ``global_tokens`` / ``global_seqs`` its loss is normalised by."""
+    tokens = seqs = 0
+    for g in groups:
+        sums = [sum(m) for m in g.column("loss_mask").to_pylist()]
+        tokens += sum(sums)
+        seqs += sum(1 for x in sums if x > 0)
+    return tokens, seqs
+
+
+def informative_rows(groups: list[pa.Table]) -> list[pa.Table]:
+    """The rows of each group that can move the weights under a pure policy-gradient loss:
+    some loss token with a non-zero advantage. Without a KL or entropy term in the loss,
+    the other rows contribute exactly 0 to the loss and its gradient (every loss in
+    ``POLICY_LOSSES`` is a multiple of the advantage), so leaving them out of the forward
+    and backward changes nothing as long as the loss is normalised by the counts of the
+    whole batch (:func:`loss_counts`). Groups left empty are dropped."""
+    out = []
+    for g in groups:
+        keep = [i for i, (adv, mask) in enumerate(zip(g.column("advantages").to_pylist(),
+                                                      g.column("loss_mask").to_pylist()))
+                if any(a != 0 and m for a, m in zip(adv, mask))]
+        if keep:
+            out.append(g if len(keep) == g.num_rows else g.take(pa.array(keep)))
+    return out

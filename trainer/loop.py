@@ -17,6 +17,7 @@ loop itself does not branch on them.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -32,7 +33,7 @@ from relax.streams.metrics import MetricsWriter
 from relax.streams.producer import BatchProducer
 from relax.trainer import checkpoint
 from relax.trainer.backends import build_backend
-from relax.trainer.batching import micro_batches
+from relax.trainer.batching import informative_rows, loss_counts, micro_batches
 from relax.trainer.config import TrainerConfig
 from relax.trainer.ledger import Ledger
 from relax.trainer.source import Batch, SampleSource
@@ -62,16 +63,23 @@ class TrainerStageConfig(BaseModel):
 
 
 def batch_metrics(batch: Batch, accuracy_reward: str | None, threshold: float) -> dict[str, float]:
-    """Reward, accuracy and staleness statistics of a batch's admitted rows."""
-    rewards = np.concatenate([g.column("reward").to_numpy() for g in batch.groups])
-    correct = []
-    for g in batch.groups:
-        for comps in g.column("reward_components").to_pylist():
-            comps = dict(comps)
-            name = accuracy_reward or (next(iter(comps)) if comps else None)
-            correct.append(float(comps.get(name, 0.0) > threshold) if name else 0.0)
+    """Reward, accuracy and staleness statistics of a step.
+
+    ``reward_mean`` / ``accuracy`` cover every sample the step decided on that was scored:
+    the trained rows and those filtered upstream (zero-variance groups), i.e. what the
+    policy produced; ``reward_mean_trained`` covers the trained rows only."""
+    def correct(comps) -> float:
+        comps = dict(comps)
+        name = accuracy_reward or (next(iter(comps)) if comps else None)
+        return float(comps.get(name, 0.0) > threshold) if name else 0.0
+
+    trained_r = np.concatenate([g.column("reward").to_numpy() for g in batch.groups])
+    trained_c = [correct(c) for g in batch.groups for c in g.column("reward_components").to_pylist()]
+    all_r = np.concatenate([trained_r, np.asarray([r for r, _ in batch.filtered], np.float64)])
+    all_c = trained_c + [correct(c) for _, c in batch.filtered]
     st = np.asarray(batch.staleness, np.float64)
-    out = {M.REWARD_MEAN: float(rewards.mean()), M.ACCURACY: float(np.mean(correct)),
+    out = {M.REWARD_MEAN: float(all_r.mean()), M.ACCURACY: float(np.mean(all_c)),
+           M.REWARD_MEAN_TRAINED: float(trained_r.mean()),
            M.STALENESS_MEAN: float(st.mean()), M.STALENESS_MAX: float(st.max()),
            M.SAMPLES_TRAINED: float(batch.rows), M.DATA_WAIT_S: batch.wait_s,
            M.SAMPLES_DROPPED_STALE: float(batch.dropped.get("stale", 0)),
@@ -107,35 +115,47 @@ class TrainerStage:
         self.counters = Counter(state.counters)
         self.producer = BatchProducer(bus, producer_id=f"{cfg.run}-trainer")
         self.metrics = MetricsWriter(self.producer, cfg.run, "trainer")
+        # progress (the rollout stage's credit) is written from the input thread too:
+        # its own producer and writer, under a lock, flushed at once
+        self._progress_lock = threading.Lock()
+        self._progress_producer = BatchProducer(bus, producer_id=f"{cfg.run}-trainer-progress")
+        self._progress_metrics = MetricsWriter(self._progress_producer, cfg.run, "trainer")
         self.publisher = WeightPublisher(
             bus, cfg.run, host=cfg.weights_host, port=cfg.weights_port,
             checkpoint_dir=self.run_dir / "weights", checkpoint_every=max(1, t.checkpoint_every),
             bucket_bytes=t.publish_bucket_bytes, producer=self.producer)
         self.source = SampleSource(bus, cfg.run, self.ledger, batch_groups=t.batch_groups,
                                    max_staleness=t.max_staleness, offsets=state.offsets,
-                                   on_drop=self._dropped)
+                                   on_drop=self._dropped, start_version=self.version)
         self.telemetry = Telemetry(self.run_dir / "tensorboard",
                                    prometheus_port=cfg.prometheus_port)
+        loss = t.loss
+        # rows with zero advantage add exactly 0 to a pure policy-gradient loss: skip their
+        # forward/backward (the loss keeps the whole batch's normalisation)
+        self._skip_zero = not (loss.kl_coef and loss.kl_in == "loss") and loss.entropy_coef == 0
 
     # -- progress for the rollout stage's credit
-    def _progress(self) -> None:
+    def _progress(self, consumed_delta: int = 0) -> None:
+        """Add to the groups consumed and write consumed/needed (any thread)."""
         t = self.cfg.trainer
-        consumed = self.counters["groups_consumed"]
-        self.metrics.add(M.GROUPS_CONSUMED, consumed, self.version)
-        self.metrics.add(M.GROUPS_NEEDED, max(0, t.steps - self.version) * t.batch_groups,
-                         self.version)
+        with self._progress_lock:
+            self.counters["groups_consumed"] += consumed_delta
+            w = self._progress_metrics
+            w.add(M.GROUPS_CONSUMED, self.counters["groups_consumed"], self.version)
+            w.add(M.GROUPS_NEEDED, max(0, t.steps - self.version) * t.batch_groups, self.version)
+            w.flush()
+            self._progress_producer.flush()
 
     def _dropped(self, n: int) -> None:
-        self.counters["groups_consumed"] += n
-        self._progress()
-        self.metrics.flush()
-        self.producer.flush()
+        self._progress(n)
 
     def _save(self) -> None:
-        state = checkpoint.TrainerState(self.version, self.source.positions(), dict(self.counters))
-        checkpoint.save(self.run_dir, self.backend, state, self.ledger,
-                        keep=self.cfg.trainer.keep_checkpoints)
-        self.source.commit()
+        with self.source.locked(), self._progress_lock:  # the input thread writes the ledger
+            state = checkpoint.TrainerState(self.version, self.source.positions(),
+                                            dict(self.counters))
+            checkpoint.save(self.run_dir, self.backend, state, self.ledger,
+                            keep=self.cfg.trainer.keep_checkpoints)
+            self.source.commit()
 
     def step(self, should_stop: Callable[[], bool]) -> dict[str, float] | None:
         """One optimizer step; None when stopped while waiting for data."""
@@ -144,11 +164,14 @@ class TrainerStage:
         batch = self.source.next_batch(self.version, should_stop)
         if batch is None:
             return None
-        stats = self.backend.train_step(micro_batches(batch.groups, t.max_tokens_per_microbatch))
+        groups = informative_rows(batch.groups) if self._skip_zero else batch.groups
+        stats = self.backend.train_step(micro_batches(groups, t.max_tokens_per_microbatch),
+                                        counts=loss_counts(batch.groups))
         self.source.trained(batch, self.version)
         out = {**stats, **batch_metrics(batch, t.accuracy_reward, t.accuracy_threshold)}
         self.version += 1
-        self.counters["groups_consumed"] += len(batch.groups)
+        with self._progress_lock:
+            self.counters["groups_consumed"] += len(batch.groups)
         if (t.checkpoint_every and self.version % t.checkpoint_every == 0) or self.version == t.steps:
             self._save()
         tp = time.perf_counter()
@@ -157,8 +180,8 @@ class TrainerStage:
         out[M.STEP_S] = time.perf_counter() - t0
         out[M.SAMPLES_PER_S] = batch.rows / out[M.STEP_S]
         self.metrics.add_many(out, self.version)
-        self._progress()
         self.metrics.flush()
+        self._progress()
         self.producer.flush()
         self.telemetry.log_step(out, self.version)
         return out
@@ -169,8 +192,6 @@ class TrainerStage:
         try:
             self.publisher.publish(self.backend.named_tensors(), self.version)
             self._progress()
-            self.metrics.flush()
-            self.producer.flush()
             while self.version < self.cfg.trainer.steps and not should_stop():
                 self.step(should_stop)
             if self.version >= self.cfg.trainer.steps:
@@ -188,4 +209,5 @@ class TrainerStage:
         self.publisher.close()
         self.source.close()
         self.telemetry.close()
+        self._progress_producer.close()
         self.producer.close()

@@ -1,11 +1,11 @@
 """The trainer's input: train samples assembled into global batches, by staleness.
 
-Consumes ``<run>.train_samples`` in consumer group ``<run>.trainer``. For every
-group that arrives, each row is decided once (the ledger remembers, so a
-redelivered row is skipped): a row with ``drop_reason`` is recorded as filtered or
-error; the others are admitted iff their staleness at the trainer's current
-policy_version is <= max_staleness (``schemas.versions.admit``; queue time counts:
-a group carried over to the next step is judged again then). A batch is
+Consumes ``<run>.train_samples`` in consumer group ``<run>.trainer``, reading ahead
+in a thread while the trainer trains. For every group that arrives, each row is
+decided once (the ledger remembers, so a redelivered row is skipped): a row with
+``drop_reason`` is recorded as filtered or error on arrival; the others are admitted
+iff their staleness at the trainer's policy_version when the batch is assembled is
+<= max_staleness (``schemas.versions.admit``; queue time counts). A batch is
 ``batch_groups`` groups with at least one admitted row each.
 
 Offsets: deliveries are finished when every group in them is decided and (for
@@ -16,8 +16,9 @@ positions (also restored by seeking on assignment).
 
 from __future__ import annotations
 
+import threading
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -40,6 +41,9 @@ class Batch:
         staleness: staleness of every admitted row.
         wait_s: seconds spent waiting for data.
         dropped: ``{outcome: rows}`` decided while assembling it (stale, filtered, error).
+        filtered: ``(reward, reward_components)`` of the rows filtered upstream since the
+            previous batch (e.g. zero-variance groups): sampled, scored, not trained, but
+            part of what the policy produced.
     """
 
     groups: list[pa.Table]
@@ -47,6 +51,7 @@ class Batch:
     wait_s: float
     dropped: dict[str, int] = field(default_factory=dict)
     deliveries: list[Delivery] = field(default_factory=list)
+    filtered: list[tuple[float, list]] = field(default_factory=list)
 
     @property
     def rows(self) -> int:
@@ -55,7 +60,15 @@ class Batch:
 
 
 class SampleSource:
-    """Assembles batches from ``<run>.train_samples``.
+    """Assembles batches from ``<run>.train_samples``, reading ahead in a thread.
+
+    A background thread polls the topic while the trainer trains: rows with a
+    ``drop_reason`` are decided (ledger) as soon as they arrive and whole dropped
+    groups are reported through ``on_drop`` at once, so the rollout stage's credit
+    comes back without waiting for the next step; the other groups queue up. The
+    staleness decision waits for :meth:`next_batch`, since it depends on the
+    trainer's policy_version then. The Kafka consumer, the ledger and the queue are
+    used under one lock.
 
     Args:
         bus: bus settings.
@@ -65,24 +78,37 @@ class SampleSource:
         max_staleness: admission bound.
         offsets: ``{topic: {partition: offset}}`` from a checkpoint: partitions are
             sought there when assigned.
-        on_drop: called with the number of whole groups dropped (so the rollout stage
-            can replace them promptly).
+        on_drop: called (from the reading thread) with the number of whole groups just
+            dropped, so the rollout stage can replace them promptly.
+        start_version: the trainer's policy_version at start (recorded with drops).
     """
 
     def __init__(self, bus: BusConfig, run: str, ledger: Ledger, *, batch_groups: int,
                  max_staleness: int, offsets: dict[str, dict[str, int]] | None = None,
-                 on_drop: Callable[[int], None] | None = None):
+                 on_drop: Callable[[int], None] | None = None, poll_timeout_s: float = 0.2,
+                 start_version: int = 0):
         self.ledger, self.batch_groups, self.max_staleness = ledger, batch_groups, max_staleness
         self.topic = topics.run_topic(run, topics.TRAIN_SAMPLES)
         self._offsets = offsets or {}
         self.on_drop = on_drop
+        self.poll_timeout_s = poll_timeout_s
         self.consumer = BatchConsumer(bus, topics.group(run, "trainer"), [self.topic],
                                       stage="trainer", on_assign=self._seek)
         self._queue: deque[tuple[Delivery, pa.Table]] = deque()
         self._open: dict[tuple[int, int], int] = {}  # (partition, offset) -> undecided groups
+        self._dropped_rows: Counter = Counter()
+        self._filtered: list[tuple[float, list]] = []
         self.groups_dropped = 0
         self.groups_trained = 0
         self.duplicates = 0
+        self._version = start_version
+        self._lock = threading.RLock()
+        self._arrived = threading.Condition(self._lock)
+        self._closed = threading.Event()
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._read_ahead, name="relax-trainer-input",
+                                        daemon=True)
+        self._thread.start()
 
     def _seek(self, tps) -> None:
         saved = self._offsets.get(self.topic, {})
@@ -90,12 +116,64 @@ class SampleSource:
             if str(tp.partition) in saved:
                 self.consumer.kafka.seek(tp, int(saved[str(tp.partition)]))
 
-    def _fill(self, timeout_s: float) -> None:
-        for d in self.consumer.poll(timeout_s):
-            parts = group_by_key(d.table, "group_id")
-            self._open[(d.partition, d.offset)] = len(parts)
-            for _, g in parts:
-                self._queue.append((d, g))
+    # ------------------------------------------------------------ reading thread
+    def _read_ahead(self) -> None:
+        while not self._closed.is_set():
+            try:
+                dropped = self._read_once()
+            except BaseException as e:  # surfaced to the trainer by next_batch
+                with self._arrived:
+                    self._error = e
+                    self._arrived.notify_all()
+                return
+            if dropped and self.on_drop is not None:
+                self.on_drop(dropped)
+
+    def _read_once(self) -> int:
+        """One poll: decide dropped rows, queue the rest; returns whole groups dropped."""
+        with self._lock:
+            deliveries = self.consumer.poll(self.poll_timeout_s)
+            dropped = 0
+            finished: list[Delivery] = []
+            for d in deliveries:
+                parts = group_by_key(d.table, "group_id")
+                self._open[(d.partition, d.offset)] = len(parts)
+                for _, g in parts:
+                    rest, decided = self._screen(g)
+                    if rest is not None:
+                        self._queue.append((d, rest))
+                        continue
+                    if decided:
+                        dropped += 1
+                        self.groups_dropped += 1
+                    self._decided(d, finished)
+            self.consumer.done(finished)
+            if deliveries:
+                self._arrived.notify_all()
+            return dropped
+
+    def _screen(self, g: pa.Table) -> tuple[pa.Table | None, int]:
+        """Record rows with a drop_reason; skip duplicates. Returns the rows still to be
+        admitted (None if none) and how many rows were decided now."""
+        keep, decided = [], 0
+        rewards = g.column("reward").to_pylist()
+        for i, (rid, reason) in enumerate(zip(g.column("rollout_id").to_pylist(),
+                                              g.column("drop_reason").to_pylist())):
+            if rid in self.ledger:
+                self.duplicates += 1
+                continue
+            if reason is not None:
+                outcome = outcome_of(reason)
+                self.ledger.record(rid, outcome, self._version)
+                self._dropped_rows[outcome] += 1
+                if outcome == "filtered":
+                    self._filtered.append((rewards[i], g.column("reward_components")[i].as_py()))
+                decided += 1
+                continue
+            keep.append(i)
+        if not keep:
+            return None, decided
+        return (g if len(keep) == g.num_rows else g.take(pa.array(keep))), decided
 
     def _decided(self, d: Delivery, finished: list[Delivery]) -> None:
         key = (d.partition, d.offset)
@@ -104,89 +182,108 @@ class SampleSource:
             del self._open[key]
             finished.append(d)
 
-    def next_batch(self, policy_version: int, should_stop: Callable[[], bool],
-                   poll_timeout_s: float = 0.5) -> Batch | None:
+    # ------------------------------------------------------------ trainer side
+    def next_batch(self, policy_version: int, should_stop: Callable[[], bool]) -> Batch | None:
         """Block until ``batch_groups`` groups are admitted at ``policy_version`` (None if
-        ``should_stop()`` turns true first). Decisions on dropped rows go to the ledger
-        at once; admitted rows are recorded by :meth:`trained`."""
+        ``should_stop()`` turns true first). Stale rows go to the ledger at once; admitted
+        rows are recorded by :meth:`trained`.
+
+        Raises:
+            whatever stopped the reading thread (a broken broker connection, ...).
+        """
         t0 = time.perf_counter()
         groups: list[pa.Table] = []
         stale: list[int] = []
-        dropped = {"stale": 0, "filtered": 0, "error": 0}
         used: list[Delivery] = []
         finished: list[Delivery] = []
         taken: set[str] = set()
-        while len(groups) < self.batch_groups:
-            if should_stop():
-                return None
-            if not self._queue:
-                self._fill(poll_timeout_s)
-                continue
-            d, g = self._queue.popleft()
-            keep = []
-            decided = 0
-            for i, row in enumerate(g.select(["rollout_id", "drop_reason", "policy_version_start",
-                                              "policy_version_end", "token_policy_versions"]
-                                             ).to_pylist()):
-                rid = row["rollout_id"]
-                if rid in self.ledger or rid in taken:
-                    self.duplicates += 1
+        stale_rows = 0
+        dropped_groups = 0
+        with self._arrived:
+            self._version = policy_version
+            while len(groups) < self.batch_groups:
+                if self._error is not None:
+                    raise RuntimeError("the trainer's input thread failed") from self._error
+                if should_stop():
+                    return None
+                if not self._queue:
+                    self._arrived.wait(0.5)
                     continue
-                decided += 1
-                if row["drop_reason"] is not None:
-                    outcome = outcome_of(row["drop_reason"])
-                    self.ledger.record(rid, outcome, policy_version)
-                    dropped[outcome] += 1
-                    continue
-                start, end = row["policy_version_start"], row["policy_version_end"]
-                if end > policy_version:  # made by weights of a branch lost in a restart
-                    self.ledger.record(rid, "stale", policy_version, end - policy_version)
-                    dropped["stale"] += 1
-                    continue
-                a = admit(policy_version, start, end, self.max_staleness,
-                          row["token_policy_versions"])
-                if not a.admitted:
-                    self.ledger.record(rid, "stale", policy_version, a.staleness)
-                    dropped["stale"] += 1
-                    continue
-                keep.append(i)
-                stale.append(a.staleness)
-                taken.add(rid)
-            if keep:
-                groups.append(g.take(pa.array(keep)))
-                used.append(d)
-            else:
-                if decided:  # a group of duplicates was decided before: not a new drop
-                    self.groups_dropped += 1
-                    if self.on_drop is not None:
-                        self.on_drop(1)
-                self._decided(d, finished)
-        self.consumer.done(finished)
-        return Batch(groups, stale, time.perf_counter() - t0, dropped, used)
+                d, g = self._queue.popleft()
+                keep, decided = [], 0
+                for i, row in enumerate(g.select(
+                        ["rollout_id", "policy_version_start", "policy_version_end",
+                         "token_policy_versions"]).to_pylist()):
+                    rid = row["rollout_id"]
+                    if rid in self.ledger or rid in taken:
+                        self.duplicates += 1
+                        continue
+                    decided += 1
+                    start, end = row["policy_version_start"], row["policy_version_end"]
+                    if end > policy_version:  # made by weights of a branch lost in a restart
+                        self.ledger.record(rid, "stale", policy_version, end - policy_version)
+                        stale_rows += 1
+                        continue
+                    a = admit(policy_version, start, end, self.max_staleness,
+                              row["token_policy_versions"])
+                    if not a.admitted:
+                        self.ledger.record(rid, "stale", policy_version, a.staleness)
+                        stale_rows += 1
+                        continue
+                    keep.append(i)
+                    stale.append(a.staleness)
+                    taken.add(rid)
+                if keep:
+                    groups.append(g.take(pa.array(keep)))
+                    used.append(d)
+                else:
+                    if decided:  # not when every row was a duplicate decided earlier
+                        dropped_groups += 1
+                        self.groups_dropped += 1
+                    self._decided(d, finished)
+            self.consumer.done(finished)
+            dropped = dict(self._dropped_rows)
+            self._dropped_rows.clear()
+            filtered, self._filtered = self._filtered, []
+        dropped["stale"] = dropped.get("stale", 0) + stale_rows
+        if dropped_groups and self.on_drop is not None:
+            self.on_drop(dropped_groups)
+        return Batch(groups, stale, time.perf_counter() - t0, dropped, used, filtered)
 
     def trained(self, batch: Batch, policy_version: int) -> None:
         """Record the batch's rows as trained (at ``policy_version``, before the step's
         increment) and finish their deliveries."""
         finished: list[Delivery] = []
-        for g, d in zip(batch.groups, batch.deliveries):
-            for rid in g.column("rollout_id").to_pylist():
-                self.ledger.record(rid, "trained", policy_version)
-            self.groups_trained += 1
-            self._decided(d, finished)
-        self.consumer.done(finished)
+        with self._lock:
+            for g, d in zip(batch.groups, batch.deliveries):
+                for rid in g.column("rollout_id").to_pylist():
+                    self.ledger.record(rid, "trained", policy_version)
+                self.groups_trained += 1
+                self._decided(d, finished)
+            self.consumer.done(finished)
+
+    def locked(self):
+        """The lock the reading thread takes: hold it to read the ledger consistently
+        (e.g. while a checkpoint saves it)."""
+        return self._lock
 
     def positions(self) -> dict[str, dict[str, int]]:
         """``{topic: {partition: next offset}}`` that a checkpoint taken now may resume
         from (the finished prefix of every partition)."""
-        out = {t: dict(parts) for t, parts in self._offsets.items()}
-        for (topic, partition), off in self.consumer.positions().items():
-            out.setdefault(topic, {})[str(partition)] = off
-        return out
+        with self._lock:
+            out = {t: dict(parts) for t, parts in self._offsets.items()}
+            for (topic, partition), off in self.consumer.positions().items():
+                out.setdefault(topic, {})[str(partition)] = off
+            return out
 
     def commit(self) -> None:
         """Commit the finished prefix (call right after a checkpoint is on disk)."""
-        self.consumer.commit()
+        with self._lock:
+            self.consumer.commit()
 
     def close(self) -> None:
-        """Close the consumer (no commit)."""
-        self.consumer.close()
+        """Stop the reading thread and close the consumer (no commit)."""
+        self._closed.set()
+        self._thread.join(timeout=10)
+        with self._lock:
+            self.consumer.close()

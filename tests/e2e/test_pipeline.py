@@ -15,7 +15,7 @@ import pytest
 from relax.trainer import checkpoint
 from relax.trainer.ledger import Ledger
 
-from conftest import RECIPES, tiny_recipe
+from testdata import RECIPES, tiny_recipe
 
 pytestmark = pytest.mark.e2e
 

@@ -118,3 +118,35 @@ def test_dashboard_page_renders_charts_in_headless_chromium(bus, unique):
     finally:
         d.stop()
     assert os.path.exists(shot)
+
+
+@pytest.mark.browser
+def test_dashboard_of_a_finished_tiny_run_in_headless_chromium(tiny_run, bus):
+    """The page of a real finished tiny-model run: the reward chart has one point per
+    trained step, the staleness histogram has bars, the version tile says 3."""
+    if not CHROMIUM.exists():
+        pytest.skip(f"{CHROMIUM} is absent (apt-get install -y chromium)")
+    from playwright.sync_api import sync_playwright
+
+    recipe, summary = tiny_run
+    d = Dashboard(bus, recipe.run, port=0, interval_s=0.5)
+    url = d.start()
+    try:
+        with sync_playwright() as pw:
+            browser = pw.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
+            try:
+                page = browser.new_page(viewport={"width": 1400, "height": 1000})
+                page.goto(url)
+                page.wait_for_function(
+                    "document.querySelectorAll('#reward-chart circle.pt-reward').length === 3",
+                    timeout=30_000)
+                assert page.locator("#staleness-chart rect.bar").count() >= 1
+                assert page.text_content("#tile-version") == "3"
+                ARTIFACTS.mkdir(exist_ok=True)
+                shot = ARTIFACTS / "dashboard-tiny-run.png"
+                page.screenshot(path=str(shot), full_page=True)
+                assert shot.stat().st_size > 10_000
+            finally:
+                browser.close()
+    finally:
+        d.stop()

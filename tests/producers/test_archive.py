@@ -149,3 +149,9 @@ def test_archive_follow_keeps_going_until_sigterm(bus, unique, tmp_path):
     assert proc.returncode == 0, stderr
     assert stdout.strip().splitlines()[-1].startswith(f"archived rows={total} ")
     assert archived_rows() == total
+
+
+def test_archive_replay_of_a_real_tiny_run(tiny_run, bus, tmp_path):
+    recipe, summary = tiny_run
+    assert summary["steps"] == 3
+    _archive_replay_roundtrip(bus, recipe.run, tmp_path)

@@ -99,3 +99,30 @@ def test_train_step_changes_weights_and_reports(tmp_path):
     for k, v in b.named_tensors().items():
         assert torch.equal(v, b2.named_tensors()[k])
     assert b2.steps_done == 1
+
+
+def test_skipping_zero_advantage_rows_gives_the_same_step(tiny):
+    """Rows whose advantages are all 0 are left out of forward/backward; with the whole
+    batch's counts the updated weights are the same as computing every row."""
+    import copy
+
+    import pyarrow as pa
+
+    from relax.trainer.batching import informative_rows, loss_counts
+
+    t = train_sample_table(4, group_size=3, seed=5)
+    rows = t.to_pylist()
+    for r in rows[3:6] + rows[9:10]:  # one whole group and one row with zero advantage
+        r["advantages"] = [0.0] * len(r["advantages"])
+    t = pa.Table.from_pylist(rows, schema=t.schema)
+    groups = [g for _, g in group_by_key(t, "group_id")]
+    cfg = TrainerConfig(optim={"lr": 1e-3})
+    full = TorchBackend(cfg, model=copy.deepcopy(tiny))
+    skip = TorchBackend(cfg, model=copy.deepcopy(tiny))
+    full.train_step(micro_batches(groups, 10_000))
+    kept = informative_rows(groups)
+    assert sum(g.num_rows for g in kept) == 8
+    s = skip.train_step(micro_batches(kept, 10_000), counts=loss_counts(groups))
+    assert s["rows_computed"] == 8
+    for (k, a), b in zip(full.named_tensors().items(), skip.named_tensors().values()):
+        assert torch.allclose(a, b, atol=1e-7), k

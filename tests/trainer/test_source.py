@@ -43,15 +43,16 @@ def test_admission_ledger_and_duplicates(bus, unique):
     drops = []
     src = SampleSource(bus, run, ledger, batch_groups=2, max_staleness=1, on_drop=drops.append)
     b = src.next_batch(2, lambda: False)
-    assert len(b.groups) == 2 and b.staleness == [1] * 4
+    assert len(b.groups) == 2
     src.trained(b, 2)
     b2 = src.next_batch(2, lambda: False)
-    assert sorted(g.column("group_id")[0].as_py() for g in b2.groups) == ["g0005", "g0006"]
-    assert sorted(b2.staleness) == [0, 0, 1, 1]
     src.trained(b2, 2)
-    assert src.duplicates == 2  # g0003 redelivered
+    gids = sorted(g.column("group_id")[0].as_py() for g in b.groups + b2.groups)
+    assert gids == ["g0003", "g0004", "g0005", "g0006"]  # arrival order across partitions varies
+    assert sorted(b.staleness + b2.staleness) == [0, 0] + [1] * 6
     deadline = time.monotonic() + 3
     assert src.next_batch(2, lambda: time.monotonic() > deadline) is None
+    assert src.duplicates == 2  # g0003 redelivered
     src.close()
     c = ledger.counts()
     assert c["stale"] == 2 and c["filtered"] == 2 and c["error"] == 2

@@ -105,17 +105,25 @@ class TorchBackend:
         ent = token_entropy(logits, temperature=mb.temperature) if with_entropy else None
         return lp, ent
 
-    def train_step(self, mbs: list[MicroBatch]) -> dict[str, float]:
+    def train_step(self, mbs: list[MicroBatch],
+                   counts: tuple[int, int] | None = None) -> dict[str, float]:
         """One optimizer step over the micro-batches of a global batch.
+
+        Args:
+            mbs: the micro-batches to run forward/backward on (may be empty).
+            counts: ``(global tokens, global sequences)`` the loss is normalised by;
+                default: those of ``mbs``. Given when rows that cannot contribute were
+                left out (:func:`relax.trainer.batching.informative_rows`).
 
         Returns:
             metrics: ``loss``, ``grad_norm``, ``lr``, ``train_s``, ``tokens_trained`` and the
             loss metrics (``policy_loss``, ``ppo_kl``, ``clip_frac_*``, ``entropy``, ...).
         """
         t0 = time.perf_counter()
-        counts = [mask_counts(mb.loss_mask) for mb in mbs]
-        tokens = sum(c[0] for c in counts)
-        seqs = sum(c[1] for c in counts)
+        if counts is None:
+            per_mb = [mask_counts(mb.loss_mask) for mb in mbs]
+            counts = (sum(c[0] for c in per_mb), sum(c[1] for c in per_mb))
+        tokens, seqs = counts
         if self.world_size > 1:
             t = torch.tensor([tokens, seqs], dtype=torch.float64, device=self.device)
             dist.all_reduce(t)
@@ -147,12 +155,16 @@ class TorchBackend:
             sums["loss"] = sums.get("loss", 0.0) + float(loss.detach())
             for k, v in metrics.items():
                 sums[k] = sums.get(k, 0.0) + float(v)
+        for p in self.model.parameters():  # rows left out contribute exact zeros
+            if p.grad is None and p.requires_grad:
+                p.grad = torch.zeros_like(p)
         clip = self.cfg.optim.grad_clip
         norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(),
                                               clip if clip > 0 else math.inf)
         self.optimizer.step()
         self.steps_done += 1
         sums.update(grad_norm=float(norm), lr=lr, tokens_trained=float(tokens),
+                    rows_computed=float(sum(mb.response_ids.shape[0] for mb in mbs)),
                     train_s=time.perf_counter() - t0)
         return sums
 
