@@ -211,14 +211,18 @@ def instance_budget(
     """Groups instance ``instance_index`` may have started in all (since it started).
 
     ``consumed`` = groups the trainer decided since then: ``groups_consumed`` (trained or
-    dropped, from the trainer's metrics) when known, and at least ``batch_groups`` per
-    policy_version since ``base_version``. The run may have ``consumed + min(B, needed)``
+    dropped, from the trainer's metrics) when known, else ``batch_groups`` per
+    policy_version since ``base_version`` (a trainer that reports no progress). The run may have ``consumed + min(B, needed)``
     groups started, ``B = in_flight_budget(max_staleness, batch_groups)`` and ``needed``
     the groups the trainer still needs (unlimited when unknown); this instance gets its
     :func:`share` of that (see the module docstring)."""
-    consumed = max(0, trainer_version - base_version) * batch_groups
     if groups_consumed is not None:
-        consumed = max(consumed, groups_consumed)
+        # the trainer's own count, paired with the ``needed`` of the same report: mixing
+        # it with a count inferred from a newer policy_version would let the stage start
+        # groups the run never trains
+        consumed = groups_consumed
+    else:
+        consumed = max(0, trainer_version - base_version) * batch_groups
     cap = in_flight_budget(max_staleness, batch_groups)
     if groups_needed is not None:
         cap = min(cap, max(0, groups_needed))

@@ -186,7 +186,10 @@ class AggregateStage:
             self.inputs.append(topics.run_topic(run, topics.REF_LOGPROBS))
         self.out_topic = topics.run_topic(run, topics.TRAIN_SAMPLES)
         self.changelog = topics.changelog_topic(run)
-        ensure_topics(bus, {t: cfg.partitions for t in self.inputs + [self.out_topic, self.changelog]})
+        want = {t: cfg.partitions for t in self.inputs + [self.out_topic, self.changelog]}
+        want.update({t: 1 for t in [topics.run_topic(run, topics.METRICS)]
+                     + [topics.errors_topic(t) for t in self.inputs]})
+        ensure_topics(bus, want)
         self.producer = BatchProducer(bus, producer_id=instance)
         self.metrics = MetricsWriter(self.producer, run, instance)
         self.states: dict[int, JoinState] = {}

@@ -43,6 +43,20 @@ def unique():
     return "t" + uuid.uuid4().hex[:10]
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _tests_importable_by_stage_processes():
+    """Stage processes (Ray actors, reward workers) import test helpers such as
+    ``testdata:parity_reward``: put tests/ on their PYTHONPATH."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    old = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = here + (os.pathsep + old if old else "")
+    yield
+    if old is None:
+        os.environ.pop("PYTHONPATH", None)
+    else:
+        os.environ["PYTHONPATH"] = old
+
+
 @pytest.fixture(autouse=True)
 def _relax_home(tmp_path_factory, monkeypatch):
     """Keep relax's local state (broker state file, caches) out of the user's home,

@@ -239,4 +239,15 @@ def tiny_recipe(broker: str, run_root, run: str, *overrides: str):
 
     return load_recipe(RECIPES / "tiny_ci.yaml", [f"bootstrap_servers={broker}",
                                                   f"run_root={run_root}", f"run={run}",
-                                                  *overrides])
+                                                  PARITY_REWARD, *overrides])
+
+
+def parity_reward(responses, labels, metadata, **options):
+    """A test reward with variance on any text (even a random model's): 1.0 when the
+    response has an even number of characters. Loaded as ``testdata:parity_reward``."""
+    return [1.0 if len(r) % 2 == 0 else 0.0 for r in responses]
+
+
+PARITY_REWARD = 'rewards=[{name: parity, fn: "testdata:parity_reward"}]'
+"""A recipe override that scores the tiny run with :func:`parity_reward` (tests put
+``tests/`` on PYTHONPATH so the stage processes can import it)."""

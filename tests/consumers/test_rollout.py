@@ -110,7 +110,8 @@ def test_budget_formula_splits_one_global_budget():
     assert instance_budget(7, 7, 0, 3) == 3  # a stage started at trainer v7
     # the trainer's credit: dropped groups are replaced, and nothing beyond what it needs
     assert instance_budget(2, 0, 0, 2, groups_consumed=7) == 9  # 7 decided + B = 2
-    assert instance_budget(2, 0, 0, 2, groups_consumed=3) == 6  # never below V * batch_groups
+    # the trainer's report is the truth, even behind its policy_version (no V * B floor)
+    assert instance_budget(2, 0, 0, 2, groups_consumed=3) == 5
     assert instance_budget(2, 0, 1, 2, groups_consumed=4, groups_needed=1) == 5
     assert instance_budget(2, 0, 1, 2, groups_consumed=4, groups_needed=0) == 4
 
@@ -154,7 +155,9 @@ def test_rollout_stage_on_the_broker_respects_the_staleness_budget(
         pub.wait_for_members(1, 60)
         _wait(lambda: runner.check() or stage.stats.groups >= 2, what="2 groups")
         time.sleep(2.0)
-        assert stage.stats.groups == 2 and stage.stats.budget_waits > 0
+        # waiting for the trainer: for credit, or (as here) for weights fresh enough for a
+        # group that would be consumed at v1
+        assert stage.stats.groups == 2 and stage.stats.budget_waits + stage.stats.weight_waits > 0
         for v in (1, 2):
             with torch.no_grad():
                 for p in params.values():

@@ -70,16 +70,14 @@ def test_chaos_reward_and_aggregator_killed(broker, tmp_path):
     from relax.infra.launch import train
 
     recipe = tiny_recipe(broker, tmp_path, "chaos" + uuid.uuid4().hex[:6], "trainer.steps=5")
-    on_step, killed = _kill_on({1: "reward.correct", 3: "aggregate"})
+    on_step, killed = _kill_on({1: "reward.parity", 3: "aggregate"})
     s = train(recipe, say=lambda _: None, on_step=on_step, timeout_s=500)
-    assert set(killed) == {"reward.correct", "aggregate"}
-    stages = json.loads((Path(s["run_dir"]) / "stages.json").read_text()) if \
-        (Path(s["run_dir"]) / "stages.json").exists() else None
-    assert s["steps"] == 5 and s["balanced"], s
+    assert set(killed) == {"reward.parity", "aggregate"}
+    detail = json.dumps({k: v for k, v in s.items() if k != "eval_before"}, default=str)
+    assert s["steps"] == 5, detail
+    assert s["unaccounted"] == 0 and s["unknown"] == 0 and s["balanced"], detail
     led = _ledger(s["run_dir"])
-    trained = led.ids("trained")
-    assert len(trained) == s["trained"]  # a rollout id is recorded once: never trained twice
-    assert stages is None or True
+    assert len(led.ids("trained")) == s["trained"]  # a rollout is recorded once: never trained twice
 
 
 def test_trainer_killed_after_step_2_resumes_at_step_3(broker, tmp_path):
@@ -90,7 +88,7 @@ def test_trainer_killed_after_step_2_resumes_at_step_3(broker, tmp_path):
     lines = []
     s = train(recipe, say=lines.append, on_step=on_step, timeout_s=500)
     assert killed == {"trainer": killed["trainer"]}
-    assert s["steps"] == 3 and s["balanced"], s
+    assert s["steps"] == 3 and s["balanced"], json.dumps(s, default=str)
     log = (Path(s["run_dir"]) / "logs" / "trainer.log").read_text()
     assert "resumed from" in log and "policy_version 2" in log
     assert checkpoint.latest(Path(s["run_dir"])).name == "step_000003"

@@ -136,7 +136,7 @@ class TorchBackend:
             with torch.no_grad():
                 old = [self.logprobs(mb)[0].detach() for mb in mbs]
         self.optimizer.zero_grad(set_to_none=True)
-        sums: dict[str, float] = {}
+        sums: dict[str, float] = {"loss": 0.0, "policy_loss": 0.0}
         want_entropy = self.cfg.loss.entropy_coef != 0
         for i, mb in enumerate(mbs):
             dmb = _to(mb, self.device)
