@@ -179,7 +179,7 @@ from relax.consumers.stage_cli import register as _stages; _stages(app)  # rollo
 @app.command("publish")
 def publish_cmd(
         source: str = typer.Argument(..., help="JSONL/Parquet/CSV file, saved datasets folder "
-                                     "[DIR:split], hf://ORG/NAME[/CONFIG][:split] or "
+                                     "\\[DIR:split], hf://ORG/NAME\\[/CONFIG]\\[:split] or "
                                      "reasoning_gym:TASK?size=N&seed=S"),
         topic: str = typer.Option(..., "--topic", help="prompts.NAME"),
         prompt_field: str = typer.Option("prompt", help="input column holding the prompt"),
@@ -306,8 +306,14 @@ def train_cmd(recipe: str = typer.Argument(..., help="recipe YAML (see recipes/)
                   help="Kafka cluster host:port (default: the recipe's, else a local broker)"),
               from_archive: Optional[str] = typer.Option(
                   None, "--from-archive", help="train offline from a run archive's train samples"),
-              timeout_s: Optional[float] = typer.Option(None, help="give up after this long")) -> None:
-    """Run GRPO end to end: rollout, rewards, aggregation, trainer, each its own process."""
+              timeout_s: Optional[float] = typer.Option(
+                  None, help="give up after this many seconds (stages are stopped)")) -> None:
+    """Run GRPO end to end: rollout, rewards, aggregation, trainer, each its own process.
+
+    Run name (topics <run>.*, folder runs/<run>/): recipe key `run`, default <recipe>-<time>.
+
+    Override any recipe key (infra/recipe.py) with key=value, e.g. run=NAME.
+    """
     import logging
 
     from relax.infra.recipe import RecipeError, load_recipe
@@ -333,6 +339,10 @@ def train_cmd(recipe: str = typer.Argument(..., help="recipe YAML (see recipes/)
     from relax.infra.launch import final_line
 
     typer.echo(f"run folder: {summary['run_dir']}")
+    if "samples_per_s" in summary:
+        typer.echo(f"throughput: samples/s={summary['samples_per_s']:.2f} (trained rows over "
+                   f"train_s={summary['train_s']:.0f}) trainer data-wait="
+                   f"{summary['trainer_wait_pct']:.0f}% wall_s={summary['wall_s']:.0f}")
     before, after = summary.get("eval_before"), summary.get("eval_after")
     if before and after:
         typer.echo(f"greedy held-out accuracy: before {before['accuracy']:.3f} after "

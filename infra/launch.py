@@ -147,7 +147,13 @@ def train(recipe: Recipe, *, say: Callable[[str], None] = print,
         relax.infra.controller.StageFailed: a stage failed more than ``max_restarts`` times.
         TimeoutError: ``timeout_s`` passed.
     """
-    from relax.infra.report import accounting, plot_curves, step_rows, write_metrics_jsonl
+    from relax.infra.report import (
+        accounting,
+        plot_curves,
+        stall_report,
+        step_rows,
+        write_metrics_jsonl,
+    )
 
     run_dir = Path(recipe.run_root) / recipe.run
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -155,6 +161,7 @@ def train(recipe: Recipe, *, say: Callable[[str], None] = print,
                                                         sort_keys=False))
     t_start = time.time()
     summary: dict = {"run": recipe.run, "mode": recipe.mode, "run_dir": str(run_dir)}
+    say(f"run: {recipe.run} (folder {run_dir})")
     with contextlib.ExitStack() as stack:
         if recipe.bootstrap_servers:
             bootstrap = recipe.bootstrap_servers
@@ -198,7 +205,10 @@ def train(recipe: Recipe, *, say: Callable[[str], None] = print,
         done = False
         while not done and not stopping["flag"]:
             if timeout_s is not None and time.time() - t_start > timeout_s:
-                raise TimeoutError(f"run {recipe.run} did not finish in {timeout_s}s")
+                raise TimeoutError(
+                    f"run {recipe.run} did not finish in {timeout_s}s, at step {len(printed)} of "
+                    f"{recipe.trainer.steps}; latest metrics:\n"
+                    + stall_report(follower.rows, int(time.time() * 1000)))
             finished = controller.check(0.2)
             rows = follower.poll(0.5)
             for s in step_rows(follower.rows):

@@ -22,6 +22,33 @@ def step_rows(metric_rows: list[dict]) -> list[dict]:
     return [steps[k] for k in sorted(steps) if M.STEP_S in steps[k]]
 
 
+def stall_report(metric_rows: list[dict], now_ms: int, max_names: int = 12) -> str:
+    """Where a run stands: per component, how long ago it last wrote a metric and the
+    latest value of each of its metrics (staleness histogram buckets left out). Used in
+    the error of a run that did not finish.
+
+    Args:
+        metric_rows: ``<run>.metrics`` rows (``ts`` in ms, ``component``, ``name``, ``value``).
+        now_ms: the current time (ms since the epoch).
+        max_names: the most metric names shown per component.
+
+    Returns:
+        One line per component, e.g. ``aggregate-0 (2s ago): partial_groups=2 ...``.
+    """
+    latest: dict[str, dict[str, float]] = {}
+    last_ts: dict[str, int] = {}
+    for r in metric_rows:
+        if r["name"].startswith(M.STALENESS_HIST_PREFIX):
+            continue
+        latest.setdefault(r["component"], {})[r["name"]] = r["value"]
+        last_ts[r["component"]] = max(last_ts.get(r["component"], 0), r["ts"])
+    lines = []
+    for comp in sorted(latest):
+        vals = " ".join(f"{k}={v:g}" for k, v in sorted(latest[comp].items())[:max_names])
+        lines.append(f"{comp} ({(now_ms - last_ts[comp]) / 1000:.0f}s ago): {vals}")
+    return "\n".join(lines)
+
+
 def write_metrics_jsonl(path: Path, metric_rows: list[dict]) -> None:
     """Every metric row as one JSON object per line."""
     with open(path, "w") as f:

@@ -117,6 +117,7 @@ def run_stage(kind: str, config: dict, bus: BusConfig, should_stop: Callable[[],
         logging.basicConfig(filename=log_file, level=logging.INFO, force=True,
                             format="%(asctime)s %(name)s %(levelname)s %(message)s")
         logging.getLogger("kafka").setLevel(logging.WARNING)
+        logging.getLogger("kafka.coordinator").setLevel(logging.INFO)  # joins, assignments
     if torch_threads:
         import torch
 

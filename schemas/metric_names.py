@@ -38,6 +38,11 @@ REWARD_ERRORS = "reward_errors"
 REWARD_TIMEOUTS = "reward_timeouts"
 REWARD_ROWS_PER_S = "reward_rows_per_s"
 
+# aggregator (component "aggregate-<i>"), on every delivery and at least every HEARTBEAT_S
+GROUPS_EMITTED = "groups_emitted"
+PARTIAL_GROUPS = "partial_groups"        # groups waiting for rollouts / rewards / ref log-probs
+OLDEST_PARTIAL_S = "oldest_partial_s"    # age of the oldest of them (0 when none)
+
 # evaluation (component "eval")
 EVAL_ACCURACY = "eval_accuracy"        # greedy held-out accuracy at policy_version
 

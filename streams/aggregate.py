@@ -40,6 +40,7 @@ import pyarrow as pa
 from pydantic import BaseModel, ConfigDict, Field
 
 from relax.consumers.advantage.samples import AdvantageConfig, RewardCell, build_train_samples
+from relax.schemas import metric_names as M
 from relax.schemas import topics
 from relax.streams.changelog import read_partition
 from relax.streams.client import BusConfig, ensure_topics
@@ -51,6 +52,9 @@ from relax.streams.producer import BatchProducer
 log = logging.getLogger(__name__)
 
 EMITTED = b"emitted"
+HEARTBEAT_S = 5.0
+"""Seconds between the aggregator's metric rows when no input arrives (a stuck group
+shows as a growing ``oldest_partial_s``)."""
 
 
 class AggregateConfig(BaseModel):
@@ -187,8 +191,7 @@ class AggregateStage:
         self.out_topic = topics.run_topic(run, topics.TRAIN_SAMPLES)
         self.changelog = topics.changelog_topic(run)
         want = {t: cfg.partitions for t in self.inputs + [self.out_topic, self.changelog]}
-        want.update({t: 1 for t in [topics.run_topic(run, topics.METRICS)]
-                     + [topics.errors_topic(t) for t in self.inputs]})
+        want.update({topics.errors_topic(t): 1 for t in self.inputs})
         ensure_topics(bus, want)
         self.producer = BatchProducer(bus, producer_id=instance)
         self.metrics = MetricsWriter(self.producer, run, instance)
@@ -196,6 +199,7 @@ class AggregateStage:
         self._to_recover: set[int] = set()
         self.emitted_groups = 0
         self.emitted_rows = 0
+        self._metrics_at = 0.0
         self.consumer = BatchConsumer(bus, topics.group(run, "aggregate"), self.inputs,
                                       stage="aggregate", error_producer=self.producer,
                                       on_assign=self._assign, on_revoke=self._revoke)
@@ -249,9 +253,12 @@ class AggregateStage:
                                          headers=[("relax-op", EMITTED)], partition=p)
                 self.emitted_groups += 1
                 self.emitted_rows += samples.num_rows
-        if deliveries:
-            self.metrics.add("groups_emitted", self.emitted_groups)
-            self.metrics.add("partial_groups", sum(len(s.groups) for s in self.states.values()))
+        if deliveries or now - self._metrics_at >= HEARTBEAT_S:
+            self._metrics_at = now
+            firsts = [g.first_seen_s for s in self.states.values() for g in s.groups.values()]
+            self.metrics.add_many({M.GROUPS_EMITTED: self.emitted_groups,
+                                   M.PARTIAL_GROUPS: len(firsts),
+                                   M.OLDEST_PARTIAL_S: now - min(firsts) if firsts else 0.0})
             self.metrics.flush()
         self.producer.flush()
         self.consumer.done(deliveries)

@@ -11,6 +11,7 @@ import pyarrow as pa
 
 from relax.schemas import topics
 from relax.schemas.v1 import METRICS
+from relax.streams.client import ensure_topics
 from relax.streams.producer import BatchProducer
 
 
@@ -21,11 +22,15 @@ class MetricsWriter:
         producer: the stage's producer (metrics go out with its next flush).
         run: run name; rows go to ``<run>.metrics``.
         component: e.g. ``trainer``, ``rollout-0``, ``reward.gsm8k``.
+
+    Creates ``<run>.metrics`` (1 partition, so readers see one order) if it does not
+    exist: a send to a missing topic would stall the producer's flush.
     """
 
     def __init__(self, producer: BatchProducer, run: str, component: str):
         self.producer, self.component = producer, component
         self.topic = topics.run_topic(run, topics.METRICS)
+        ensure_topics(producer.cfg, {self.topic: 1})
         self._rows: list[dict] = []
 
     def add(self, name: str, value: float, policy_version: int | None = None) -> None:

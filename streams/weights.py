@@ -486,6 +486,9 @@ class WeightPublisher:
             joiners must wait for a broadcast).
         checkpoint_every: write a checkpoint every K versions (version % K == 0, and the
             first published version).
+        keep_checkpoints: how many of the newest checkpoints stay on disk (older ones
+            are deleted after each write: a late joiner needs only the newest, and a
+            full-precision 135M model is 0.5 GB a version).
         bucket_bytes: broadcast bucket size (bytes).
         join_timeout_s: how long a new group waits for its members (seconds).
         producer: a :class:`~relax.streams.producer.BatchProducer` to announce with
@@ -501,6 +504,7 @@ class WeightPublisher:
         port: int = 0,
         checkpoint_dir: str | Path | None = None,
         checkpoint_every: int = 1,
+        keep_checkpoints: int = 3,
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         join_timeout_s: float = 60.0,
         producer=None,
@@ -511,12 +515,14 @@ class WeightPublisher:
 
         if checkpoint_every < 1:
             raise ValueError(f"checkpoint_every must be >= 1, got {checkpoint_every}")
+        if keep_checkpoints < 1:
+            raise ValueError(f"keep_checkpoints must be >= 1, got {keep_checkpoints}")
         if bucket_bytes < 1:
             raise ValueError(f"bucket_bytes must be >= 1, got {bucket_bytes}")
         self.cfg, self.run, self.host = cfg, run, host
         self.bucket_bytes, self.join_timeout_s = bucket_bytes, join_timeout_s
         self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir else None
-        self.checkpoint_every = checkpoint_every
+        self.checkpoint_every, self.keep_checkpoints = checkpoint_every, keep_checkpoints
         self.topic = ensure_weights_topic(cfg, run)
         self._producer = producer or BatchProducer(cfg, producer_id=f"{run}-weights")
         self._own_producer = producer is None
@@ -726,6 +732,8 @@ class WeightPublisher:
         finally:
             if tmp.exists():
                 shutil.rmtree(tmp, ignore_errors=True)
+        for old in sorted(self.checkpoint_dir.glob("v*"))[:-self.keep_checkpoints]:
+            shutil.rmtree(old, ignore_errors=True)
         return str(target.resolve())
 
     def close(self) -> None:

@@ -16,15 +16,6 @@ from relax.trainer.logprobs import token_logprobs, top_p_log_mass
 from relax.trainer.masks import completion_mask
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Other test processes share the 2 cores: one intra-op thread avoids oversubscription."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 @pytest.fixture(scope="module")
 def tiny():
     return HFEngine("tiny-llama", device="cpu")

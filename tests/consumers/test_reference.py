@@ -21,14 +21,6 @@ from relax.streams.client import ensure_topics
 from relax.streams.producer import BatchProducer
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 @pytest.fixture(scope="module")
 def engine():
     return HFEngine("tiny-llama", device="cpu")

@@ -11,11 +11,10 @@ import uuid
 from pathlib import Path
 
 import pytest
+from testdata import RECIPES, tiny_recipe
 
 from relax.trainer import checkpoint
 from relax.trainer.ledger import Ledger
-
-from testdata import RECIPES, tiny_recipe
 
 pytestmark = pytest.mark.e2e
 
@@ -30,11 +29,11 @@ def test_tiny_async_run_accounts_for_every_rollout(tiny_run, broker):
     assert s["trained"] + s["stale"] + s["filtered"] + s["errors"] == s["sampled"] > 0
     assert checkpoint.latest(Path(s["run_dir"])).name == "step_000003"  # policy_version 3
     from relax.infra.read import read_table
+    from relax.streams.client import BusConfig
 
-    versions = read_table_versions = read_table(
-        __import__("relax.streams.client", fromlist=["BusConfig"]).BusConfig(
-            bootstrap_servers=broker), f"{recipe.run}.weights").column("policy_version").to_pylist()
-    assert max(read_table_versions) == 3 and sorted(set(versions)) == [0, 1, 2, 3]
+    versions = read_table(BusConfig(bootstrap_servers=broker),
+                          f"{recipe.run}.weights").column("policy_version").to_pylist()
+    assert sorted(set(versions)) == [0, 1, 2, 3]
     assert [ln.split()[1] for ln in s["lines"] if ln.startswith("step")] == ["1/3", "2/3", "3/3"]
     assert (Path(s["run_dir"]) / "curves.png").stat().st_size > 1000
     assert (Path(s["run_dir"]) / "final_model" / "model.safetensors").exists()
@@ -66,12 +65,25 @@ def _kill_on(step_kills: dict[int, str]):
     return on_step, killed
 
 
-def test_chaos_reward_and_aggregator_killed(broker, tmp_path):
+def _train(recipe, on_step, timeout_s=500) -> tuple[dict, list[str]]:
+    """``train`` with its progress lines kept; a run that does not finish fails with
+    those lines and the tail of every stage's log (what each stage was waiting for)."""
     from relax.infra.launch import train
 
+    lines: list[str] = []
+    try:
+        return train(recipe, say=lines.append, on_step=on_step, timeout_s=timeout_s), lines
+    except TimeoutError as e:
+        logs = Path(recipe.run_root) / recipe.run / "logs"
+        tails = [f"--- {f.name}\n" + "\n".join(f.read_text(errors="replace").splitlines()[-25:])
+                 for f in sorted(logs.glob("*.log"))]
+        raise AssertionError("\n".join([str(e), *lines, *tails])) from e
+
+
+def test_chaos_reward_and_aggregator_killed(broker, tmp_path):
     recipe = tiny_recipe(broker, tmp_path, "chaos" + uuid.uuid4().hex[:6], "trainer.steps=5")
     on_step, killed = _kill_on({1: "reward.parity", 3: "aggregate"})
-    s = train(recipe, say=lambda _: None, on_step=on_step, timeout_s=500)
+    s, _ = _train(recipe, on_step)
     assert set(killed) == {"reward.parity", "aggregate"}
     detail = json.dumps({k: v for k, v in s.items() if k != "eval_before"}, default=str)
     assert s["steps"] == 5, detail
@@ -81,12 +93,9 @@ def test_chaos_reward_and_aggregator_killed(broker, tmp_path):
 
 
 def test_trainer_killed_after_step_2_resumes_at_step_3(broker, tmp_path):
-    from relax.infra.launch import train
-
     recipe = tiny_recipe(broker, tmp_path, "resume" + uuid.uuid4().hex[:6])
     on_step, killed = _kill_on({2: "trainer"})
-    lines = []
-    s = train(recipe, say=lines.append, on_step=on_step, timeout_s=500)
+    s, _ = _train(recipe, on_step)
     assert killed == {"trainer": killed["trainer"]}
     assert s["steps"] == 3 and s["balanced"], json.dumps(s, default=str)
     log = (Path(s["run_dir"]) / "logs" / "trainer.log").read_text()

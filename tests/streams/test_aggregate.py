@@ -76,6 +76,11 @@ def test_stage_joins_and_survives_restart(bus, unique):
     for _ in range(3):
         stage.step()
     stage.close()  # g0001 and g0002 are partial: their rows live in the changelog only
+    m = [r for r in read_table(bus, topics.run_topic(run, "metrics")).to_pylist()
+         if r["component"] == "aggregate-0"]
+    last = {r["name"]: r["value"] for r in m}
+    assert last["partial_groups"] == 2 and last["groups_emitted"] == 1
+    assert 0 <= last["oldest_partial_s"] < 300
 
     _send(p, wt, reward_rows(rows[6:8], "math", [0, 0]), REWARDS)
     _send(p, wt, reward_rows(rows[8:12], "math", [1, 1, 0, 1]), REWARDS)

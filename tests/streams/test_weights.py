@@ -125,6 +125,19 @@ def test_publish_rejects_old_versions_and_changed_tensors(bus, unique, tmp_path)
     assert rows[0]["checksum"] == rows[1]["checksum"] and rows[0]["total_bytes"] == 12
 
 
+def test_only_the_newest_checkpoints_stay_on_disk(bus, unique, tmp_path):
+    model = torch.nn.Linear(4, 3)
+    pub = WeightPublisher(bus, unique, checkpoint_dir=tmp_path / "ckpt", keep_checkpoints=2)
+    try:
+        for v in (1, 2, 3, 4):
+            pub.publish(dict(model.named_parameters()), v).result()
+    finally:
+        pub.close()
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["v00000003", "v00000004"]
+    with pytest.raises(ValueError, match="keep_checkpoints"):
+        WeightPublisher(bus, unique, checkpoint_dir=tmp_path / "x", keep_checkpoints=0)
+
+
 def test_checkpoint_catch_up_and_checksum_failure(bus, unique, tmp_path):
     """A subscriber with no group catches up from the newest checkpoint into a plain
     module (the reference stage's use); a corrupted checkpoint is refused."""
