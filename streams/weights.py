@@ -493,6 +493,9 @@ class WeightPublisher:
         join_timeout_s: how long a new group waits for its members (seconds).
         producer: a :class:`~relax.streams.producer.BatchProducer` to announce with
             (default: its own).
+
+    Raises:
+        ValueError: ``checkpoint_every``, ``keep_checkpoints`` or ``bucket_bytes`` < 1.
     """
 
     def __init__(
