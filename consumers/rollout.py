@@ -212,8 +212,9 @@ def instance_budget(
 
     ``consumed`` = groups the trainer decided since then: ``groups_consumed`` (trained or
     dropped, from the trainer's metrics) when known, else ``batch_groups`` per
-    policy_version since ``base_version`` (a trainer that reports no progress). The run may have ``consumed + min(B, needed)``
-    groups started, ``B = in_flight_budget(max_staleness, batch_groups)`` and ``needed``
+    policy_version since ``base_version`` (a trainer that reports no progress). The run
+    may have ``consumed + min(B, needed)`` groups started,
+    ``B = in_flight_budget(max_staleness, batch_groups)`` and ``needed``
     the groups the trainer still needs (unlimited when unknown); this instance gets its
     :func:`share` of that (see the module docstring)."""
     if groups_consumed is not None:

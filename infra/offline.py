@@ -165,7 +165,7 @@ def recompute_losses(archive_dir: str, run_dir: str, *, rtol: float = 1e-3,
         else:
             backend = TorchBackend(t)
         rows = samples.filter(pc.is_in(samples.column("rollout_id"),
-                                               value_set=pa.array(sorted(ids))))
+                                       value_set=pa.array(sorted(ids))))
         rows = _dedup(rows)
         mbs = micro_batches(_groups(rows), t.max_tokens_per_microbatch)
         counts = [mask_counts(mb.loss_mask) for mb in mbs]

@@ -180,14 +180,20 @@ def micro_batches(groups: list[pa.Table], max_tokens: int) -> list[MicroBatch]:
             for mb in pack_groups(lengths, max_tokens)]
 
 
+def _row_sums(values: np.ndarray, offsets: np.ndarray) -> np.ndarray:
+    """Per-row sums of a flattened list column (``offsets`` from :func:`_lists`)."""
+    c = np.concatenate([[0.0], np.cumsum(values, dtype=np.float64)])
+    return c[offsets[1:]] - c[offsets[:-1]]
+
+
 def loss_counts(groups: list[pa.Table]) -> tuple[int, int]:
     """``(loss tokens, sequences with >= 1 loss token)`` of a whole global batch: the
     ``global_tokens`` / ``global_seqs`` its loss is normalised by."""
     tokens = seqs = 0
     for g in groups:
-        sums = [sum(m) for m in g.column("loss_mask").to_pylist()]
-        tokens += sum(sums)
-        seqs += sum(1 for x in sums if x > 0)
+        sums = _row_sums(*_lists(g.column("loss_mask")))
+        tokens += int(round(sums.sum()))
+        seqs += int((sums > 0).sum())
     return tokens, seqs
 
 
@@ -200,9 +206,9 @@ def informative_rows(groups: list[pa.Table]) -> list[pa.Table]:
     whole batch (:func:`loss_counts`). Groups left empty are dropped."""
     out = []
     for g in groups:
-        keep = [i for i, (adv, mask) in enumerate(zip(g.column("advantages").to_pylist(),
-                                                      g.column("loss_mask").to_pylist()))
-                if any(a != 0 and m for a, m in zip(adv, mask))]
-        if keep:
+        adv, off = _lists(g.column("advantages"))
+        mask, _ = _lists(g.column("loss_mask"))  # same offsets: one value per token
+        keep = np.flatnonzero(_row_sums((adv != 0) & (mask != 0), off) > 0)
+        if len(keep):
             out.append(g if len(keep) == g.num_rows else g.take(pa.array(keep)))
     return out

@@ -27,7 +27,6 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict
 
 from relax.schemas import metric_names as M
-from relax.schemas import topics
 from relax.streams.client import BusConfig
 from relax.streams.metrics import MetricsWriter
 from relax.streams.producer import BatchProducer
@@ -74,7 +73,8 @@ def batch_metrics(batch: Batch, accuracy_reward: str | None, threshold: float) -
         return float(comps.get(name, 0.0) > threshold) if name else 0.0
 
     trained_r = np.concatenate([g.column("reward").to_numpy() for g in batch.groups])
-    trained_c = [correct(c) for g in batch.groups for c in g.column("reward_components").to_pylist()]
+    trained_c = [correct(c) for g in batch.groups
+                 for c in g.column("reward_components").to_pylist()]
     all_r = np.concatenate([trained_r, np.asarray([r for r, _ in batch.filtered], np.float64)])
     all_c = trained_c + [correct(c) for _, c in batch.filtered]
     st = np.asarray(batch.staleness, np.float64)
@@ -126,7 +126,7 @@ class TrainerStage:
             bucket_bytes=t.publish_bucket_bytes, producer=self.producer)
         self.source = SampleSource(bus, cfg.run, self.ledger, batch_groups=t.batch_groups,
                                    max_staleness=t.max_staleness, offsets=state.offsets,
-                                   on_drop=self._dropped, start_version=self.version)
+                                   on_drop=self._progress, start_version=self.version)
         self.telemetry = Telemetry(self.run_dir / "tensorboard",
                                    prometheus_port=cfg.prometheus_port)
         loss = t.loss
@@ -145,9 +145,6 @@ class TrainerStage:
             w.add(M.GROUPS_NEEDED, max(0, t.steps - self.version) * t.batch_groups, self.version)
             w.flush()
             self._progress_producer.flush()
-
-    def _dropped(self, n: int) -> None:
-        self._progress(n)
 
     def _save(self) -> None:
         with self.source.locked(), self._progress_lock:  # the input thread writes the ledger
@@ -172,7 +169,8 @@ class TrainerStage:
         self.version += 1
         with self._progress_lock:
             self.counters["groups_consumed"] += len(batch.groups)
-        if (t.checkpoint_every and self.version % t.checkpoint_every == 0) or self.version == t.steps:
+        due = t.checkpoint_every and self.version % t.checkpoint_every == 0
+        if due or self.version == t.steps:
             self._save()
         tp = time.perf_counter()
         self.publisher.publish(self.backend.named_tensors(), self.version)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
@@ -72,14 +73,15 @@ def test_dashboard_api_serves_the_snapshot(bus, unique):
         d.stop()
 
 
-@pytest.mark.browser
-def test_dashboard_page_renders_charts_in_headless_chromium(bus, unique):
+@contextlib.contextmanager
+def _dashboard_page(bus, run: str):
+    """A headless-chromium page opened on ``relax dashboard`` of ``run`` (skips when
+    chromium is absent); the browser and the server stop on exit."""
     if not CHROMIUM.exists():
         pytest.skip(f"{CHROMIUM} is absent (apt-get install -y chromium)")
     from playwright.sync_api import sync_playwright
 
-    _finished_run(bus, unique)
-    d = Dashboard(bus, unique, port=0, interval_s=0.5)
+    d = Dashboard(bus, run, port=0, interval_s=0.5)
     url = d.start()
     try:
         with sync_playwright() as pw:
@@ -87,36 +89,48 @@ def test_dashboard_page_renders_charts_in_headless_chromium(bus, unique):
             try:
                 page = browser.new_page(viewport={"width": 1400, "height": 1000})
                 page.goto(url)
-                # reward: 4 versions x (reward_mean, accuracy); lag: >= 2 refreshes
-                page.wait_for_function(
-                    "document.querySelectorAll('#reward-chart circle.pt-reward').length === 4"
-                    " && document.querySelectorAll('#lag-chart circle.pt-lag').length >= 2",
-                    timeout=30_000)
-                assert page.locator("#reward-chart circle.pt-accuracy").count() == 4
-                assert page.locator("#reward-chart polyline").count() == 2
-                bars = page.locator("#staleness-chart rect.bar")
-                assert bars.count() == 2
-                assert [bars.nth(i).get_attribute("data-v") for i in range(2)] == ["24", "14"]
-                ys = [float(page.locator("#reward-chart circle.pt-reward").nth(i)
-                            .get_attribute("data-y")) for i in range(4)]
-                assert ys == pytest.approx([0.2, 0.3, 0.4, 0.5])
-                assert page.text_content("#tile-version") == "4"
-                assert page.text_content("#tile-wait") == "25.0%"
-                assert page.text_content("#tile-lag") == "2"
-                assert page.text_content("#tile-errors") == "1"
-                assert page.text_content("#tile-reward") == "0.500"
-                assert "trainer" in page.text_content("#groups")
-                assert page.locator("#topics tr").count() == 6
-                assert "updated" in page.text_content("#status")
-                ARTIFACTS.mkdir(exist_ok=True)
-                shot = ARTIFACTS / "dashboard.png"
-                page.screenshot(path=str(shot), full_page=True)
-                assert shot.stat().st_size > 10_000
-                print(f"dashboard screenshot: {shot}")
+                yield page
             finally:
                 browser.close()
     finally:
         d.stop()
+
+
+def _screenshot(page, name: str) -> Path:
+    ARTIFACTS.mkdir(exist_ok=True)
+    shot = ARTIFACTS / name
+    page.screenshot(path=str(shot), full_page=True)
+    assert shot.stat().st_size > 10_000
+    return shot
+
+
+@pytest.mark.browser
+def test_dashboard_page_renders_charts_in_headless_chromium(bus, unique):
+    _finished_run(bus, unique)
+    with _dashboard_page(bus, unique) as page:
+        # reward: 4 versions x (reward_mean, accuracy); lag: >= 2 refreshes
+        page.wait_for_function(
+            "document.querySelectorAll('#reward-chart circle.pt-reward').length === 4"
+            " && document.querySelectorAll('#lag-chart circle.pt-lag').length >= 2",
+            timeout=30_000)
+        assert page.locator("#reward-chart circle.pt-accuracy").count() == 4
+        assert page.locator("#reward-chart polyline").count() == 2
+        bars = page.locator("#staleness-chart rect.bar")
+        assert bars.count() == 2
+        assert [bars.nth(i).get_attribute("data-v") for i in range(2)] == ["24", "14"]
+        ys = [float(page.locator("#reward-chart circle.pt-reward").nth(i)
+                    .get_attribute("data-y")) for i in range(4)]
+        assert ys == pytest.approx([0.2, 0.3, 0.4, 0.5])
+        assert page.text_content("#tile-version") == "4"
+        assert page.text_content("#tile-wait") == "25.0%"
+        assert page.text_content("#tile-lag") == "2"
+        assert page.text_content("#tile-errors") == "1"
+        assert page.text_content("#tile-reward") == "0.500"
+        assert "trainer" in page.text_content("#groups")
+        assert page.locator("#topics tr").count() == 6
+        assert "updated" in page.text_content("#status")
+        shot = _screenshot(page, "dashboard.png")
+        print(f"dashboard screenshot: {shot}")
     assert os.path.exists(shot)
 
 
@@ -124,29 +138,11 @@ def test_dashboard_page_renders_charts_in_headless_chromium(bus, unique):
 def test_dashboard_of_a_finished_tiny_run_in_headless_chromium(tiny_run, bus):
     """The page of a real finished tiny-model run: the reward chart has one point per
     trained step, the staleness histogram has bars, the version tile says 3."""
-    if not CHROMIUM.exists():
-        pytest.skip(f"{CHROMIUM} is absent (apt-get install -y chromium)")
-    from playwright.sync_api import sync_playwright
-
     recipe, summary = tiny_run
-    d = Dashboard(bus, recipe.run, port=0, interval_s=0.5)
-    url = d.start()
-    try:
-        with sync_playwright() as pw:
-            browser = pw.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
-            try:
-                page = browser.new_page(viewport={"width": 1400, "height": 1000})
-                page.goto(url)
-                page.wait_for_function(
-                    "document.querySelectorAll('#reward-chart circle.pt-reward').length === 3",
-                    timeout=30_000)
-                assert page.locator("#staleness-chart rect.bar").count() >= 1
-                assert page.text_content("#tile-version") == "3"
-                ARTIFACTS.mkdir(exist_ok=True)
-                shot = ARTIFACTS / "dashboard-tiny-run.png"
-                page.screenshot(path=str(shot), full_page=True)
-                assert shot.stat().st_size > 10_000
-            finally:
-                browser.close()
-    finally:
-        d.stop()
+    with _dashboard_page(bus, recipe.run) as page:
+        page.wait_for_function(
+            "document.querySelectorAll('#reward-chart circle.pt-reward').length === 3",
+            timeout=30_000)
+        assert page.locator("#staleness-chart rect.bar").count() >= 1
+        assert page.text_content("#tile-version") == "3"
+        _screenshot(page, "dashboard-tiny-run.png")

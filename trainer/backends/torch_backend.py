@@ -152,7 +152,7 @@ class TorchBackend:
                 rollout_logprobs=dmb.rollout_logprobs, ref_logprobs=dmb.ref_logprobs,
                 entropy=ent, global_tokens=max(tokens, 1), global_seqs=max(seqs, 1))
             (loss * self.world_size).backward()
-            sums["loss"] = sums.get("loss", 0.0) + float(loss.detach())
+            sums["loss"] += float(loss.detach())
             for k, v in metrics.items():
                 sums[k] = sums.get(k, 0.0) + float(v)
         for p in self.model.parameters():  # rows left out contribute exact zeros
