@@ -58,6 +58,7 @@ Metrics (``<run>.metrics``, component = ``engine_id``; names from
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import json
 import logging
@@ -77,6 +78,7 @@ from relax.consumers.multiturn import (
     render_ids,
     run_episodes,
 )
+from relax.infra.cores import BusyFlag
 from relax.schemas import metric_names as M
 from relax.schemas import topics
 from relax.schemas.v1 import ROLLOUTS
@@ -123,6 +125,8 @@ class RolloutConfig(BaseModel):
         poll_timeout_s: prompt poll timeout (seconds).
         metrics_every_s: seconds between metric flushes.
         from_beginning: where a new consumer group starts on the prompt topic.
+        busy_dir: folder of the run's busy flags: each engine call is marked there so a
+            co-located trainer can take the idle core (``relax.infra.cores``); None = off.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -161,6 +165,7 @@ class RolloutConfig(BaseModel):
     poll_timeout_s: float = Field(0.5, gt=0)
     metrics_every_s: float = Field(5.0, gt=0)
     from_beginning: bool = True
+    busy_dir: str | None = None
 
     @model_validator(mode="after")
     def _check(self):
@@ -243,7 +248,7 @@ class TrainerProgress:
     policy_version when it wrote them (all None until the trainer wrote one).
     Undecodable records are skipped (logged)."""
 
-    def __init__(self, cfg: BusConfig, run: str, *, fetch_wait_ms: int = 20):
+    def __init__(self, cfg: BusConfig, run: str, *, fetch_wait_ms: int | None = None):
         from kafka import KafkaConsumer, TopicPartition
 
         from relax.streams.client import consumer_kwargs, topic_partitions
@@ -254,7 +259,8 @@ class TrainerProgress:
             ensure_topics(cfg, {self.topic: 1})
             n = 1
         kw = consumer_kwargs(cfg, None)
-        kw["fetch_max_wait_ms"] = fetch_wait_ms
+        if fetch_wait_ms is not None:
+            kw["fetch_max_wait_ms"] = fetch_wait_ms
         self._kc = KafkaConsumer(**kw)
         tps = [TopicPartition(self.topic, p) for p in range(n)]
         self._kc.assign(tps)
@@ -473,6 +479,7 @@ class RolloutStage:
         self._progress: TrainerProgress | None = None
         self._consumed0 = 0
         self._started_ids: set[str] = set()
+        self._busy = BusyFlag(cfg.busy_dir, cfg.engine_id) if cfg.busy_dir else None
 
     # ---------------------------------------------------------------- budget
     def _consumed(self) -> int | None:
@@ -631,6 +638,10 @@ class RolloutStage:
         return render_ids(self.tokenizer, prompt_messages(self._templated(item.row)))
 
     def _sample(self, items: list[_Item], prompt_ids: list[list[int]]) -> list[list[Episode]]:
+        with self._busy.busy() if self._busy else contextlib.nullcontext():
+            return self._sample_now(items, prompt_ids)
+
+    def _sample_now(self, items: list[_Item], prompt_ids: list[list[int]]) -> list[list[Episode]]:
         seed = None if self.cfg.seed is None else self.cfg.seed + self.groups_started
         params = self.cfg.sampling(seed)
         if self._env_factory is None:

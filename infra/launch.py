@@ -199,6 +199,7 @@ def train(recipe: Recipe, *, say: Callable[[str], None] = print,
         old = signal.signal(signal.SIGTERM, _sigterm)
         stack.callback(signal.signal, signal.SIGTERM, old)
         t_train = time.time()
+        summary["train_started_at"] = t_train  # epoch seconds: step times relative to it
         controller.start()
         say(f"stages: {', '.join(controller.stages)} (pids in {run_dir / 'stages.json'})")
         printed: set[int] = set()

@@ -111,6 +111,16 @@ class Resources(_Strict):
     num_cpus: float = Field(1.0, ge=0)
     num_gpus: float = Field(0.0, ge=0)
     torch_threads: int | None = Field(None, ge=1)
+    max_torch_threads: int | None = Field(
+        None, ge=1, description="trainer only: threads while no rollout engine of the run "
+        "generates (co-located stages, infra/cores.py); None = torch_threads always")
+
+    @model_validator(mode="after")
+    def _check_threads(self):
+        if self.max_torch_threads is not None and self.max_torch_threads < (self.torch_threads or 1):
+            raise ValueError(f"max_torch_threads {self.max_torch_threads} is below torch_threads "
+                             f"{self.torch_threads or 1}")
+        return self
 
 
 class Recipe(_Strict):
@@ -151,6 +161,10 @@ class Recipe(_Strict):
         bad = set(self.resources) - set(STAGES)
         if bad:
             raise ValueError(f"resources: unknown stage(s) {sorted(bad)}; valid: {', '.join(STAGES)}")
+        elastic = [s for s, r in self.resources.items() if r.max_torch_threads and s != "trainer"]
+        if elastic:
+            raise ValueError(f"resources: max_torch_threads is for the trainer only, set for "
+                             f"{sorted(elastic)}")
         ms = self.trainer.max_staleness
         if self.mode == "sync" and ms != 0:
             raise ValueError(f"mode 'sync' needs trainer.max_staleness 0, got {ms}")

@@ -36,6 +36,9 @@ def stage_specs(recipe: Recipe, bus: BusConfig, run_dir: Path) -> list[StageSpec
     """Every process the recipe asks for, trainer last."""
     run, ro, t = recipe.run, recipe.rollout, recipe.trainer
     busd = bus.model_dump()
+    # co-located cores: rollouts flag their generate calls, the trainer takes the idle core
+    max_threads = recipe.resources_of("trainer").max_torch_threads
+    busy_dir = str(run_dir / "busy") if max_threads else None
     specs = []
     for i in range(ro.instances):
         specs.append(StageSpec(f"rollout-{i}", "rollout", dict(
@@ -45,7 +48,8 @@ def stage_specs(recipe: Recipe, bus: BusConfig, run_dir: Path) -> list[StageSpec
             max_new_tokens=ro.max_new_tokens, temperature=ro.temperature, top_p=ro.top_p,
             top_k=ro.top_k, stop=list(ro.stop), seed=ro.seed, epochs=ro.epochs,
             partial_rollout=ro.partial_rollout, prompt_template=ro.prompt_template,
-            instance_index=i, num_instances=ro.instances, rollouts_partitions=recipe.partitions),
+            instance_index=i, num_instances=ro.instances, rollouts_partitions=recipe.partitions,
+            busy_dir=busy_dir),
             recipe.resources_of("rollout")))
     for r in recipe.rewards:
         specs.append(StageSpec(f"reward.{r.name}", "reward", dict(
@@ -59,7 +63,8 @@ def stage_specs(recipe: Recipe, bus: BusConfig, run_dir: Path) -> list[StageSpec
         run=run, partitions=recipe.partitions, advantage=recipe.advantage.model_dump(),
         group_timeout_s=recipe.aggregate.group_timeout_s), recipe.resources_of("aggregate")))
     specs.append(StageSpec("trainer", "trainer", dict(
-        run=run, run_dir=str(run_dir), trainer=t.model_dump()), recipe.resources_of("trainer")))
+        run=run, run_dir=str(run_dir), trainer=t.model_dump(), busy_dir=busy_dir,
+        max_threads=max_threads), recipe.resources_of("trainer")))
     return specs
 
 

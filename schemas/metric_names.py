@@ -12,6 +12,7 @@ STEP_S = "step_s"                      # wall time of one optimizer step incl. w
 TRAIN_S = "train_s"                    # forward/backward/optimizer time of the step
 DATA_WAIT_S = "data_wait_s"            # time the trainer waited for train samples
 PUBLISH_S = "publish_s"                # time spent announcing/broadcasting weights
+THREADS_HIGH_S = "threads_high_s"      # trainer: cumulative seconds at max_torch_threads (cores.py)
 LOSS = "loss"
 GRAD_NORM = "grad_norm"
 REWARD_MEAN = "reward_mean"            # mean final reward of the samples decided this step

@@ -407,19 +407,22 @@ class AnnouncementReader:
     """Reads ``<run>.weights`` announcements group-less from the beginning (no commits).
 
     Used by subscribers and by the rollout stage to learn the trainer's policy_version.
-    Fetches wait at most ``fetch_wait_ms`` on the broker (low latency: the publisher's
-    broadcast waits for subscribers to see its announcement). Records that do not
+    Fetches wait at most ``fetch_wait_ms`` on the broker (default
+    ``relax.streams.client.FETCH_WAIT_MS``: the publisher's broadcast waits for
+    subscribers to see its announcement, so its latency matters, but so does the CPU an
+    idle reader burns). Records that do not
     decode as WEIGHTS are logged and skipped (announcements are written by relax only).
     """
 
-    def __init__(self, cfg: BusConfig, run: str, *, fetch_wait_ms: int = 20):
+    def __init__(self, cfg: BusConfig, run: str, *, fetch_wait_ms: int | None = None):
         from kafka import KafkaConsumer, TopicPartition
 
         from relax.streams.client import consumer_kwargs
 
         self.topic = ensure_weights_topic(cfg, run)
         kw = consumer_kwargs(cfg, None)
-        kw["fetch_max_wait_ms"] = fetch_wait_ms
+        if fetch_wait_ms is not None:
+            kw["fetch_max_wait_ms"] = fetch_wait_ms
         self._kc = KafkaConsumer(**kw)
         tp = TopicPartition(self.topic, 0)
         self._kc.assign([tp])
@@ -979,10 +982,23 @@ class WeightSubscriber:
             for r in _newest_live(rows):
                 if self._stop.is_set():
                     return
-                self._handle(r)
+                try:
+                    self._handle(r)
+                except torch.distributed.DistNetworkError as e:
+                    self._publisher_gone(r, e)
             if self._stop.is_set():
                 return
             rows = self._reader.poll(0.5)
+
+    def _publisher_gone(self, row: dict, error: Exception) -> None:
+        """The rendezvous store of ``row``'s publisher cannot be reached (the trainer died
+        or restarted): forget it and wait for the next announcement, which carries the
+        new trainer's rendezvous. The engine keeps the weights it has."""
+        log.warning("%s: the publisher of v%d at %s is gone (%s); waiting for the next "
+                    "announcement", self.member_id, row["policy_version"], row["rendezvous"],
+                    error)
+        self._rendezvous = self._store = self._group = self._pg = None
+        self.stats.skipped += 1
 
     def _catch_up(self, rows: list[dict]) -> None:
         ckpts = [r for r in rows if r["transport"] == "checkpoint" and r["checkpoint_uri"]]

@@ -47,6 +47,11 @@ class TrainerConfig(BaseModel):
         accuracy_reward: reward name whose value decides "correct" (default: the first
             counted reward); a sample is correct when that value > accuracy_threshold.
         publish_bucket_bytes: weight broadcast bucket size (bytes).
+        weights_snapshot_every: write the published weights as a safetensors snapshot
+            (``<run_dir>/weights/v<version>/``, model-size bytes, written by the publisher's
+            background thread) every K versions and for the first: what a subscriber that
+            starts late loads before it joins the next broadcast. Every step costs a
+            538 MB write for SmolLM2-135M (CPU and page cache the other stages need).
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -66,6 +71,7 @@ class TrainerConfig(BaseModel):
     accuracy_reward: str | None = None
     accuracy_threshold: float = 0.5
     publish_bucket_bytes: int = Field(512 << 20, ge=1 << 10)
+    weights_snapshot_every: int = Field(10, ge=1)
 
     @model_validator(mode="after")
     def _check(self):

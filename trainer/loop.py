@@ -50,6 +50,8 @@ class TrainerStageConfig(BaseModel):
         weights_host: address subscribers reach the weight rendezvous at.
         weights_port: rendezvous port (0 = free).
         prometheus_port: serve Prometheus metrics on this port (None = off, 0 = free).
+        busy_dir / max_threads: take up to ``max_threads`` torch threads while no rollout
+            engine flags ``busy_dir`` (co-located stages, ``relax.infra.cores``); None = off.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -59,6 +61,8 @@ class TrainerStageConfig(BaseModel):
     weights_host: str = "127.0.0.1"
     weights_port: int = 0
     prometheus_port: int | None = None
+    busy_dir: str | None = None
+    max_threads: int | None = None
 
 
 def batch_metrics(batch: Batch, accuracy_reward: str | None, threshold: float) -> dict[str, float]:
@@ -122,7 +126,7 @@ class TrainerStage:
         self._progress_metrics = MetricsWriter(self._progress_producer, cfg.run, "trainer")
         self.publisher = WeightPublisher(
             bus, cfg.run, host=cfg.weights_host, port=cfg.weights_port,
-            checkpoint_dir=self.run_dir / "weights", checkpoint_every=max(1, t.checkpoint_every),
+            checkpoint_dir=self.run_dir / "weights", checkpoint_every=t.weights_snapshot_every,
             bucket_bytes=t.publish_bucket_bytes, producer=self.producer)
         self.source = SampleSource(bus, cfg.run, self.ledger, batch_groups=t.batch_groups,
                                    max_staleness=t.max_staleness, offsets=state.offsets,
@@ -133,6 +137,13 @@ class TrainerStage:
         # rows with zero advantage add exactly 0 to a pure policy-gradient loss: skip their
         # forward/backward (the loss keeps the whole batch's normalisation)
         self._skip_zero = not (loss.kl_coef and loss.kl_in == "loss") and loss.entropy_coef == 0
+        self.threads = None
+        if cfg.busy_dir and cfg.max_threads:
+            from relax.infra.cores import ElasticThreads
+
+            low = torch.get_num_threads()
+            self.threads = ElasticThreads(cfg.busy_dir, low=low, high=max(low, cfg.max_threads))
+            self.threads.install(self.backend.model)
 
     # -- progress for the rollout stage's credit
     def _progress(self, consumed_delta: int = 0) -> None:
@@ -176,6 +187,8 @@ class TrainerStage:
         self.publisher.publish(self.backend.named_tensors(), self.version)
         out[M.PUBLISH_S] = time.perf_counter() - tp
         out[M.STEP_S] = time.perf_counter() - t0
+        if self.threads is not None:
+            out[M.THREADS_HIGH_S] = self.threads.seconds_at(self.threads.high)
         out[M.SAMPLES_PER_S] = batch.rows / out[M.STEP_S]
         self.metrics.add_many(out, self.version)
         self.metrics.flush()

@@ -1,0 +1,411 @@
+"""End to end, same CPU workload: TRL's GRPOTrainer, a plain single-process GRPO loop,
+relax sync and relax async (max_staleness 1 and 2).
+
+    python benchmarks/e2e_vs_trl.py                 # all systems, 8 steps each: ~35 min on 2 cores
+    python benchmarks/e2e_vs_trl.py --steps 2 --systems loop,async1   # a quick look
+
+The workload is the demo's (``recipes/arith_grpo_smollm2.yaml``): SmolLM2-135M-Instruct,
+reasoning-gym 2-digit additions (fixed seed, the same prompts in the same order for
+every system), G=8 samples per prompt, 8 prompts per optimizer step, 12 new tokens at
+temperature 0.7, AdamW lr 2e-5, grad clip 5, one PPO-clip step per batch (eps 0.2),
+token-mean loss (TRL ``loss_type="dapo"``), no KL, reward 1 if the last number of
+the reply equals the sum (relax's ``gsm8k`` scorer, ``flexible``) for every system.
+
+Each system runs in its own subprocess (``--one SYSTEM``) and reports, per step, the
+wall time at the end of the step, the trained samples, the seconds the trainer
+waited for data and the mean reward of the trained samples. From those:
+
+* ``samples_per_s``: trained samples / seconds from the start of training (after the
+  process has loaded its models; relax: from the start of its stages, so its stage
+  start-up is included) to the end of the last step;
+* ``steady_samples_per_s``: samples of steps 2..N / time from the end of step 1 to
+  the end of step N (start-up and the first, cold step left out): the ratios use this;
+* ``data_wait_pct``: trainer seconds waiting for data / step seconds, steps 2..N (a
+  single-process loop waits for the whole of its generation and scoring);
+* ``rollout_idle_pct``: seconds the generator was not generating / the same window
+  (single process: its training time; relax: the rollout stage's weight and budget
+  waits).
+
+Writes ``benchmarks/results/e2e_vs_trl.json`` (with ``async_over_sync`` and
+``relax_over_trl``, ratios of steady samples/s) and ``e2e_vs_trl.png``; last line
+``async_over_sync=X relax_over_trl=Y ...``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import datetime
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RECIPE = ROOT / "recipes" / "arith_grpo_smollm2.yaml"
+SYSTEMS = {
+    "trl": "TRL GRPOTrainer",
+    "loop": "plain torch loop",
+    "sync": "relax sync",
+    "sync1t": "relax sync, 1 thread/stage",
+    "async1": "relax async s=1",
+    "async2": "relax async s=2",
+}
+
+
+def workload(steps: int) -> dict:
+    """The settings every system shares (from the demo recipe)."""
+    import yaml
+
+    r = yaml.safe_load(RECIPE.read_text())
+    return {
+        "model": r["model"], "source": r["data"]["source"],
+        "prompt_field": r["data"]["prompt_field"], "label_field": r["data"]["label_field"],
+        "prompt_template": r["rollout"]["prompt_template"],
+        "group_size": r["rollout"]["group_size"], "batch_groups": r["trainer"]["batch_groups"],
+        "max_new_tokens": r["rollout"]["max_new_tokens"],
+        "temperature": r["rollout"]["temperature"], "lr": r["trainer"]["optim"]["lr"],
+        "grad_clip": r["trainer"]["optim"]["grad_clip"], "clip_eps": 0.2, "steps": steps,
+        "seed": 1, "reward": "gsm8k flexible (last number == label)",
+        "loss": "ppo_clip + token-mean (TRL loss_type=dapo), beta=0",
+    }
+
+
+def prompt_rows(w: dict) -> list[dict]:
+    """The first ``steps x batch_groups`` prompts of the source, in order."""
+    from relax.producers.sources import read_source
+
+    n = w["steps"] * w["batch_groups"]
+    return [s.record for s in read_source(w["source"], n)]
+
+
+def score(responses: list[str], labels: list[str]) -> list[float]:
+    """relax's GSM8K scorer in ``flexible`` mode (last number of the reply)."""
+    from relax.consumers.reward.gsm8k import gsm8k_reward
+
+    return [float(s.value or 0.0) for s in
+            gsm8k_reward(responses, labels, [{}] * len(labels), mode="flexible")]
+
+
+# ------------------------------------------------------------------ one system each
+def run_trl(w: dict, threads: int) -> dict:
+    """TRL 1.16 GRPOTrainer (generation with the training model, HF generate)."""
+    import torch
+    from datasets import Dataset
+    from transformers import TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from relax.trainer.models import load
+
+    torch.set_num_threads(threads)
+    rows = prompt_rows(w)
+    ds = Dataset.from_list([{"prompt": [{"role": "user", "content": w["prompt_template"].format(
+        prompt=r[w["prompt_field"]])}], "answer": str(r[w["label_field"]])} for r in rows])
+    model, tok = load(w["model"])
+    tok.padding_side = "left"
+    per_step: list[dict] = []
+    clock = {"gen": 0.0, "t0": 0.0}
+
+    def reward_fn(prompts, completions, answer, **_):
+        texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
+        r = score(texts, answer)
+        clock["rewards"] = r
+        return r
+
+    class Timed(GRPOTrainer):
+        def _generate_and_score_completions(self, inputs):
+            t = time.perf_counter()
+            out = super()._generate_and_score_completions(inputs)
+            clock["gen"] += time.perf_counter() - t
+            return out
+
+    class Steps(TrainerCallback):
+        def on_train_begin(self, *a, **k):
+            clock["t0"] = time.perf_counter()
+            clock["last"] = clock["t0"]
+
+        def on_step_end(self, *a, **k):
+            now = time.perf_counter()
+            r = clock.get("rewards", [])
+            per_step.append({"t": now - clock["t0"], "samples": len(r), "wait_s": clock["gen"],
+                             "step_s": now - clock["last"],
+                             "reward": sum(r) / max(len(r), 1)})
+            clock["gen"], clock["last"] = 0.0, now
+
+    n = w["group_size"] * w["batch_groups"]
+    args = GRPOConfig(
+        output_dir=tempfile.mkdtemp(prefix="trl-bench-"), use_cpu=True, report_to=[],
+        per_device_train_batch_size=n, gradient_accumulation_steps=1, num_generations=w["group_size"],
+        max_completion_length=w["max_new_tokens"], temperature=w["temperature"], top_p=1.0, top_k=0,
+        learning_rate=w["lr"], lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0,
+        max_grad_norm=w["grad_clip"], beta=0.0, epsilon=w["clip_eps"], loss_type="dapo",
+        num_iterations=1, max_steps=w["steps"], shuffle_dataset=False, seed=w["seed"],
+        logging_steps=1, save_strategy="no", bf16=False, disable_tqdm=True)
+    trainer = Timed(model=model, processing_class=tok, reward_funcs=reward_fn, args=args,
+                    train_dataset=ds, callbacks=[Steps()])
+    trainer.train()
+    return {"steps": per_step, "train_s": per_step[-1]["t"] if per_step else 0.0}
+
+
+def run_loop(w: dict, threads: int) -> dict:
+    """The floor: relax's own pieces (HF engine, scorer, GRPO advantages, shared-prefix
+    trainer step) called one after the other in one process, one model, no bus."""
+    import pyarrow as pa
+    import torch
+
+    from relax.consumers.advantage.samples import AdvantageConfig, build_train_samples
+    from relax.consumers.engines.base import SamplingParams
+    from relax.consumers.engines.hf import HFEngine
+    from relax.consumers.multiturn import render_ids
+    from relax.consumers.rollout import RolloutConfig, rollout_batch, sample_groups
+    from relax.streams.client import BusConfig
+    from relax.trainer.backends.torch_backend import TorchBackend
+    from relax.trainer.batching import informative_rows, loss_counts, micro_batches
+    from relax.trainer.config import TrainerConfig
+    from relax.trainer.models import load_tokenizer
+
+    torch.set_num_threads(threads)
+    torch.manual_seed(w["seed"])
+    tcfg = TrainerConfig(model=w["model"], batch_groups=w["batch_groups"], steps=w["steps"],
+                         optim={"lr": w["lr"], "grad_clip": w["grad_clip"]},
+                         loss={"policy_loss": "ppo_clip", "loss_agg_mode": "token-mean",
+                               "clip_eps_low": w["clip_eps"], "clip_eps_high": w["clip_eps"]},
+                         old_logprobs="rollout", max_tokens_per_microbatch=8192)
+    backend = TorchBackend(tcfg)
+    tok = load_tokenizer(w["model"])
+    engine = HFEngine(backend.model, tok, engine_id="loop")
+    rcfg = RolloutConfig(bus=BusConfig(bootstrap_servers="unused:0"), run="loop", dataset="arith",
+                         model=w["model"], group_size=w["group_size"],
+                         max_new_tokens=w["max_new_tokens"], temperature=w["temperature"])
+    acfg = AdvantageConfig(estimator="grpo", rewards={"correct": 1.0})
+    rows = prompt_rows(w)
+    per_step = []
+    t0 = time.perf_counter()
+    for step in range(w["steps"]):
+        ts = time.perf_counter()
+        batch = rows[step * w["batch_groups"]:(step + 1) * w["batch_groups"]]
+        ids = [render_ids(tok, [{"role": "user", "content": w["prompt_template"].format(
+            prompt=r[w["prompt_field"]])}]) for r in batch]
+        params = SamplingParams(max_new_tokens=w["max_new_tokens"],
+                                temperature=w["temperature"], seed=w["seed"] + step)
+        episodes = sample_groups(engine, ids, w["group_size"], params)
+        groups = []
+        for gi, (r, eps) in enumerate(zip(batch, episodes)):
+            prow = {"prompt_id": f"p{step}-{gi}", "dataset": "arith", "prompt": r[w["prompt_field"]],
+                    "label": str(r[w["label_field"]]), "metadata": "{}"}
+            table = pa.Table.from_batches([rollout_batch(prow, f"g{step}-{gi}", eps, rcfg, "loop",
+                                                         0, 0)])
+            rewards = score([e.response_text for e in eps], [prow["label"]] * len(eps))
+            cells = {f"g{step}-{gi}/{k}": {"correct": (v, None)} for k, v in enumerate(rewards)}
+            groups.append(build_train_samples(table, cells, None, acfg))
+        wait = time.perf_counter() - ts
+        stats = backend.train_step(micro_batches(informative_rows(groups), 8192),
+                                   counts=loss_counts(groups))
+        now = time.perf_counter()
+        rew = [x for g in groups for x in g.column("reward").to_pylist()]
+        per_step.append({"t": now - t0, "samples": len(rew), "wait_s": wait,
+                         "step_s": now - ts, "reward": sum(rew) / len(rew),
+                         "train_s": stats["train_s"], "rows": stats["rows_computed"],
+                         "tokens": stats["tokens_trained"]})
+    return {"steps": per_step, "train_s": per_step[-1]["t"]}
+
+
+def run_relax(w: dict, mode: str, staleness: int, threads: int, run_root: str) -> dict:
+    """``relax train`` on the demo recipe (every stage its own process, local broker)."""
+    import yaml
+
+    from relax.infra.launch import train
+    from relax.infra.recipe import load_recipe
+    from relax.infra.report import step_rows
+
+    tree = yaml.safe_load(RECIPE.read_text())
+    tree.update(mode=mode, run=f"bench-{mode}{staleness}-{time.strftime('%H%M%S')}",
+                run_root=run_root, eval=None)
+    tree["data"].update(limit=w["steps"] * w["batch_groups"], partitions=1)
+    tree["rollout"]["seed"] = w["seed"]
+    tree["trainer"].update(steps=w["steps"], max_staleness=staleness)
+    tree["trainer"]["loss"].update(clip_eps_low=w["clip_eps"], clip_eps_high=w["clip_eps"])
+    for stage in ("rollout", "trainer"):
+        tree["resources"][stage]["torch_threads"] = threads
+    if mode == "sync":  # the stages take turns: each has both cores at its fixed threads
+        tree["resources"]["trainer"].pop("max_torch_threads", None)
+    recipe = load_recipe(None, [], tree=tree)
+    summary = train(recipe, say=lambda s: print(s, flush=True))
+    run_dir = Path(summary["run_dir"])
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+    def ts(r):
+        return datetime.fromisoformat(r["ts"]).timestamp()
+
+    t0 = summary["train_started_at"]
+    ends = {int(r["policy_version"]): ts(r) - t0 for r in rows
+            if r["component"] == "trainer" and r["name"] == "step_s"}
+    per_step = [{"t": ends[int(s["step"])], "samples": s["samples_trained"],
+                 "wait_s": s["data_wait_s"], "step_s": s["step_s"],
+                 "reward": s["reward_mean_trained"], "train_s": s["train_s"]}
+                for s in step_rows(rows)]
+    # rollout idle: its cumulative weight + budget waits between the ends of steps 1 and N-1
+    # (its last batch is made during step N-1: after that it has nothing left to do)
+    lo, hi = per_step[0]["t"], per_step[max(1, len(per_step) - 2)]["t"]
+    waits: dict[float, float] = {}
+    for r in rows:
+        if r["component"].startswith("rollout") and r["name"] in ("weight_wait_s",
+                                                                   "budget_wait_s"):
+            t = ts(r) - t0
+            waits[t] = waits.get(t, 0.0) + r["value"]
+    inside = sorted((t, v) for t, v in waits.items() if lo <= t <= hi)
+    rollout_idle = ((inside[-1][1] - inside[0][1]) / (inside[-1][0] - inside[0][0])
+                    if len(inside) >= 2 and inside[-1][0] > inside[0][0] else None)
+    return {"steps": per_step, "train_s": per_step[-1]["t"], "rollout_idle_frac": rollout_idle,
+            "accounting": {k: summary.get(k) for k in ("sampled", "trained", "stale", "filtered",
+                                                         "errors")}}
+
+
+def one(system: str, w: dict, threads: int, out: Path) -> None:
+    """Run one system and write its raw result to ``out``."""
+    t0 = time.perf_counter()
+    if system == "trl":
+        res = run_trl(w, threads)
+    elif system == "loop":
+        res = run_loop(w, threads)
+    else:
+        mode, s = ("sync", 0) if system.startswith("sync") else ("async", int(system[-1]))
+        with tempfile.TemporaryDirectory(prefix="relax-bench-") as d:
+            res = run_relax(w, mode, s, threads, d)
+    res["wall_s"] = time.perf_counter() - t0
+    out.write_text(json.dumps(res))
+
+
+# ------------------------------------------------------------------ the comparison
+THREADS = {"trl": 2, "loop": 2, "sync": 2, "sync1t": 1, "async1": 1, "async2": 1}
+"""torch threads per process. A single process, and relax sync whose stages take turns,
+use both cores; the overlapped relax async stages get one each (two would fight).
+``sync1t``: relax sync with async's per-stage threads (the same resources section)."""
+
+
+def summarise(raw: dict) -> dict:
+    """Rates, waits and the reward curve of one system's raw per-step result."""
+    st = raw["steps"]
+    samples = sum(s["samples"] for s in st)
+    rest = st[1:] or st
+    window = st[-1]["t"] - st[0]["t"] if len(st) > 1 else st[0]["t"]
+    step_total = sum(s["step_s"] for s in rest)
+    wait = sum(s["wait_s"] for s in rest)
+    idle = raw.get("rollout_idle_frac")
+    if idle is None and "rollout_idle_frac" not in raw:  # one process: idle while training
+        idle = (step_total - wait) / step_total
+    return {
+        "trained_samples": samples, "steps": len(st), "wall_s": round(raw["wall_s"], 1),
+        "train_s": round(raw["train_s"], 1),
+        "samples_per_s": round(samples / raw["train_s"], 3),
+        "steady_samples_per_s": round(sum(s["samples"] for s in rest) / window, 3),
+        "step_s_mean": round(step_total / len(rest), 2),
+        "data_wait_pct": round(100 * wait / step_total, 1),
+        "rollout_idle_pct": None if idle is None else round(100 * idle, 1),
+        "reward_mean": round(sum(s["reward"] * s["samples"] for s in st) / samples, 4),
+        "reward_curve": [round(s["reward"], 4) for s in st],
+        **({"accounting": raw["accounting"]} if "accounting" in raw else {}),
+    }
+
+
+def ratios(res: dict) -> dict:
+    """Ratios of steady samples/s (and of end-to-end samples/s, ``*_e2e``)."""
+    def r(a, b, key="steady_samples_per_s"):
+        if a in res and b in res:
+            return round(res[a][key] / res[b][key], 3)
+        return None
+
+    best_async = max((k for k in ("async1", "async2") if k in res),
+                     key=lambda k: res[k]["steady_samples_per_s"], default="async1")
+    out = {"async_over_sync": r(best_async, "sync"), "async_over_sync_1thread": r(best_async, "sync1t"),
+           "async_over_loop": r(best_async, "loop"), "relax_over_trl": r(best_async, "trl"),
+           "sync_over_loop": r("sync", "loop"), "loop_over_trl": r("loop", "trl"),
+           "async_over_sync_e2e": r(best_async, "sync", "samples_per_s"),
+           "relax_over_trl_e2e": r(best_async, "trl", "samples_per_s"),
+           "best_async": best_async}
+    return out
+
+
+def plot(res: dict, path: Path) -> None:
+    """Steady samples/s per system and the reward per step against trained samples."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4.5))
+    names = list(res)
+    a.bar([SYSTEMS[n] for n in names], [res[n]["steady_samples_per_s"] for n in names])
+    a.set_ylabel("trained samples / s (steady)")
+    a.tick_params(axis="x", rotation=30)
+    for n in names:
+        per = res[n]["trained_samples"] / res[n]["steps"]
+        b.plot([per * (i + 1) for i in range(res[n]["steps"])], res[n]["reward_curve"],
+               marker="o", label=SYSTEMS[n])
+    b.set_xlabel("trained samples")
+    b.set_ylabel("mean reward of the step's samples")
+    b.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--steps", type=int, default=8, help="optimizer steps per system")
+    ap.add_argument("--systems", default="trl,loop,sync,sync1t,async1,async2")
+    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "e2e_vs_trl.json"))
+    ap.add_argument("--timeout-s", type=float, default=1800, help="per system")
+    ap.add_argument("--one", help=argparse.SUPPRESS)
+    ap.add_argument("--threads", type=int, default=1, help=argparse.SUPPRESS)
+    ap.add_argument("--raw", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    w = workload(args.steps)
+    if args.one:
+        one(args.one, w, args.threads, Path(args.raw))
+        return
+    systems = [s for s in args.systems.split(",") if s]
+    unknown = [s for s in systems if s not in SYSTEMS]
+    if unknown:
+        raise SystemExit(f"unknown systems {unknown}; valid: {', '.join(SYSTEMS)}")
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    results, t_all = {}, time.perf_counter()
+    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
+    for name in systems:
+        raw = out.parent / f"raw_{name}.json"
+        log = out.parent / f"log_{name}.txt"
+        print(f"== {SYSTEMS[name]} ({THREADS[name]} torch threads per process)", flush=True)
+        with log.open("w") as f:
+            p = subprocess.run([sys.executable, __file__, "--one", name, "--steps", str(args.steps),
+                                "--threads", str(THREADS[name]), "--raw", str(raw)],
+                               stdout=f, stderr=subprocess.STDOUT, env=env, timeout=args.timeout_s,
+                               check=False)
+        if p.returncode != 0:
+            tail = log.read_text()[-3000:]
+            raise SystemExit(f"{name} failed (exit {p.returncode}); log {log}:\n{tail}")
+        results[name] = summarise(json.loads(raw.read_text()))
+        raw.unlink()
+        log.unlink()
+        r = results[name]
+        print(f"   samples/s steady={r['steady_samples_per_s']} e2e={r['samples_per_s']} "
+              f"step_s={r['step_s_mean']} data-wait={r['data_wait_pct']}% "
+              f"rollout-idle={r['rollout_idle_pct']}% reward={r['reward_mean']} "
+              f"wall_s={r['wall_s']}", flush=True)
+    rat = ratios(results)
+    doc = {"workload": w, "threads": {k: THREADS[k] for k in systems},
+           "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
+                       "processor": platform.processor() or platform.machine(),
+                       "python": platform.python_version()},
+           "date": time.strftime("%Y-%m-%d %H:%M"), "total_s": round(time.perf_counter() - t_all),
+           "systems": results, **rat}
+    out.write_text(json.dumps(doc, indent=1) + "\n")
+    plot(results, out.with_suffix(".png"))
+    print(f"wrote {out} and {out.with_suffix('.png')}")
+    print(" ".join(f"{k}={v}" for k, v in rat.items()))
+
+
+if __name__ == "__main__":
+    main()
