@@ -249,7 +249,7 @@ def run_relax(w: dict, mode: str, staleness: int, threads: int, run_root: str) -
                 for s in step_rows(rows)]
     # rollout idle: its cumulative weight + budget waits between the ends of steps 1 and N-1
     # (its last batch is made during step N-1: after that it has nothing left to do)
-    lo, hi = per_step[0]["t"], per_step[max(1, len(per_step) - 2)]["t"]
+    lo, hi = per_step[0]["t"], per_step[max(0, len(per_step) - 2)]["t"]
     waits: dict[float, float] = {}
     for r in rows:
         if r["component"].startswith("rollout") and r["name"] in ("weight_wait_s",
