@@ -248,7 +248,7 @@ class TrainerProgress:
     policy_version when it wrote them (all None until the trainer wrote one).
     Undecodable records are skipped (logged)."""
 
-    def __init__(self, cfg: BusConfig, run: str, *, fetch_wait_ms: int | None = None):
+    def __init__(self, cfg: BusConfig, run: str):
         from kafka import KafkaConsumer, TopicPartition
 
         from relax.streams.client import consumer_kwargs, topic_partitions
@@ -258,10 +258,7 @@ class TrainerProgress:
         if not n:
             ensure_topics(cfg, {self.topic: 1})
             n = 1
-        kw = consumer_kwargs(cfg, None)
-        if fetch_wait_ms is not None:
-            kw["fetch_max_wait_ms"] = fetch_wait_ms
-        self._kc = KafkaConsumer(**kw)
+        self._kc = KafkaConsumer(**consumer_kwargs(cfg, None))
         tps = [TopicPartition(self.topic, p) for p in range(n)]
         self._kc.assign(tps)
         self._kc.seek_to_beginning(*tps)

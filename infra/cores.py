@@ -14,7 +14,7 @@ while it generates) and the trainer's :class:`ElasticThreads` sets torch's intra
 threads to ``low`` while any flag of the folder exists and to ``high`` otherwise,
 checked between the model's layers in forward and backward (at most every
 ``interval_s``). Only for stages that share a run folder on one host; a flag left by
-a killed process only costs speed (it is removed when that engine generates next).
+a killed process only costs speed until its stage restarts (the new BusyFlag removes it).
 """
 
 from __future__ import annotations

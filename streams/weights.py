@@ -407,23 +407,18 @@ class AnnouncementReader:
     """Reads ``<run>.weights`` announcements group-less from the beginning (no commits).
 
     Used by subscribers and by the rollout stage to learn the trainer's policy_version.
-    Fetches wait at most ``fetch_wait_ms`` on the broker (default
-    ``relax.streams.client.FETCH_WAIT_MS``: the publisher's broadcast waits for
-    subscribers to see its announcement, so its latency matters, but so does the CPU an
-    idle reader burns). Records that do not
-    decode as WEIGHTS are logged and skipped (announcements are written by relax only).
+    Fetches wait at most ``relax.streams.client.FETCH_WAIT_MS`` on the broker (the
+    publisher's broadcast waits for subscribers to see its announcement, so its latency
+    matters, but so does the CPU an idle reader burns). Records that do not decode as WEIGHTS are logged and skipped (announcements are written by relax only).
     """
 
-    def __init__(self, cfg: BusConfig, run: str, *, fetch_wait_ms: int | None = None):
+    def __init__(self, cfg: BusConfig, run: str):
         from kafka import KafkaConsumer, TopicPartition
 
         from relax.streams.client import consumer_kwargs
 
         self.topic = ensure_weights_topic(cfg, run)
-        kw = consumer_kwargs(cfg, None)
-        if fetch_wait_ms is not None:
-            kw["fetch_max_wait_ms"] = fetch_wait_ms
-        self._kc = KafkaConsumer(**kw)
+        self._kc = KafkaConsumer(**consumer_kwargs(cfg, None))
         tp = TopicPartition(self.topic, 0)
         self._kc.assign([tp])
         self._kc.seek_to_beginning(tp)
