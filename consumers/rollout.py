@@ -45,10 +45,11 @@ version (they would only be dropped as stale), for at most ``weights_wait_s``.
 
 Epochs: when every prompt of a partition has been sampled and ``epochs`` allows, the
 partition is read again from offset 0 with the epoch + 1 (``group_id`` carries the
-epoch). This assumes the prompt topic is complete before the run starts. The epoch
-counter lives in memory: a restarted instance starts again at epoch 0 from the
-committed offsets (storing the epoch in the commit metadata would fix this;
-``BatchConsumer.commit`` does not take metadata yet).
+epoch). This assumes the prompt topic is complete before the run starts. Each epoch
+change is recorded on ``<run>.rollout_epochs`` before any offset of the new epoch is
+committed (the local broker drops commit metadata, so the epoch cannot ride on the
+offset), so a restarted instance goes on in the epoch of its committed offsets, not
+at epoch 0, whose group_ids the trainer already decided.
 
 Metrics (``<run>.metrics``, component = ``engine_id``; names from
 ``schemas.metric_names``): ``gen_tokens_per_s``, ``groups_in_flight``, ``budget_wait_s``
@@ -195,6 +196,27 @@ class RolloutConfig(BaseModel):
             stop=tuple(self.stop),
             seed=seed,
         )
+
+
+def saved_epochs(bus: BusConfig, topic: str) -> dict[tuple[str, int], int]:
+    """``{(prompt topic, partition): epoch}``: the latest epoch of every prompt partition
+    recorded on ``<run>.rollout_epochs`` (empty for a new run).
+
+    Raises:
+        ValueError: a record that is not ``{"topic", "partition", "epoch"}`` JSON (names
+            its offset).
+    """
+    from relax.streams.changelog import read_partition
+
+    out = {}
+    for m in read_partition(bus, topic, 0):
+        try:
+            r = json.loads(m.value)
+            out[(r["topic"], int(r["partition"]))] = int(r["epoch"])
+        except (ValueError, KeyError, TypeError) as e:
+            raise ValueError(f"{topic}@{m.offset}: expected {{topic, partition, epoch}} "
+                             f"JSON, got {m.value[:80]!r}: {e}") from e
+    return out
 
 
 def share(total: int, instance_index: int = 0, num_instances: int = 1) -> int:
@@ -469,6 +491,8 @@ class RolloutStage:
         self._queue: list[_Item] = []
         self._remaining: dict[tuple, int] = {}
         self._epoch: dict = {}
+        self._epochs_topic = topics.rollout_epochs_topic(cfg.run)
+        self._saved_epochs: dict[tuple[str, int], int] = {}
         self._exhausted: set = set()
         self._subscriber = None
         self._behind_since: float | None = None
@@ -586,7 +610,7 @@ class RolloutStage:
 
         for d in deliveries:
             tp = TopicPartition(d.topic, d.partition)
-            epoch = self._epoch.setdefault(tp, 0)
+            epoch = self._epoch.setdefault(tp, self._saved_epochs.get((tp.topic, tp.partition), 0))
             rows = d.table.to_pylist()
             if not rows:
                 consumer.done(d)
@@ -596,6 +620,8 @@ class RolloutStage:
 
     def _maybe_next_epoch(self, consumer) -> None:
         """Rewind partitions whose prompts were all sampled, if ``epochs`` allows."""
+        from kafka.structs import OffsetAndMetadata
+
         kc = consumer.kafka
         for tp in kc.assignment():
             hw = kc.highwater(tp)
@@ -603,13 +629,21 @@ class RolloutStage:
                 continue
             if any(k[0] == tp.topic and k[1] == tp.partition for k in self._remaining):
                 continue
-            epoch = self._epoch.setdefault(tp, 0)
+            epoch = self._epoch.setdefault(tp, self._saved_epochs.get((tp.topic, tp.partition), 0))
             if epoch + 1 >= self.cfg.epochs:
                 self._exhausted.add(tp)
                 continue
             consumer.commit()
+            # the new epoch is durable before any offset of it is committed: a restart
+            # never samples an epoch's group_ids twice (at worst, killed between the two
+            # writes, it skips that epoch)
+            self._producer.send_value(self._epochs_topic, json.dumps(
+                {"topic": tp.topic, "partition": tp.partition, "epoch": epoch + 1}).encode(),
+                key=f"{tp.topic}:{tp.partition}".encode())
+            self._producer.flush()
             consumer._tracker.forget([tp])  # offsets restart at 0 for the next epoch
             kc.seek(tp, 0)
+            kc.commit({tp: OffsetAndMetadata(0, "", -1)})
             self._epoch[tp] = epoch + 1
             self.stats.epochs_started += 1
             log.info("%s: %s[%d] epoch %d", self.cfg.engine_id, tp.topic, tp.partition, epoch + 1)
@@ -762,14 +796,16 @@ class RolloutStage:
 
     # ---------------------------------------------------------------- run loop
     def ensure_topics(self) -> None:
-        """Create ``<run>.rollouts`` (``rollouts_partitions``), ``<run>.metrics`` and
-        ``prompts.<dataset>.errors`` if missing (existing topics are left as they are)."""
+        """Create ``<run>.rollouts`` (``rollouts_partitions``), ``<run>.metrics``,
+        ``<run>.rollout_epochs`` and ``prompts.<dataset>.errors`` if missing (existing
+        topics are left as they are)."""
         from relax.streams.client import topic_partitions
 
         metrics = topics.run_topic(self.cfg.run, topics.METRICS)
         errors = topics.errors_topic(self.prompts_topic)
-        have = topic_partitions(self.cfg.bus, [self.rollouts_topic, metrics, errors])
-        want = {self.rollouts_topic: self.cfg.rollouts_partitions, metrics: 1, errors: 1}
+        want = {self.rollouts_topic: self.cfg.rollouts_partitions, metrics: 1, errors: 1,
+                self._epochs_topic: 1}
+        have = topic_partitions(self.cfg.bus, list(want))
         todo = {t: n for t, n in want.items() if not have.get(t)}
         if todo:
             ensure_topics(self.cfg.bus, todo)
@@ -786,6 +822,7 @@ class RolloutStage:
 
         cfg = self.cfg
         self.ensure_topics()
+        self._saved_epochs = saved_epochs(cfg.bus, self._epochs_topic)
         self._producer = producer = BatchProducer(cfg.bus, producer_id=f"{cfg.run}-{cfg.engine_id}")
         consumer = BatchConsumer(
             cfg.bus,

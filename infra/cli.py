@@ -150,25 +150,58 @@ def tail_cmd(topic: str, n: int = typer.Option(10, "-n", help="rows to print"),
 
 
 @app.command("errors")
-def errors_cmd(topic: str, n: int = typer.Option(20, "-n", help="error records to print"),
+def errors_cmd(topic: str, n: int = typer.Option(20, "-n", help="records to print (the last N of "
+                                                 "each kind)"),
                as_json: bool = typer.Option(False, "--json", help="one JSON object per record"),
+               reward_rows: bool = typer.Option(True, "--reward-rows/--no-reward-rows",
+                                                help="for a <run>.rewards TOPIC, also list its "
+                                                "rows whose error is set (reads the whole topic)"),
                bootstrap: Optional[str] = BootstrapOpt) -> None:
-    """Print the error records of TOPIC (reads TOPIC.errors)."""
-    from relax.infra.read import read_last_rows
-    from relax.schemas.topics import ERRORS_SUFFIX, errors_topic
+    """Print what could not be processed on TOPIC: the records of TOPIC.errors and why.
 
+    For RUN.rewards it also lists the reward rows that failed (exception, NaN, memory, timeout).
+
+    Those are rows of RUN.rewards with error set: the reward stage does not send them to .errors.
+
+    Each shows its origin, reward name, rollout_id and error; a last line counts reward_errors=N.
+
+    Pass TOPIC.errors, or --no-reward-rows, for the error topic alone.
+    """
+    from relax.infra.read import read_last_rows, read_reward_errors
+    from relax.schemas.topics import ERRORS_SUFFIX, REWARDS, errors_topic, schema_for_topic
+
+    cfg = bus_config(bootstrap)
     etopic = topic if topic.endswith(ERRORS_SUFFIX) else errors_topic(topic)
-    rows = read_last_rows(bus_config(bootstrap), etopic, n)
+    rows = read_last_rows(cfg, etopic, n)
     for r in rows:
-        if as_json:
-            typer.echo(json.dumps({k: v for k, v in r.items() if k != "value"},
-                                  default=_json_default))
-        else:
-            where = f"{r['source_topic']}[{r['source_partition']}]@{r['source_offset']}"
-            if r.get("row") is not None:
-                where += f" row {r['row']}"
-            typer.echo(f"{r['ts']} {where} stage={r['stage']}: {r['error']}")
+        _echo_error(r, as_json)
     typer.echo(f"errors={len(rows)} topic={etopic}")
+    try:
+        is_rewards = etopic != topic and schema_for_topic(topic) == REWARDS
+    except ValueError:  # not a relax topic name
+        is_rewards = False
+    if reward_rows and is_rewards:
+        failed, total = read_reward_errors(cfg, topic, n)
+        for r in failed:
+            _echo_error(r, as_json)
+        shown = f" (last {len(failed)} shown)" if len(failed) < total else ""
+        typer.echo(f"reward_errors={total} topic={topic}{shown}")
+
+
+def _echo_error(r: dict, as_json: bool) -> None:
+    """One error record (or failed reward row) as a line of text or JSON (without bytes)."""
+    if as_json:
+        typer.echo(json.dumps({k: v for k, v in r.items() if k != "value"},
+                              default=_json_default))
+        return
+    where = f"{r['source_topic']}[{r['source_partition']}]@{r['source_offset']}"
+    if r.get("row") is not None:
+        where += f" row {r['row']}"
+    if r.get("rollout_id") is not None:
+        typer.echo(f"{r['ts']} {where} reward={r['reward_name']} rollout_id={r['rollout_id']}: "
+                   f"{r['error']}")
+    else:
+        typer.echo(f"{r['ts']} {where} stage={r['stage']}: {r['error']}")
 
 
 # --- commands of other components register below (keep one line each) ---
@@ -189,7 +222,14 @@ def publish_cmd(
                                                  "(default 4)"),
         force: bool = typer.Option(False, help="publish prompt_ids the topic already holds"),
         bootstrap: Optional[str] = BootstrapOpt) -> None:
-    """Publish a prompt data set onto prompts.NAME (bad rows go to prompts.NAME.errors)."""
+    """Publish a prompt data set onto prompts.NAME (bad rows go to prompts.NAME.errors).
+
+    Exit code 1 and one line on stderr when nothing is published (every row failed, ...).
+
+    A --prompt-field or --label-field that no record has fails before sending, naming the fields.
+
+    When only some rows fail, the good rows go, the exit code is 0 and errors=N counts the rest.
+    """
     from relax.producers.publish import AlreadyPublished, SourceError, publish
 
     try:
@@ -199,10 +239,17 @@ def publish_cmd(
     except (AlreadyPublished, SourceError, ValueError) as e:
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(1) from None
+    if r.published == 0 and r.errors:
+        typer.echo(f"error: no row was published: all {r.errors} rows failed ({r.summary()}); "
+                   f"first: {r.first_error}; see `relax errors {topic}`", err=True)
+        raise typer.Exit(1)
     typer.echo(f"{r.rows_per_s:.0f} rows/s in {r.seconds:.2f} s", err=True)
     if r.repeated:
         typer.echo(f"skipped {r.repeated} rows repeating an earlier prompt (same prompt_id)",
                    err=True)
+    if r.errors:
+        typer.echo(f"{r.errors} row{'s' if r.errors > 1 else ''} failed: see "
+                   f"`relax errors {topic}`", err=True)
     typer.echo(r.summary())
 
 
@@ -316,6 +363,7 @@ def train_cmd(recipe: str = typer.Argument(..., help="recipe YAML (see recipes/)
     """
     import logging
 
+    from relax.infra.preflight import preflight
     from relax.infra.recipe import RecipeError, load_recipe
 
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
@@ -325,6 +373,7 @@ def train_cmd(recipe: str = typer.Argument(..., help="recipe YAML (see recipes/)
         extra.append(f"bootstrap_servers={bootstrap}")
     try:
         rec = load_recipe(recipe, extra)
+        preflight(rec)  # names that do not resolve: before a broker, Ray or a stage starts
     except (RecipeError, FileNotFoundError, ValueError) as e:
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2) from None
@@ -333,9 +382,13 @@ def train_cmd(recipe: str = typer.Argument(..., help="recipe YAML (see recipes/)
 
         summary = train_from_archive(rec, from_archive, say=typer.echo)
     else:
-        from relax.infra.launch import final_line, train
+        from relax.infra.launch import RunFailed, train
 
-        summary = train(rec, say=typer.echo, timeout_s=timeout_s)
+        try:
+            summary = train(rec, say=typer.echo, timeout_s=timeout_s)
+        except RunFailed as e:
+            typer.echo(f"error: {e}", err=True)
+            raise typer.Exit(1) from None
     from relax.infra.launch import final_line
 
     typer.echo(f"run folder: {summary['run_dir']}")

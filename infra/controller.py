@@ -10,7 +10,10 @@ actor's ``run`` and watches the results:
   partitions to the other members of its consumer group, and the restarted one
   resumes from the committed offsets (the aggregator also from its changelog,
   the trainer from its checkpoint);
-* heartbeats: ``status()`` asks every actor for its pid and last beat;
+* heartbeats and stalls: every stage's ``should_stop`` is a pulse that records when
+  the stage loop last turned; :meth:`Controller.watch` asks every actor for it and
+  reads the consumer-group offsets of the stages that commit per poll, and restarts a
+  stage that is alive but stuck (``relax.infra.watch``), with the same restart budget;
 * :meth:`Controller.stop` asks every stage to stop, waits, then kills what is left
   and shuts Ray down, so no process of the run survives it.
 
@@ -29,6 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from relax.infra.stages import StageSpec
+from relax.infra.watch import StageWatch, input_group, input_stalled, loop_stalled
 from relax.streams.client import BusConfig
 
 log = logging.getLogger(__name__)
@@ -45,18 +49,24 @@ def _actor_class():
             self.spec, self.bus, self.log_file = spec, bus, log_file
             self._stop = threading.Event()
             self._started = time.time()
+            self._beat = time.monotonic()
 
         def pid(self) -> int:
             return os.getpid()
 
         def heartbeat(self) -> dict:
-            return {"pid": os.getpid(), "ts": time.time(), "up_s": time.time() - self._started}
+            return {"pid": os.getpid(), "ts": time.time(), "up_s": time.time() - self._started,
+                    "loop_age_s": time.monotonic() - self._beat}
+
+        def _should_stop(self) -> bool:
+            self._beat = time.monotonic()  # the pulse: the stage loop turned
+            return self._stop.is_set()
 
         def run(self) -> str:
             from relax.infra.stages import run_stage
 
             run_stage(self.spec["kind"], self.spec["config"], BusConfig(**self.bus),
-                      self._stop.is_set, self.spec["resources"].get("torch_threads"),
+                      self._should_stop, self.spec["resources"].get("torch_threads"),
                       self.log_file)
             return "finished"
 
@@ -75,6 +85,8 @@ class _Running:
     restarts: int = 0
     finished: bool = False
     history: list[str] = field(default_factory=list)
+    answered: float = field(default_factory=time.monotonic)  # heartbeat last answered
+    watch: StageWatch = field(default_factory=lambda: StageWatch(time.monotonic()))
 
 
 class StageFailed(RuntimeError):
@@ -90,12 +102,15 @@ class Controller:
         run_dir: run folder (``logs/`` and ``stages.json`` go there).
         address: Ray cluster address (None = local Ray on 127.0.0.1).
         max_restarts: restarts per stage before the run fails.
+        stall_timeout_s: a stage alive but stuck this long is restarted (:meth:`watch`).
     """
 
     def __init__(self, specs: list[StageSpec], bus: BusConfig, run_dir: Path,
-                 address: str | None = None, max_restarts: int = 3):
+                 address: str | None = None, max_restarts: int = 3,
+                 stall_timeout_s: float = 300.0):
         self.specs, self.bus, self.run_dir = specs, bus, Path(run_dir)
         self.address, self.max_restarts = address, max_restarts
+        self.stall_timeout_s = stall_timeout_s
         self.stages: dict[str, _Running] = {}
         self._ray_started = False
 
@@ -172,20 +187,78 @@ class Controller:
                 finished.append(name)
                 r.history.append(f"{time.strftime('%H:%M:%S')} finished")
                 continue
-            except ray.exceptions.RayActorError as e:
-                why = f"process died ({type(e).__name__})"
-            except ray.exceptions.RayTaskError as e:
+            except ray.exceptions.RayTaskError as e:  # the stage raised
                 why = f"raised {str(e).strip().splitlines()[-1][:300]}"
-            if r.restarts >= self.max_restarts:
-                raise StageFailed(f"stage {name} failed {r.restarts + 1} times; last: {why}")
-            log.warning("stage %s %s: restarting", name, why)
-            ray.kill(r.actor, no_restart=True)
-            new = self._start(r.spec, r.restarts + 1)
-            new.history = r.history + [f"{time.strftime('%H:%M:%S')} {why}; restarted"]
-            self.stages[name] = new
+            except ray.exceptions.RayError as e:  # died, killed, lost: any other Ray fault
+                why = f"process died ({type(e).__name__})"
+            self._restart(name, why)
         if done:
             self._write_state()
         return finished
+
+    def _restart(self, name: str, why: str) -> None:
+        """Replace stage ``name`` by a new actor, or fail the run when its restarts are
+        used up.
+
+        Raises:
+            StageFailed: ``max_restarts`` restarts were used already.
+        """
+        import ray
+
+        r = self.stages[name]
+        if r.restarts >= self.max_restarts:
+            raise StageFailed(f"stage {name} failed {r.restarts + 1} times; last: {why}")
+        log.warning("stage %s %s: restarting", name, why)
+        ray.kill(r.actor, no_restart=True)
+        new = self._start(r.spec, r.restarts + 1)
+        new.history = r.history + [f"{time.strftime('%H:%M:%S')} {why}; restarted"]
+        self.stages[name] = new
+        self._write_state()
+
+    def watch(self) -> list[str]:
+        """Restart the stages that are alive but stuck (see :mod:`relax.infra.watch`):
+        a loop inside one call, or a heartbeat unanswered, for ``stall_timeout_s``; or
+        input waiting with no commit for as long. Call every few seconds.
+
+        Returns:
+            ``"<stage>: <why>"`` for every stage restarted now.
+
+        Raises:
+            StageFailed: a stuck stage used up its restarts (says what it waited for).
+        """
+        from kafka.errors import KafkaError
+
+        from relax.streams.lag import group_offsets, high_watermarks
+
+        beats = self.status()
+        now = time.monotonic()
+        restarted = []
+        for name, r in list(self.stages.items()):
+            if r.finished:
+                continue
+            beat = beats.get(name)
+            if beat is not None:
+                r.answered = now
+            why = loop_stalled(None if beat is None else beat["loop_age_s"], now - r.answered,
+                               self.stall_timeout_s)
+            ig = input_group(r.spec.config.get("run", ""), r.spec.kind, name)
+            if why is None and ig is not None:
+                gid, inputs = ig
+                try:
+                    committed = {k: v for k, v in group_offsets(self.bus, gid).items()
+                                 if k[0] in inputs}
+                    ends = high_watermarks(self.bus, inputs)
+                except (KafkaError, TimeoutError) as e:  # the broker check judges that
+                    log.warning("stall check of %s skipped: %s", name, e)
+                    continue
+                lag = sum(max(0, hw - committed.get(tp, 0)) for tp, hw in ends.items())
+                if input_stalled(r.watch, committed, lag, now, self.stall_timeout_s):
+                    why = (f"has {lag} input records waiting and committed nothing for "
+                           f"{now - r.watch.since:.0f}s")
+            if why is not None:
+                self._restart(name, f"stalled: {why}")
+                restarted.append(f"{name}: {why}")
+        return restarted
 
     def status(self) -> dict[str, dict]:
         """Heartbeat of every running stage: ``{name: {pid, ts, up_s}}`` (missing when an

@@ -26,14 +26,31 @@ from pathlib import Path
 import yaml
 
 from relax.infra.broker import LocalBroker
-from relax.infra.controller import Controller
+from relax.infra.controller import Controller, StageFailed
+from relax.infra.preflight import preflight
 from relax.infra.recipe import Recipe
 from relax.infra.stages import stage_specs
+from relax.infra.watch import broker_state_lost
 from relax.schemas import metric_names as M
 from relax.schemas import topics
 from relax.streams.client import BusConfig, ensure_topics
 
 log = logging.getLogger(__name__)
+
+WATCH_EVERY_S = 5.0
+"""Seconds between the controller's stall checks (heartbeats, consumer-group offsets)
+and the broker check."""
+BROKER_GONE_S = 120.0
+"""A run whose broker does not answer for this long fails (seconds)."""
+
+
+class RunFailed(RuntimeError):
+    """A run that cannot finish: the message says which stage and why, then the latest
+    metrics of every stage (``relax.infra.report.stall_report``)."""
+
+
+class RunTimeout(RunFailed, TimeoutError):
+    """``relax train --timeout-s`` ran out (the same report as :class:`RunFailed`)."""
 
 
 def run_topics(recipe: Recipe) -> dict[str, int]:
@@ -44,6 +61,7 @@ def run_topics(recipe: Recipe) -> dict[str, int]:
     parts[topics.run_topic(recipe.run, topics.WEIGHTS)] = 1
     parts[topics.run_topic(recipe.run, topics.METRICS)] = 1
     parts[topics.changelog_topic(recipe.run)] = p
+    parts[topics.rollout_epochs_topic(recipe.run)] = 1
     for t in list(parts):
         parts[topics.errors_topic(t)] = 1
     prompts = topics.prompts_topic(recipe.data.dataset)
@@ -144,9 +162,16 @@ def train(recipe: Recipe, *, say: Callable[[str], None] = print,
         timeout_s: give up after this many seconds (the stages are stopped either way).
 
     Raises:
-        relax.infra.controller.StageFailed: a stage failed more than ``max_restarts`` times.
-        TimeoutError: ``timeout_s`` passed.
+        RunFailed: a stage failed (died, raised or stalled) more than ``max_restarts``
+            times, or no optimizer step for ``recipe.step_timeout_s``; the message says
+            which stage and why, then the latest metrics of every stage.
+        RunTimeout: ``timeout_s`` passed (the same report).
+        relax.infra.recipe.RecipeError: before anything starts, when a name in the recipe
+            does not resolve (:func:`relax.infra.preflight.preflight`).
     """
+    preflight(recipe)
+    from kafka.errors import KafkaError
+
     from relax.infra.report import (
         accounting,
         plot_curves,
@@ -189,7 +214,8 @@ def train(recipe: Recipe, *, say: Callable[[str], None] = print,
         follower = MetricsFollower(bus, recipe.run)
         stack.callback(follower.close)
         controller = Controller(stage_specs(recipe, bus, run_dir), bus, run_dir,
-                                address=recipe.ray_address, max_restarts=recipe.max_restarts)
+                                address=recipe.ray_address, max_restarts=recipe.max_restarts,
+                                stall_timeout_s=recipe.stall_timeout_s)
         stack.callback(controller.stop)
         stopping = {"flag": False}
 
@@ -204,17 +230,48 @@ def train(recipe: Recipe, *, say: Callable[[str], None] = print,
         say(f"stages: {', '.join(controller.stages)} (pids in {run_dir / 'stages.json'})")
         printed: set[int] = set()
         done = False
+        last_step = watched = time.monotonic()
+        metrics_topic = topics.run_topic(recipe.run, topics.METRICS)
+        seen_records: int | None = None
+        unreachable_since: float | None = None
+
+        def failed(cls: type[RunFailed], why: str) -> RunFailed:
+            follower.poll(0.5)
+            return cls(f"run {recipe.run} {why}, at step {len(printed)} of "
+                       f"{recipe.trainer.steps}; latest metrics:\n"
+                       + stall_report(follower.rows, int(time.time() * 1000)))
+
         while not done and not stopping["flag"]:
             if timeout_s is not None and time.time() - t_start > timeout_s:
-                raise TimeoutError(
-                    f"run {recipe.run} did not finish in {timeout_s}s, at step {len(printed)} of "
-                    f"{recipe.trainer.steps}; latest metrics:\n"
-                    + stall_report(follower.rows, int(time.time() * 1000)))
-            finished = controller.check(0.2)
+                raise failed(RunTimeout, f"did not finish in {timeout_s}s")
+            if recipe.step_timeout_s and time.monotonic() - last_step > recipe.step_timeout_s:
+                raise failed(RunFailed, f"made no optimizer step for {recipe.step_timeout_s:.0f}s")
+            try:
+                finished = controller.check(0.2)
+                if time.monotonic() - watched > WATCH_EVERY_S:
+                    watched = time.monotonic()
+                    try:
+                        records = _metrics_records(bus, metrics_topic)
+                    except (KafkaError, TimeoutError) as e:
+                        unreachable_since = unreachable_since or time.monotonic()
+                        if time.monotonic() - unreachable_since > BROKER_GONE_S:
+                            raise failed(RunFailed, f"lost its broker: {bootstrap} has not "
+                                         f"answered for {BROKER_GONE_S:.0f}s ({e})") from None
+                        continue
+                    unreachable_since = None
+                    if broker_state_lost(seen_records, records):
+                        raise failed(RunFailed, _broker_lost_text(
+                            recipe, run_dir, bootstrap, seen_records, records))
+                    seen_records = max(seen_records or 0, records or 0)
+                    for line in controller.watch():
+                        say(f"restarted {line}")
+            except StageFailed as e:
+                raise failed(RunFailed, f"failed: {e}") from None
             rows = follower.poll(0.5)
             for s in step_rows(follower.rows):
                 if s["step"] not in printed:
                     printed.add(s["step"])
+                    last_step = time.monotonic()
                     say(step_line(s, recipe.trainer.steps))
                     if on_step is not None:
                         on_step(s, run_dir)
@@ -248,6 +305,43 @@ def train(recipe: Recipe, *, say: Callable[[str], None] = print,
     return summary
 
 
+def _metrics_records(bus: BusConfig, topic: str) -> int | None:
+    """Records in the run's metrics topic, None when the topic does not exist.
+
+    Raises:
+        kafka.errors.KafkaError, TimeoutError: the broker does not answer.
+    """
+    from relax.streams.client import topic_partitions
+    from relax.streams.lag import high_watermarks
+
+    if topic not in topic_partitions(bus, [topic]):
+        return None
+    return high_watermarks(bus, [topic], timeout_s=5.0).get((topic, 0), 0)
+
+
+def _broker_lost_text(recipe: Recipe, run_dir: Path, bootstrap: str, seen: int,
+                      now: int | None) -> str:
+    """Why the run stops after its broker lost the topics, what was lost, how to go on;
+    the newest checkpoint gets the tokenizer so it loads as a model."""
+    from relax.trainer import checkpoint
+
+    now_txt = "is gone" if now is None else f"holds {now} records"
+    ckpt = checkpoint.latest(run_dir)
+    if ckpt is not None:
+        _save_tokenizer(recipe.model, ckpt)
+        kept = (f"Kept: the trainer's checkpoint {ckpt} (policy_version "
+                f"{int(ckpt.name.split('_')[-1])}, loads as a model). To go on, either "
+                f"start a fresh run from those weights: relax train RECIPE model={ckpt} "
+                f"run=NEW (prompts are published again), or replay an archive made "
+                f"before the restart: relax replay ARCHIVE --run NEW.")
+    else:
+        kept = "No trainer checkpoint was written yet: start the run again."
+    return (f"lost its broker's state: {bootstrap} was restarted (the metrics topic had "
+            f"{seen} records and now {now_txt}; the local broker keeps topics in memory "
+            f"only). Lost: every prompt, rollout, reward and train sample on the bus, the "
+            f"aggregator's partial groups and the consumer offsets. {kept}")
+
+
 def _save_tokenizer(model: str, folder: Path) -> None:
     from relax.trainer.models import load_tokenizer
 
@@ -277,4 +371,4 @@ def final_line(summary: dict) -> str:
             f"filtered={summary.get('filtered', 0)} errors={summary.get('errors', 0)}")
 
 
-__all__ = ["final_line", "run_topics", "step_line", "train"]
+__all__ = ["RunFailed", "RunTimeout", "final_line", "run_topics", "step_line", "train"]

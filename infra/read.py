@@ -1,15 +1,18 @@
 """Reading rows back from a topic for people: ``relax tail``, ``relax errors``, tests.
 
 Group-less (no commits): partitions are assigned and read between an offset and
-the high watermark, so it works the same on every broker.
+the high watermark, so it works the same on every broker. Messages that do not
+decode (null values included) are skipped or shown as such, never raised.
 """
 
 from __future__ import annotations
 
+import datetime as dt
 import time
 import uuid
 
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from relax.schemas import topics as topic_names
 from relax.streams.client import BusConfig, consumer_kwargs
@@ -59,10 +62,9 @@ def read_table(cfg: BusConfig, topic: str, schema: str | None = None) -> pa.Tabl
     name = schema or topic_names.schema_for_topic(topic)
     tables = []
     for m in read_messages(cfg, topic):
-        try:
-            tables.append(decode(m.value, name))
-        except (DecodeError, ValueError):
-            continue
+        table = _decoded(m, name)
+        if table is not None:
+            tables.append(table)
     if not tables:
         from relax.schemas.v1 import get_schema
 
@@ -78,9 +80,67 @@ def read_last_rows(cfg: BusConfig, topic: str, n: int) -> list[dict]:
     name = topic_names.schema_for_topic(topic)
     rows: list[dict] = []
     for m in read_messages(cfg, topic, start):
-        try:
-            rows.extend(decode(m.value, name).to_pylist())
-        except (DecodeError, ValueError):
+        table = _decoded(m, name)
+        if table is not None:
+            rows.extend(table.to_pylist())
+        else:
             rows.append({"offset": m.offset, "partition": m.partition,
-                         "undecodable_bytes": len(m.value)})
+                         "undecodable_bytes": None if m.value is None else len(m.value)})
     return rows[-n:] if n else rows
+
+
+def read_reward_errors(cfg: BusConfig, topic: str, n: int | None = None) -> tuple[list[dict], int]:
+    """The rows of a ``rewards`` topic whose ``error`` is set (exception, NaN, memory limit,
+    timeout: the reward stage records them as rows, not in ``<topic>.errors``).
+
+    Reads the whole topic (up to the high watermark now); messages that do not decode
+    are skipped.
+
+    Args:
+        cfg: bus settings.
+        topic: a ``<run>.rewards`` topic.
+        n: keep the last ``n`` failed rows (None: all).
+
+    Returns:
+        ``(rows, total)``: ``rows`` oldest first (by message timestamp), each shaped like
+        an ``errors`` record (``ts`` as a UTC datetime, ``source_topic``,
+        ``source_partition``, ``source_offset``, ``row`` within the message, ``stage`` =
+        ``reward.<reward_name>``, ``error``) plus ``rollout_id``, ``group_id`` and
+        ``reward_name``; ``total`` counts every failed row of the topic.
+    """
+    rows: list[dict] = []
+    for m in read_messages(cfg, topic):
+        table = _decoded(m, "rewards")
+        if table is None:
+            continue
+        failed = pc.indices_nonzero(pc.is_valid(table.column("error"))).to_pylist()
+        if not failed:
+            continue
+        ts = dt.datetime.fromtimestamp(m.timestamp / 1000, tz=dt.UTC)
+        picked = table.take(pa.array(failed)).select(
+            ["rollout_id", "group_id", "reward_name", "error"]).to_pylist()
+        for i, r in zip(failed, picked):
+            rows.append({"ts": ts, "source_topic": m.topic, "source_partition": m.partition,
+                         "source_offset": m.offset, "row": i,
+                         "stage": f"reward.{r['reward_name']}", "error": r["error"],
+                         "rollout_id": r["rollout_id"], "group_id": r["group_id"],
+                         "reward_name": r["reward_name"]})
+    total = len(rows)
+    return (rows[-n:] if n else rows), total
+
+
+def _decoded(m, name: str) -> pa.Table | None:
+    """Message ``m`` as a table of schema ``name``, or None if it does not decode (null or
+    empty value, a ``relax-schema`` header naming another schema, not Arrow, another
+    schema): a message the stages route to ``<topic>.errors`` is no row here either."""
+    if not m.value:
+        return None
+    header = dict(m.headers or []).get("relax-schema")
+    if header and header != name.encode():
+        return None
+    try:
+        table = decode(m.value, name)
+        table.validate(full=True)  # corrupt buffers would crash to_pylist, not raise
+        return table
+    except (DecodeError, ValueError, KeyError, pa.ArrowException):
+        return None

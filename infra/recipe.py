@@ -135,6 +135,11 @@ class Recipe(_Strict):
         model: the policy model (trainer, rollout, reference, eval).
         ray_address: Ray cluster address; None = a local Ray on 127.0.0.1.
         max_restarts: restarts allowed per stage process before the run fails.
+        stall_timeout_s: a stage alive but stuck this long (seconds; its loop inside one
+            call, or input waiting and nothing committed) is restarted, counting against
+            ``max_restarts`` (``relax.infra.watch``).
+        step_timeout_s: the run fails with a report of every stage when no optimizer
+            step happened for this long (seconds; None = never).
     """
 
     run: str | None = None
@@ -155,6 +160,8 @@ class Recipe(_Strict):
     resources: dict[str, Resources] = Field(default_factory=dict)
     ray_address: str | None = None
     max_restarts: int = Field(3, ge=0)
+    stall_timeout_s: float = Field(300.0, gt=0)
+    step_timeout_s: float | None = Field(1800.0, gt=0)
 
     @model_validator(mode="after")
     def _check(self):

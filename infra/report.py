@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 from pathlib import Path
 
@@ -22,13 +23,30 @@ def step_rows(metric_rows: list[dict]) -> list[dict]:
     return [steps[k] for k in sorted(steps) if M.STEP_S in steps[k]]
 
 
+def ts_ms(ts: float | dt.datetime) -> int:
+    """A metric row's ``ts`` as ms since the epoch: decoded ``metrics`` rows carry a
+    timezone-aware ``datetime`` (Arrow ``timestamp[ms, UTC]``), hand-made rows an int.
+
+    Raises:
+        TypeError: ``ts`` is neither.
+    """
+    if isinstance(ts, dt.datetime):
+        if ts.tzinfo is None:
+            raise TypeError(f"metric ts {ts!r} has no time zone (expected UTC)")
+        return int(ts.timestamp() * 1000)
+    if isinstance(ts, (int, float)):
+        return int(ts)
+    raise TypeError(f"metric ts must be a datetime or ms since the epoch, got {type(ts).__name__}")
+
+
 def stall_report(metric_rows: list[dict], now_ms: int, max_names: int = 12) -> str:
     """Where a run stands: per component, how long ago it last wrote a metric and the
     latest value of each of its metrics (staleness histogram buckets left out). Used in
     the error of a run that did not finish.
 
     Args:
-        metric_rows: ``<run>.metrics`` rows (``ts`` in ms, ``component``, ``name``, ``value``).
+        metric_rows: ``<run>.metrics`` rows (``ts`` a UTC datetime or ms, ``component``,
+            ``name``, ``value``), as decoded from the topic.
         now_ms: the current time (ms since the epoch).
         max_names: the most metric names shown per component.
 
@@ -41,7 +59,7 @@ def stall_report(metric_rows: list[dict], now_ms: int, max_names: int = 12) -> s
         if r["name"].startswith(M.STALENESS_HIST_PREFIX):
             continue
         latest.setdefault(r["component"], {})[r["name"]] = r["value"]
-        last_ts[r["component"]] = max(last_ts.get(r["component"], 0), r["ts"])
+        last_ts[r["component"]] = max(last_ts.get(r["component"], 0), ts_ms(r["ts"]))
     lines = []
     for comp in sorted(latest):
         vals = " ".join(f"{k}={v:g}" for k, v in sorted(latest[comp].items())[:max_names])

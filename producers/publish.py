@@ -16,8 +16,11 @@ A bad row (unreadable line, invalid UTF-8, missing field, wrong type, a row that
 encodes over ``max_message_bytes``) is counted and written to
 ``prompts.<dataset>.errors`` (``source_topic`` = SOURCE, ``source_offset`` = line
 number, ``value`` = the raw line bytes, truncated to half a message if larger);
-the good rows still go. Re-publishing prompt_ids the topic already holds is
-refused (:class:`AlreadyPublished`) unless ``force``.
+the good rows still go. A ``prompt_field`` or ``label_field`` that none of the
+first :data:`FIELD_CHECK_RECORDS` readable records has is taken as misspelled: the
+publish stops before sending anything (:class:`FieldNotFound`, naming the fields
+the records have). Re-publishing prompt_ids the topic already holds is refused
+(:class:`AlreadyPublished`) unless ``force``.
 
 Delivery: every row is sent keyed by prompt_id and the call returns only after
 the broker acknowledged all of them (:meth:`BatchProducer.flush` raises
@@ -50,13 +53,36 @@ from relax.streams.codec import encoded_size
 DEFAULT_PARTITIONS = 4
 PROMPT_ID_HEX = 16
 SEND_CHUNK_ROWS = 1000
+FIELD_CHECK_RECORDS = 100
+"""Readable records whose fields :func:`publish` looks at before it calls a
+``prompt_field`` / ``label_field`` that none of them has absent from the source."""
 
-__all__ = ["AlreadyPublished", "PublishResult", "RowError", "SourceError", "prompt_id",
-           "prompt_row", "publish"]
+__all__ = ["AlreadyPublished", "FieldNotFound", "PublishResult", "RowError", "SourceError",
+           "prompt_id", "prompt_row", "publish"]
 
 
 class RowError(ValueError):
     """One input record cannot become a prompt row (names the field and what was expected)."""
+
+
+class FieldNotFound(SourceError):
+    """``--prompt-field`` / ``--label-field`` names a field absent from the source (none of
+    its first :data:`FIELD_CHECK_RECORDS` readable records has it); nothing was sent.
+
+    Attributes:
+        option: ``--prompt-field`` or ``--label-field``.
+        field: the field asked for.
+        source: the SOURCE string.
+        available: sorted field names those records have.
+        checked: how many records were looked at.
+    """
+
+    def __init__(self, option: str, field: str, source: str, available: list[str], checked: int):
+        self.option, self.field, self.source = option, field, source
+        self.available, self.checked = available, checked
+        have = ", ".join(repr(f) for f in available) or "none"
+        super().__init__(f"{option} {field!r} is not a field of {source} (none of its first "
+                         f"{checked} records has it); its fields are {have}. Nothing was sent.")
 
 
 class AlreadyPublished(RuntimeError):
@@ -78,9 +104,10 @@ class AlreadyPublished(RuntimeError):
 class PublishResult:
     """What a publish did: rows ``published`` and ``errors`` (rows sent to the error
     topic), existing prompt_ids re-published (``duplicates``, only with force),
-    wall time ``seconds``, and ``repeated``: rows of the source whose content (so
+    wall time ``seconds``, ``repeated``: rows of the source whose content (so
     prompt_id) repeats an earlier row; they are skipped, since one prompt_id is one
-    prompt (and one GRPO group per epoch)."""
+    prompt (and one GRPO group per epoch), and ``first_error``: the error text of
+    the first bad row (None when there is none)."""
 
     topic: str
     partitions: int
@@ -89,6 +116,7 @@ class PublishResult:
     duplicates: int
     seconds: float
     repeated: int = 0
+    first_error: str | None = None
 
     @property
     def rows_per_s(self) -> float:
@@ -207,12 +235,14 @@ def _parse(source: str, *, dataset: str, prompt_field: str, label_field: str | N
     batches: list[pa.RecordBatch] = []
     good: list[dict] = []
     errors: list[dict] = []
+    fields = _FieldCheck(source, prompt_field, label_field)
     for src in read_source(source, limit):
         if on_row is not None:
             on_row()
         if src.record is None:
             errors.append(_error_row(src, source, src.error or "unreadable", max_message_bytes))
             continue
+        fields.add(src.record)
         try:
             row = prompt_row(src.record, dataset=dataset, prompt_field=prompt_field,
                              label_field=label_field, source=source, line=src.line,
@@ -225,11 +255,44 @@ def _parse(source: str, *, dataset: str, prompt_field: str, label_field: str | N
         if len(good) >= SEND_CHUNK_ROWS:
             batches.append(pa.RecordBatch.from_pylist(good, schema=PROMPTS))
             good = []
+    fields.check()
     if good:
         batches.append(pa.RecordBatch.from_pylist(good, schema=PROMPTS))
     for b in batches:
         validate(b, "prompts")
     return batches, errors
+
+
+class _FieldCheck:
+    """Collects the field names of the first :data:`FIELD_CHECK_RECORDS` readable records
+    and raises :class:`FieldNotFound` once they are in (or at the end of the source) if
+    the prompt or label field is in none of them."""
+
+    def __init__(self, source: str, prompt_field: str, label_field: str | None):
+        self.source = source
+        self.wanted = [("--prompt-field", prompt_field)]
+        if label_field is not None:
+            self.wanted.append(("--label-field", label_field))
+        self.seen: set[str] = set()
+        self.records = 0
+        self.done = False
+
+    def add(self, record: dict) -> None:
+        if self.done:
+            return
+        self.seen.update(record)
+        self.records += 1
+        if self.records >= FIELD_CHECK_RECORDS:
+            self.check()
+
+    def check(self) -> None:
+        """Raises :class:`FieldNotFound` (no-op once checked, or with no readable record)."""
+        if self.done or not self.records:
+            return
+        self.done = True
+        for option, field in self.wanted:
+            if field not in self.seen:
+                raise FieldNotFound(option, field, self.source, sorted(self.seen), self.records)
 
 
 def existing_prompt_ids(cfg: BusConfig, topic: str) -> set[str]:
@@ -277,6 +340,8 @@ def publish(cfg: BusConfig, source: str, topic: str, *, prompt_field: str = "pro
 
     Raises:
         SourceError: the source cannot be opened.
+        FieldNotFound: ``prompt_field`` or ``label_field`` is in none of the first
+            :data:`FIELD_CHECK_RECORDS` readable records (nothing was sent).
         ValueError: bad topic name, or an existing topic with another partition count.
         AlreadyPublished: duplicates without ``force`` (nothing was sent).
         relax.streams.producer.DeliveryError: the broker did not acknowledge every row.
@@ -320,7 +385,8 @@ def publish(cfg: BusConfig, source: str, topic: str, *, prompt_field: str = "pro
         finally:
             producer.close()
     return PublishResult(topic, partitions, n_good, len(errors), duplicates,
-                         time.perf_counter() - t0, repeated)
+                         time.perf_counter() - t0, repeated,
+                         errors[0]["error"] if errors else None)
 
 
 def _first_occurrences(batches: list[pa.RecordBatch]) -> tuple[list[pa.RecordBatch], int]:

@@ -28,6 +28,10 @@ AGGREGATE_CHANGELOG = "aggregate_changelog"
 """``<run>.aggregate_changelog``: the aggregator's state changelog (internal; holds the
 input rows of groups not yet emitted and an ``emitted`` marker per group)."""
 
+ROLLOUT_EPOCHS = "rollout_epochs"
+"""``<run>.rollout_epochs``: the rollout stage's epoch per prompt partition (internal; a
+JSON record per epoch change, keyed by ``<topic>:<partition>``)."""
+
 ERRORS_SUFFIX = ".errors"
 PROMPTS_PREFIX = "prompts."
 
@@ -63,6 +67,11 @@ def run_topic(run: str, name: str) -> str:
 def changelog_topic(run: str) -> str:
     """``<run>.aggregate_changelog``, the aggregator's state changelog."""
     return f"{check_name('run', run)}.{AGGREGATE_CHANGELOG}"
+
+
+def rollout_epochs_topic(run: str) -> str:
+    """``<run>.rollout_epochs``, the rollout stage's epoch per prompt partition."""
+    return f"{check_name('run', run)}.{ROLLOUT_EPOCHS}"
 
 
 def prompts_topic(dataset: str) -> str:

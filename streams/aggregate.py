@@ -37,6 +37,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import pyarrow as pa
+import pyarrow.compute as pc
 from pydantic import BaseModel, ConfigDict, Field
 
 from relax.consumers.advantage.samples import AdvantageConfig, RewardCell, build_train_samples
@@ -246,13 +247,26 @@ class AggregateStage:
             if changed is not None:
                 self.producer.send(self.changelog, changed, schema=schema, partition=d.partition)
         now = time.time()
+        emitted: list[tuple[int, str]] = []
         for p, state in self.states.items():
             for gid, samples in state.take_ready(now, self.cfg.group_timeout_s):
                 self.producer.send(self.out_topic, samples)
-                self.producer.send_value(self.changelog, b"", key=gid.encode(),
-                                         headers=[("relax-op", EMITTED)], partition=p)
+                emitted.append((p, gid))
                 self.emitted_groups += 1
                 self.emitted_rows += samples.num_rows
+                timed_out = pc.sum(pc.equal(samples.column("drop_reason"),
+                                            "filtered_group_timeout")).as_py() or 0
+                if timed_out:  # what a stall looks like from here: say so in the log
+                    log.info("group %s timed out after %.0fs: %d of %d rollouts lacked a "
+                             "reward or ref_logprobs", gid, self.cfg.group_timeout_s,
+                             timed_out, samples.num_rows)
+        if emitted:
+            # the samples must be acknowledged before their groups are marked emitted: a
+            # marker without its samples (a kill between the two) would lose the group
+            self.producer.flush()
+            for p, gid in emitted:
+                self.producer.send_value(self.changelog, b"", key=gid.encode(),
+                                         headers=[("relax-op", EMITTED)], partition=p)
         if deliveries or now - self._metrics_at >= HEARTBEAT_S:
             self._metrics_at = now
             firsts = [g.first_seen_s for s in self.states.values() for g in s.groups.values()]

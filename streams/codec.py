@@ -165,16 +165,40 @@ def encode_messages(batch: pa.RecordBatch | pa.Table, max_message_bytes: int,
                     blobs: BlobStore | None = None) -> list[bytes]:
     """Split ``batch`` into message values of at most ``max_message_bytes`` each.
 
-    Rows keep their order. A row that alone exceeds the limit has the bytes of its
-    ``media`` items moved to ``blobs`` (the item keeps a URI).
+    Rows keep their order, and every row is in exactly one value. A table is first
+    merged into as few record batches as Arrow allows (one, unless a 32-bit
+    binary/string column is over 2 GiB: then ``combine_chunks`` keeps several chunks);
+    each record batch is encoded on its own, so one value never mixes two of them. A
+    row that alone exceeds the limit has the bytes of its ``media`` items moved to
+    ``blobs`` (the item keeps a URI).
+
+    Args:
+        batch: ``[N rows]``; a zero-row input gives one value (the schema, no rows).
+        max_message_bytes: the largest value to return (bytes).
+        blobs: where oversize media go (None: nowhere).
 
     Raises:
         RecordTooLarge: a row still exceeds the limit (or has no media and no blob
-            store is configured).
+            store is configured); ``row`` counts from the first row of ``batch``.
     """
-    if isinstance(batch, pa.Table):
-        batch = batch.combine_chunks().to_batches()[0] if batch.num_rows else \
-            pa.RecordBatch.from_pylist([], schema=batch.schema)
+    if not isinstance(batch, pa.Table):
+        return _encode_batch(batch, max_message_bytes, blobs, 0)
+    if batch.num_rows == 0:
+        return _encode_batch(pa.RecordBatch.from_pylist([], schema=batch.schema),
+                             max_message_bytes, blobs, 0)
+    out, first = [], 0
+    for b in batch.combine_chunks().to_batches():
+        if b.num_rows == 0:
+            continue
+        out += _encode_batch(b, max_message_bytes, blobs, first)
+        first += b.num_rows
+    return out
+
+
+def _encode_batch(batch: pa.RecordBatch, max_message_bytes: int, blobs: BlobStore | None,
+                  first_row: int) -> list[bytes]:
+    """:func:`encode_messages` of one record batch whose first row is row ``first_row``
+    of the caller's input (for the row number in :class:`RecordTooLarge`)."""
     # common case: one message. Buffer sizes bound the data from above (a slice reports
     # its parent's buffers), so only when they are large is the exact size measured.
     if (batch.get_total_buffer_size() < max_message_bytes * 0.9
@@ -192,7 +216,7 @@ def encode_messages(batch: pa.RecordBatch | pa.Table, max_message_bytes: int,
                 value = encode(piece)
             if len(value) > max_message_bytes:
                 hint = "" if blobs is not None else " (no blob store configured for media)"
-                raise RecordTooLarge(s, len(value), max_message_bytes, hint)
+                raise RecordTooLarge(first_row + s, len(value), max_message_bytes, hint)
         out.append(value)
     return out
 
@@ -200,6 +224,10 @@ def encode_messages(batch: pa.RecordBatch | pa.Table, max_message_bytes: int,
 def group_by_key(batch: pa.RecordBatch | pa.Table, key_column: str) -> list[tuple[str, pa.Table]]:
     """Split rows by the value of ``key_column`` (string), keeping row order within a key
     and keys in order of first appearance.
+
+    Rows are gathered one record batch at a time (a take over a whole table would
+    concatenate its chunks, which fails past 2 GiB in a 32-bit binary/string column), so
+    a key's table may hold several chunks; together the tables hold every row once.
 
     Returns:
         ``[(key, table)]``; one entry per distinct key.
@@ -215,15 +243,24 @@ def group_by_key(batch: pa.RecordBatch | pa.Table, key_column: str) -> list[tupl
     # groups rows by key, keys in order of first appearance, rows in order.
     codes = enc.indices.to_numpy(zero_copy_only=False)
     if np.all(codes[1:] >= codes[:-1]):  # rows already contiguous by key: slice, no copy
-        bounds = np.flatnonzero(np.diff(codes)) + 1
-        starts, ends = np.concatenate([[0], bounds]), np.concatenate([bounds, [len(codes)]])
-        return [(enc.dictionary[int(codes[s])].as_py(), table.slice(s, e - s))
-                for s, e in zip(starts, ends)]
-    order = np.argsort(codes, kind="stable")
-    sorted_codes = codes[order]
-    bounds = np.flatnonzero(np.diff(sorted_codes)) + 1
-    starts = np.concatenate([[0], bounds])
-    ends = np.concatenate([bounds, [len(sorted_codes)]])
-    taken = table.take(pa.array(order))
-    return [(enc.dictionary[int(sorted_codes[s])].as_py(), taken.slice(s, e - s))
-            for s, e in zip(starts, ends)]
+        return [(enc.dictionary[code].as_py(), table.slice(s, e - s))
+                for code, s, e in _runs(codes)]
+    pieces: dict[int, list[pa.RecordBatch]] = {}
+    first = 0
+    for b in table.to_batches():
+        if b.num_rows == 0:  # a table may hold empty chunks
+            continue
+        order = np.argsort(codes[first:first + b.num_rows], kind="stable")
+        taken = b.take(pa.array(order))
+        for code, s, e in _runs(codes[first:first + b.num_rows][order]):
+            pieces.setdefault(code, []).append(taken.slice(s, e - s))
+        first += b.num_rows
+    return [(enc.dictionary[code].as_py(), pa.Table.from_batches(pieces[code], table.schema))
+            for code in sorted(pieces)]
+
+
+def _runs(codes: np.ndarray) -> list[tuple[int, int, int]]:
+    """``[(code, start, stop)]`` of each run of equal values in ``codes`` (``[N]`` int)."""
+    bounds = np.flatnonzero(np.diff(codes)) + 1
+    starts, ends = np.concatenate([[0], bounds]), np.concatenate([bounds, [len(codes)]])
+    return [(int(codes[s]), int(s), int(e)) for s, e in zip(starts, ends)]

@@ -3,10 +3,20 @@
 Contract (at-least-once):
 
 * :meth:`BatchConsumer.poll` decodes each Kafka message into a
-  :class:`Delivery` (an Arrow table plus its origin). A message whose bytes do
-  not decode or whose schema does not match is routed to ``<topic>.errors``
-  (with the bytes, topic, partition, offset and reason) and never reaches the
-  caller; the stage goes on.
+  :class:`Delivery` (an Arrow table plus its origin, with the schema of its
+  topic). A message a stage cannot use is routed to ``<topic>.errors`` (with
+  the bytes, key, headers, topic, partition, offset and a reason naming
+  ``topic[partition]@offset`` and what was expected), is marked finished and
+  never reaches the caller; the stage goes on. Unusable means: a null value (a
+  tombstone) or an empty one; bytes that are not a valid Arrow IPC stream
+  (buffers are fully validated, so corrupt bytes cannot crash a stage later);
+  a ``relax-schema`` header that is not UTF-8, names no v1 schema, or names a
+  schema the topic does not carry; no header on a topic that carries several
+  schemas; an Arrow schema other than the expected one (e.g. a ``rewards``
+  batch on ``<run>.rollouts``); rows that fail :func:`relax.schemas.validate`.
+* Which schemas a topic carries: :func:`topic_schemas` (one per topic from
+  :func:`relax.schemas.topics.schema_for_topic`; the aggregator's changelog
+  carries its input schemas, so its messages need the header).
 * The caller marks deliveries finished with :meth:`done` after their outputs
   were flushed; :meth:`commit` flushes routed error records, then commits per
   partition one past the longest finished prefix (the NEXT offset to read,
@@ -24,6 +34,7 @@ from dataclasses import dataclass
 import pyarrow as pa
 
 from relax.schemas import topics as topic_names
+from relax.schemas.v1 import SCHEMAS, schema_name
 from relax.schemas.validate import SchemaError, validate
 from relax.streams.client import BusConfig, consumer_kwargs
 from relax.streams.codec import DecodeError, decode
@@ -32,6 +43,33 @@ from relax.streams.offsets import OffsetTracker
 from relax.streams.producer import BatchProducer
 
 log = logging.getLogger(__name__)
+
+SCHEMA_HEADER = "relax-schema"
+
+_CHANGELOG_SCHEMAS = (topic_names.ROLLOUTS, topic_names.REWARDS, topic_names.REF_LOGPROBS)
+"""Schemas of ``<run>.aggregate_changelog``: the aggregator's input rows (its ``emitted``
+markers are not Arrow: the changelog is read by ``streams/changelog.py``, not here)."""
+
+
+def topic_schemas(topic: str) -> tuple[str, ...] | None:
+    """The v1 schema names messages on ``topic`` may have.
+
+    Returns:
+        ``(name,)`` for a relax topic (:func:`relax.schemas.topics.schema_for_topic`),
+        the aggregator's input schemas for ``<run>.aggregate_changelog``, and None for a
+        topic whose name tells no schema (its messages must name one in the header).
+    """
+    if topic.endswith("." + topic_names.AGGREGATE_CHANGELOG):
+        return _CHANGELOG_SCHEMAS
+    try:
+        return (topic_names.schema_for_topic(topic),)
+    except ValueError:
+        return None
+
+
+class Unusable(ValueError):
+    """A message a stage cannot use; the text names ``topic[partition]@offset``, what is
+    wrong and what was expected (it becomes the ``error`` of the error record)."""
 
 
 @dataclass(frozen=True)
@@ -86,6 +124,7 @@ class BatchConsumer:
         self._errors = error_producer
         self._own_errors = error_producer is None
         self.routed_errors = 0
+        self._topic_schemas: dict[str, tuple[str, ...] | None] = {}
         self.on_assign, self.on_revoke = on_assign, on_revoke
         if topics:
             self._kc.subscribe(topics, listener=_Listener(self))
@@ -101,9 +140,13 @@ class BatchConsumer:
         return self._errors
 
     def poll(self, timeout_s: float = 1.0, max_records: int | None = None) -> list[Delivery]:
-        """Fetch, decode and validate messages. Bad ones go to ``<topic>.errors`` and are
-        marked finished; good ones are returned in offset order per partition and are
-        in flight until :meth:`done`."""
+        """Fetch, decode and validate messages.
+
+        Bad ones (see the module docstring) go to ``<topic>.errors`` and are marked
+        finished; good ones are returned in offset order per partition, each table with
+        the canonical v1 schema of its topic, and are in flight until :meth:`done`.
+        Raises nothing for the content of a message.
+        """
         records = self._kc.poll(timeout_ms=int(timeout_s * 1000), max_records=max_records)
         decoded: list[tuple] = []
         for tp, msgs in records.items():
@@ -111,16 +154,54 @@ class BatchConsumer:
                 self._tracker.received(tp, m.offset)
                 headers = {k: v for k, v in (m.headers or [])}
                 try:
-                    name = headers.get("relax-schema", b"").decode() or \
-                        topic_names.schema_for_topic(m.topic)
-                    decoded.append((tp, m, name, headers, decode(m.value, name)))
-                except (DecodeError, SchemaError, UnicodeDecodeError, ValueError) as e:
-                    self._route(m, e)
+                    name = self._schema_of(m, headers)
+                    decoded.append((tp, m, name, headers, _decode(m, name)))
+                except Unusable as e:
+                    self._route(m, str(e))
                     self._tracker.done(tp, m.offset)
         if self.validate_rows:
             decoded = self._validated(decoded)
         return [Delivery(m.topic, m.partition, m.offset, m.key, table, headers, m.timestamp)
                 for tp, m, name, headers, table in decoded]
+
+    def _schema_of(self, m, headers: dict[str, bytes]) -> str:
+        """The schema a message must have: the ``relax-schema`` header if it names one the
+        topic carries, else the topic's only schema.
+
+        Raises:
+            Unusable: null or empty value, or a header the topic cannot carry.
+        """
+        allowed = self._topic_schemas.get(m.topic, False)
+        if allowed is False:
+            allowed = self._topic_schemas[m.topic] = topic_schemas(m.topic)
+        where = f"{m.topic}[{m.partition}]@{m.offset}"
+        expected = _expected(allowed)
+        if m.value is None:
+            raise Unusable(f"{where}: null value (a tombstone): expected an Arrow IPC stream "
+                           f"of schema {expected}")
+        if not m.value:
+            raise Unusable(f"{where}: empty value: expected an Arrow IPC stream of schema "
+                           f"{expected}")
+        raw = headers.get(SCHEMA_HEADER)
+        if not raw:
+            if allowed is None or len(allowed) > 1:
+                why = "names no schema" if allowed is None else "carries several schemas"
+                raise Unusable(f"{where}: no {SCHEMA_HEADER} header: topic {m.topic} {why}, "
+                               f"expected a header naming {expected}")
+            return allowed[0]
+        try:
+            name = raw.decode()
+        except UnicodeDecodeError:
+            raise Unusable(f"{where}: {SCHEMA_HEADER} header {raw!r} is not UTF-8: expected "
+                           f"{expected}") from None
+        if name not in SCHEMAS:
+            raise Unusable(f"{where}: {SCHEMA_HEADER} header names an unknown schema {name!r}: "
+                           f"expected {expected}; known schemas: {', '.join(SCHEMAS)}")
+        if allowed is not None and name not in allowed:
+            what = "the schema" if len(allowed) == 1 else "a schema"
+            raise Unusable(f"{where}: schema header {name!r} is not {what} of topic {m.topic}: "
+                           f"expected {expected}")
+        return name
 
     def _validated(self, decoded: list[tuple]) -> list[tuple]:
         """Row-validate all tables of one schema at once (the common, valid case costs
@@ -143,20 +224,20 @@ class BatchConsumer:
                 try:
                     validate(table, name)
                 except SchemaError as e:
-                    self._route(m, e)
+                    self._route(m, f"{m.topic}[{m.partition}]@{m.offset}: rows fail the "
+                                   f"{name!r} checks: {e}", row=e.row)
                     self._tracker.done(tp, m.offset)
                     continue
             good.append(item)
         return good
 
-    def _route(self, m, e: Exception) -> None:
+    def _route(self, m, reason: str, row: int | None = None) -> None:
         self.routed_errors += 1
         log.warning("routing %s[%d]@%d to %s: %s", m.topic, m.partition, m.offset,
-                    topic_names.errors_topic(m.topic), e)
+                    topic_names.errors_topic(m.topic), reason)
         self._error_producer().send_errors(m.topic, [error_row(
             source_topic=m.topic, source_partition=m.partition, source_offset=m.offset,
-            row=getattr(e, "row", None), stage=f"{self.stage}/decode",
-            error=f"{type(e).__name__}: {e}", key=m.key, value=m.value,
+            row=row, stage=f"{self.stage}/decode", error=reason, key=m.key, value=m.value,
             headers=list(m.headers or []))])
 
     def done(self, deliveries: Delivery | list[Delivery]) -> None:
@@ -185,8 +266,8 @@ class BatchConsumer:
         from kafka.errors import CommitFailedError
         from kafka.structs import OffsetAndMetadata
 
-        if self._errors is not None:
-            self._errors.flush()
+        if self._errors is not None:  # routed by whichever thread polled
+            self._errors.flush(every_thread=True)
         offsets = self._tracker.committable()
         assigned = self._kc.assignment()
         offsets = {tp: o for tp, o in offsets.items() if tp in assigned}
@@ -205,6 +286,46 @@ class BatchConsumer:
         self._kc.close(autocommit=False)
         if self._own_errors and self._errors is not None:
             self._errors.close()
+
+
+def _expected(allowed: tuple[str, ...] | None) -> str:
+    if allowed is None:
+        return "one of " + ", ".join(repr(n) for n in SCHEMAS)
+    if len(allowed) == 1:
+        return repr(allowed[0])
+    return "one of " + ", ".join(repr(n) for n in allowed)
+
+
+def _decode(m, name: str) -> pa.Table:
+    """The value of message ``m`` as a table of schema ``name``, every buffer validated.
+
+    Raises:
+        Unusable: the bytes are not a valid Arrow IPC stream, or its schema is not ``name``.
+    """
+    where = f"{m.topic}[{m.partition}]@{m.offset}"
+    try:
+        table = decode(m.value, name)
+        table.validate(full=True)  # offsets and lengths in range: compute on it cannot crash
+        return table
+    except SchemaError as e:
+        reason = e
+    except KeyError as e:  # check_schema looking up a field name the stream holds twice
+        reason = SchemaError(name, None, None, "unique field names", f"duplicates ({e})")
+    except (DecodeError, pa.ArrowException, UnicodeDecodeError) as e:
+        raise Unusable(f"{where}: undecodable bytes: {type(e).__name__}: {e}; expected an "
+                       f"Arrow IPC stream of schema {name!r}") from None
+    got = _stream_schema_name(m.value)
+    other = f", got a {got!r} batch" if got and got != name else ""
+    raise Unusable(f"{where}: the Arrow schema does not match: expected {name!r}{other} "
+                   f"({reason})")
+
+
+def _stream_schema_name(value: bytes) -> str | None:
+    """The ``relax.schema`` name in the schema message of an IPC stream, or None."""
+    try:
+        return schema_name(pa.ipc.open_stream(pa.py_buffer(value)).schema)
+    except (pa.ArrowException, OSError, UnicodeDecodeError):
+        return None
 
 
 def _Listener(owner: BatchConsumer):

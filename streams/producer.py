@@ -6,14 +6,18 @@ in one partition of every co-partitioned topic. Rows of one key keep their
 order. Headers: ``relax-schema`` (name), ``relax-schema-version``,
 ``relax-producer`` (producer id).
 
-Delivery: :meth:`BatchProducer.flush` waits for every send and raises
-:class:`DeliveryError` with counts if any failed (public case C28: an oversize
-record is reported as failed, never as sent). A stage commits its input only
-after ``flush`` returned.
+Delivery: :meth:`BatchProducer.flush` waits for every send of the calling thread
+and raises :class:`DeliveryError` with counts if any failed (public case C28: an
+oversize record is reported as failed, never as sent). A stage commits its input
+only after ``flush`` returned. One producer may be shared by threads (the trainer's
+main thread sends metrics while the weight publisher's thread announces): each
+thread's ``flush`` answers for that thread's sends; :meth:`BatchProducer.close`
+for everyone's.
 """
 
 from __future__ import annotations
 
+import threading
 import uuid
 from dataclasses import dataclass, field
 
@@ -63,7 +67,12 @@ class ProducerStats:
 
 
 class BatchProducer:
-    """Sends Arrow record batches to Kafka topics.
+    """Sends Arrow record batches to Kafka topics; safe to share between threads.
+
+    Sends of each thread are tracked apart: :meth:`flush` checks those of the calling
+    thread (a message queued by another thread is that thread's to check), so a thread
+    that commits after its ``flush`` never commits past another thread's failure, nor
+    past its own message that another thread happens to be waiting on.
 
     Args:
         cfg: bus settings (bootstrap servers, max_message_bytes, blob store).
@@ -78,7 +87,8 @@ class BatchProducer:
         self.producer_id = producer_id or f"relax-{uuid.uuid4().hex[:8]}"
         self._kp = kafka_producer or KafkaProducer(**producer_kwargs(cfg, self.producer_id))
         self._blobs = BlobStore(cfg.blob_store) if cfg.blob_store else None
-        self._futures: list = []
+        self._lock = threading.Lock()  # guards _futures and stats, never held while waiting
+        self._futures: dict[int, list] = {}  # thread id -> futures (or send errors) unchecked
         self.stats = ProducerStats()
 
     def _headers(self, schema: str) -> list[tuple[str, bytes]]:
@@ -103,7 +113,8 @@ class BatchProducer:
             headers: extra Kafka headers.
 
         Raises:
-            relax.streams.codec.RecordTooLarge: a row does not fit in a message.
+            relax.streams.codec.RecordTooLarge: a row does not fit in a message (the
+                messages of the keys before it stay queued, and counted in ``stats``).
         """
         schema = schema or topic_names.schema_for_topic(topic)
         if batch.num_rows == 0:
@@ -120,8 +131,10 @@ class BatchProducer:
             for value in encode_messages(part, self.cfg.max_message_bytes, self._blobs):
                 self._send(topic, value, kb, headers, partition)
                 n += 1
-        self.stats.rows += batch.num_rows
-        self.stats.per_topic_rows[topic] = self.stats.per_topic_rows.get(topic, 0) + batch.num_rows
+            with self._lock:  # counted once queued: a RecordTooLarge later leaves them counted
+                self.stats.rows += part.num_rows
+                self.stats.per_topic_rows[topic] = (self.stats.per_topic_rows.get(topic, 0)
+                                                    + part.num_rows)
         return n
 
     def send_value(self, topic: str, value: bytes, key: bytes | None = None,
@@ -133,13 +146,15 @@ class BatchProducer:
     def _send(self, topic, value, key, headers, partition=None) -> None:
         from kafka.errors import KafkaError
 
-        self.stats.messages += 1
-        self.stats.bytes += len(value)
-        try:
-            self._futures.append(self._kp.send(topic, value=value, key=key, headers=headers,
-                                               partition=partition))
+        try:  # may block while the client's buffer is full: outside the lock
+            future = self._kp.send(topic, value=value, key=key, headers=headers,
+                                   partition=partition)
         except KafkaError as e:  # kafka-python raises size errors synchronously
-            self._futures.append(e)
+            future = e
+        with self._lock:
+            self.stats.messages += 1
+            self.stats.bytes += len(value)
+            self._futures.setdefault(threading.get_ident(), []).append(future)
 
     def send_errors(self, topic: str, rows: list[dict]) -> None:
         """Queue error rows (from :func:`relax.streams.errors.error_row`) to
@@ -148,18 +163,35 @@ class BatchProducer:
             self.send(topic_names.errors_topic(topic), error_batch([row]), schema="errors",
                       key=row.get("key"))
 
-    def flush(self, timeout_s: float = 60.0) -> int:
-        """Wait until every queued message is acknowledged.
+    def flush(self, timeout_s: float = 60.0, every_thread: bool = False) -> int:
+        """Wait until every message the calling thread queued is acknowledged.
+
+        Args:
+            timeout_s: how long to wait for the client's buffer to drain, then for each
+                acknowledgement (seconds).
+            every_thread: answer for the sends of every thread, not only the caller's
+                (a consumer's error records are sent by its reading thread and must be
+                acknowledged before another thread commits).
 
         Returns:
-            the number of messages delivered since the last flush.
+            the number of this thread's messages delivered since its last flush.
 
         Raises:
-            DeliveryError: if any message failed (counts of failed and delivered).
+            DeliveryError: if any of them failed (counts of failed and delivered).
+            kafka.errors.KafkaTimeoutError: the buffer did not drain within ``timeout_s``.
         """
+        with self._lock:
+            if every_thread:
+                futures = [f for fs in self._futures.values() for f in fs]
+                self._futures.clear()
+            else:
+                futures = self._futures.pop(threading.get_ident(), [])
+        return self._check(futures, timeout_s)
+
+    def _check(self, futures: list, timeout_s: float) -> int:
+        """Wait for ``futures`` (no lock held), count them in ``stats``, raise on failures."""
         from kafka.errors import KafkaError
 
-        futures, self._futures = self._futures, []
         if not futures:
             return 0
         self._kp.flush(timeout=timeout_s)
@@ -174,15 +206,20 @@ class BatchProducer:
                 delivered += 1
             except KafkaError as e:
                 errors.append(e)
-        self.stats.delivered += delivered
-        self.stats.failed += len(errors)
+        with self._lock:
+            self.stats.delivered += delivered
+            self.stats.failed += len(errors)
         if errors:
             raise DeliveryError(len(errors), delivered, errors[:5])
         return delivered
 
     def close(self, timeout_s: float = 10.0) -> None:
-        """Flush what is queued (raising on failures) and close the client."""
+        """Flush what every thread queued (raising :class:`DeliveryError` on failures) and
+        close the client. Call it once no other thread sends."""
+        with self._lock:
+            futures = [f for fs in self._futures.values() for f in fs]
+            self._futures.clear()
         try:
-            self.flush(timeout_s)
+            self._check(futures, timeout_s)
         finally:
             self._kp.close(timeout=timeout_s)

@@ -409,7 +409,10 @@ class AnnouncementReader:
     Used by subscribers and by the rollout stage to learn the trainer's policy_version.
     Fetches wait at most ``relax.streams.client.FETCH_WAIT_MS`` on the broker (the
     publisher's broadcast waits for subscribers to see its announcement, so its latency
-    matters, but so does the CPU an idle reader burns). Records that do not decode as WEIGHTS are logged and skipped (announcements are written by relax only).
+    matters, but so does the CPU an idle reader burns). Records that are not a WEIGHTS
+    batch (a null or empty value, a ``relax-schema`` header naming another schema, bytes
+    that do not decode or fail validation) are logged with their ``topic[partition]@offset``
+    and skipped, never raised (announcements are written by relax only).
     """
 
     def __init__(self, cfg: BusConfig, run: str):
@@ -431,13 +434,19 @@ class AnnouncementReader:
         rows: list[dict] = []
         for msgs in self._kc.poll(timeout_ms=int(timeout_s * 1000)).values():
             for m in msgs:
+                header = dict(m.headers or []).get("relax-schema")
                 try:
+                    if not m.value:  # decode(None) would raise TypeError and kill the reader
+                        raise DecodeError("null value (a tombstone)" if m.value is None
+                                          else "empty value")
+                    if header and header != b"weights":
+                        raise DecodeError(f"relax-schema header {header!r} is not 'weights'")
                     table = decode(m.value, "weights")
+                    table.validate(full=True)
                     validate(table, "weights")
-                except (DecodeError, ValueError) as e:
-                    log.warning(
-                        "skipping undecodable announcement at %s@%d: %s", self.topic, m.offset, e
-                    )
+                except (DecodeError, ValueError, pa.ArrowException) as e:
+                    log.warning("skipping unusable announcement at %s[%d]@%d: %s; expected a "
+                                "'weights' batch", self.topic, m.partition, m.offset, e)
                     continue
                 rows.extend(table.to_pylist())
         for r in rows:
@@ -820,6 +829,9 @@ class WeightSubscriber:
         self._pg = None
         self._flat: torch.Tensor | None = None
         self._manifest: list[TensorEntry] | None = None
+        # the version whose verified bytes _flat holds; None while it is being written and
+        # after a receive failed partway (then it holds no version's bytes)
+        self._flat_version: int | None = None
         self._buf_lock = threading.Lock()
         self._applied: int | None = None
         self._events: queue.Queue = queue.Queue()
@@ -882,11 +894,12 @@ class WeightSubscriber:
 
     def latest(self) -> tuple[int, dict[str, torch.Tensor]] | None:
         """``(policy_version, {name: tensor})`` of the newest verified weights (copies,
-        safe to keep), or None before any."""
+        safe to keep), or None before any and after a receive that failed partway (the
+        receive buffer then holds no whole version)."""
         with self._buf_lock:
-            if self._flat is None or self.version is None:
+            if self._flat_version is None:
                 return None
-            return self.version, {
+            return self._flat_version, {
                 k: v.clone() for k, v in views(self._flat, self._manifest).items()
             }
 
@@ -896,17 +909,20 @@ class WeightSubscriber:
         ``torch.nn.Module`` gets its parameters/buffers copied in place.
 
         Returns:
-            the version applied, or None if there was nothing newer than the last apply.
+            the version applied, or None if there was nothing newer than the last apply
+            (or the receive buffer holds no whole version: a receive failed partway).
 
         Raises:
-            KeyError: a received name the module does not have.
+            KeyError: a received name the module does not have (nothing is copied).
+            ValueError: a received shape differs from the module's (nothing is copied).
         """
         with self._buf_lock:
-            if self._flat is None or self.version is None or self.version == self._applied:
+            version = self._flat_version
+            if version is None or version == self._applied:
                 return None
-            self._install(target, views(self._flat, self._manifest), self.version)
-            self._applied = self.version
-            return self.version
+            self._install(target, views(self._flat, self._manifest), version)
+            self._applied = version
+            return version
 
     def close(self) -> None:
         """Leave the group (effective at the next version boundary), stop the thread."""
@@ -925,15 +941,25 @@ class WeightSubscriber:
 
     @staticmethod
     def _install(target, named: dict[str, torch.Tensor], version: int) -> None:
+        """Hand ``named`` to an engine, or copy it into a module's parameters/buffers in
+        place once every name and shape is checked (a bad update changes nothing).
+
+        Raises:
+            KeyError: a name the module does not have. ValueError: a shape that differs.
+        """
         if hasattr(target, "update_weights"):
             target.update_weights(named, version)
             return
         own = dict(target.named_parameters(remove_duplicate=False))
         own.update(dict(target.named_buffers(remove_duplicate=False)))
+        for name, t in named.items():
+            if name not in own:
+                raise KeyError(f"{name!r} is not a parameter or buffer of the model")
+            if t.shape != own[name].shape:
+                raise ValueError(f"{name}: received shape {tuple(t.shape)}, "
+                                 f"the model's is {tuple(own[name].shape)}")
         with torch.no_grad():
             for name, t in named.items():
-                if name not in own:
-                    raise KeyError(f"{name!r} is not a parameter or buffer of the model")
                 own[name].copy_(t)
 
     def _main(self) -> None:
@@ -1010,17 +1036,19 @@ class WeightSubscriber:
 
         Raises:
             ChecksumError: the file's bytes do not match the announcement.
+            ValueError: the file's tensors differ from the announced manifest.
+            Either leaves the weights received before as they were.
         """
         path = Path(row["checkpoint_uri"].removeprefix("file://")) / "model.safetensors"
         flat, manifest = read_safetensors_flat(path)
         if checksum(flat) != row["checksum"]:
             self.stats.checksum_failures += 1
             raise ChecksumError(f"{path}: checksum differs from the announcement {row['checksum']}")
+        if manifest != manifest_from_rows(row["manifest"]):
+            raise ValueError(f"{path}: its tensors differ from the announced manifest")
         with self._buf_lock:
-            self._manifest = manifest_from_rows(row["manifest"])
-            if manifest != self._manifest:
-                raise ValueError(f"{path}: its tensors differ from the announced manifest")
-            self._flat = flat.to(self.device)
+            self._flat, self._manifest = flat.to(self.device), manifest
+            self._flat_version = row["policy_version"]
         self.stats.from_checkpoint += 1
         self._deliver(row["policy_version"], "checkpoint")
         return row["policy_version"]
@@ -1050,6 +1078,7 @@ class WeightSubscriber:
         manifest = manifest_from_rows(row["manifest"])
         size = row["total_bytes"]
         with self._buf_lock:
+            self._flat_version = None  # overwritten from here on: no whole version until verified
             if self._flat is None or self._flat.numel() != size or self._flat.device != self.device:
                 self._flat = torch.empty(size, dtype=torch.uint8, device=self.device)
             self._manifest = manifest
@@ -1084,6 +1113,7 @@ class WeightSubscriber:
                     f"{self.member_id}: v{row['policy_version']} received bytes "
                     f"do not match checksum {row['checksum']}"
                 )
+            self._flat_version = row["policy_version"]
         self.stats.received += 1
         self.stats.bytes += size
         self.stats.receive_s += time.perf_counter() - t0

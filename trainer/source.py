@@ -126,8 +126,7 @@ class SampleSource:
                     self._error = e
                     self._arrived.notify_all()
                 return
-            if dropped and self.on_drop is not None:
-                self.on_drop(dropped)
+            self._report_drop(dropped)
 
     def _read_once(self) -> int:
         """One poll: decide dropped rows, queue the rest; returns whole groups dropped."""
@@ -185,8 +184,10 @@ class SampleSource:
     # ------------------------------------------------------------ trainer side
     def next_batch(self, policy_version: int, should_stop: Callable[[], bool]) -> Batch | None:
         """Block until ``batch_groups`` groups are admitted at ``policy_version`` (None if
-        ``should_stop()`` turns true first). Stale rows go to the ledger at once; admitted
-        rows are recorded by :meth:`trained`.
+        ``should_stop()`` turns true first). Stale rows go to the ledger at once; whole
+        groups dropped as stale are reported through ``on_drop`` before waiting for more
+        (their replacements may be what this batch waits for); admitted rows are
+        recorded by :meth:`trained`.
 
         Raises:
             whatever stopped the reading thread (a broken broker connection, ...).
@@ -198,7 +199,7 @@ class SampleSource:
         finished: list[Delivery] = []
         taken: set[str] = set()
         stale_rows = 0
-        dropped_groups = 0
+        dropped_groups = reported = 0
         with self._arrived:
             self._version = policy_version
             while len(groups) < self.batch_groups:
@@ -207,6 +208,11 @@ class SampleSource:
                 if should_stop():
                     return None
                 if not self._queue:
+                    if dropped_groups > reported:
+                        # the credit of dropped groups comes back now, not when the
+                        # batch completes: the batch may need their replacements
+                        self._report_drop(dropped_groups - reported)
+                        reported = dropped_groups
                     self._arrived.wait(0.5)
                     continue
                 d, g = self._queue.popleft()
@@ -246,9 +252,12 @@ class SampleSource:
             self._dropped_rows.clear()
             filtered, self._filtered = self._filtered, []
         dropped["stale"] = dropped.get("stale", 0) + stale_rows
-        if dropped_groups and self.on_drop is not None:
-            self.on_drop(dropped_groups)
+        self._report_drop(dropped_groups - reported)
         return Batch(groups, stale, time.perf_counter() - t0, dropped, used, filtered)
+
+    def _report_drop(self, groups: int) -> None:
+        if groups and self.on_drop is not None:
+            self.on_drop(groups)
 
     def trained(self, batch: Batch, policy_version: int) -> None:
         """Record the batch's rows as trained (at ``policy_version``, before the step's

@@ -216,10 +216,13 @@ class HFEngine:
     def update_weights(self, named_tensors: dict, policy_version: int) -> None:
         """Stage new weights; they take effect at the next safe point.
 
-        Copies ``named_tensors`` into the spare buffers (allocated once, same shapes,
+        Checks the whole update first (names, shapes, every parameter covered), then
+        copies ``named_tensors`` into the spare buffers (allocated once, same shapes,
         dtypes and device as the live parameters); live weights are untouched, so this
         may run in another thread while :meth:`generate` runs. A second call before the
-        swap overwrites the staged weights (the newest version wins).
+        swap overwrites the staged weights (the newest version wins); a call that raises
+        leaves the staged weights as they were (or, if the copy itself failed, nothing
+        staged), so a swap never installs a mix of two updates.
 
         Args:
             named_tensors: ``{name: tensor}`` with the model's parameter names
@@ -236,31 +239,34 @@ class HFEngine:
             raise ValueError(
                 f"policy_version {policy_version} is older than the engine's {self._version}"
             )
+        pairs, covered = [], set()  # check the whole update before touching a buffer
+        for name, t in named_tensors.items():
+            p = self._by_name.get(name)
+            if p is None:
+                valid = ", ".join(list(self._by_name)[:5])
+                raise KeyError(
+                    f"{name!r} is not a parameter of the model "
+                    f"(valid names look like: {valid}, ...)"
+                )
+            if tuple(t.shape) != tuple(p.shape):
+                raise ValueError(
+                    f"{name}: shape {tuple(t.shape)} != parameter shape {tuple(p.shape)}"
+                )
+            pairs.append((p, t))
+            covered.add(id(p))
+        missing = [n for n, p in self._by_name.items() if id(p) not in covered]
+        if missing:
+            raise ValueError(
+                f"update for policy_version {policy_version} does not cover "
+                f"{len(missing)} parameter(s), e.g. {missing[:3]}"
+            )
         with self._stage_lock:
             if self._spare is None:
                 self._spare = {id(p): torch.empty_like(p.data) for p in self._params}
-            covered = set()
+            self._pending = None  # the spare buffers are about to be overwritten
             with torch.no_grad():
-                for name, t in named_tensors.items():
-                    p = self._by_name.get(name)
-                    if p is None:
-                        valid = ", ".join(list(self._by_name)[:5])
-                        raise KeyError(
-                            f"{name!r} is not a parameter of the model "
-                            f"(valid names look like: {valid}, ...)"
-                        )
-                    if tuple(t.shape) != tuple(p.shape):
-                        raise ValueError(
-                            f"{name}: shape {tuple(t.shape)} != parameter shape {tuple(p.shape)}"
-                        )
+                for p, t in pairs:
                     copy_tensor_(self._spare[id(p)], t)
-                    covered.add(id(p))
-            missing = [n for n, p in self._by_name.items() if id(p) not in covered]
-            if missing:
-                raise ValueError(
-                    f"update for policy_version {policy_version} does not cover "
-                    f"{len(missing)} parameter(s), e.g. {missing[:3]}"
-                )
             self._pending = policy_version
             self.stats.staged_updates += 1
 
@@ -279,6 +285,8 @@ class HFEngine:
         if not self._stage_lock.acquire(blocking=False):
             return False  # a copy into the spare buffers is under way: next safe point
         try:
+            if self._pending is None:  # a copy failed since the check above: nothing staged
+                return False
             with torch.no_grad():
                 for p in self._params:
                     live = p.data

@@ -226,6 +226,20 @@ def test_epochs_reread_the_prompts_with_the_epoch_in_the_group_id(bus, unique):
     assert sorted(out) == sorted(f"p{i:04d}:{e}" for i in range(2) for e in range(3))
 
 
+def test_a_restarted_stage_goes_on_in_the_committed_epoch(bus, unique):
+    """The epoch is committed with the prompt offsets: a stage restarted in epoch 1 does
+    not start again at epoch 0 (whose group_ids the trainer already decided)."""
+    _publish_prompts(bus, unique, prompt_rows(2, dataset=unique))
+    cfg = RolloutConfig(bus=bus, run=unique, dataset=unique, group_size=1, batch_groups=8,
+                        max_staleness=0, max_new_tokens=3, epochs=3, follow_weights=False)
+    first = RolloutStage(cfg)
+    first.run(lambda: first.stats.groups >= 3)  # stopped inside epoch 1
+    assert first.stats.epochs_started >= 1
+    RolloutStage(cfg).run(stop_when_exhausted=True)
+    out = read_table(bus, topics.run_topic(unique, "rollouts")).column("group_id").to_pylist()
+    assert sorted(out) == sorted(f"p{i:04d}:{e}" for i in range(2) for e in range(3))
+
+
 # ---------------------------------------------------------------- multi-turn
 
 

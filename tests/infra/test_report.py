@@ -20,6 +20,23 @@ def test_stall_report_gives_each_components_latest_values_and_age():
                      "trainer (9s ago): groups_consumed=8"]
 
 
+def test_stall_report_takes_rows_decoded_from_the_metrics_topic():
+    """Decoded ``metrics`` rows carry ``ts`` as a UTC datetime (the crash of the chaos-hang
+    evidence, 2026-12-01: ``'>' not supported between datetime and int``)."""
+    import pyarrow as pa
+
+    from relax.schemas.v1 import METRICS
+    from relax.streams.codec import decode, encode
+
+    rows = [_row(1_000, "trainer", "groups_consumed", 8, 4),
+            _row(9_000, "aggregate-0", "partial_groups", 2)]
+    decoded = decode(encode(pa.RecordBatch.from_pylist(rows, schema=METRICS)), "metrics")
+    decoded = decoded.to_pylist()
+    assert not isinstance(decoded[0]["ts"], int)
+    lines = stall_report(decoded, now_ms=11_000).splitlines()
+    assert lines == ["aggregate-0 (2s ago): partial_groups=2", "trainer (10s ago): groups_consumed=8"]
+
+
 def test_step_rows_groups_trainer_metrics_by_policy_version():
     """A step is finished once its step_s is written; other components are left out."""
     rows = [_row(1, "trainer", "loss", 0.5, 1), _row(1, "trainer", "step_s", 2.0, 1),

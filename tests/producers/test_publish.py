@@ -166,3 +166,72 @@ def test_hf_hub_source_fails_clearly_when_it_cannot_be_loaded(broker, unique):
     msg = str(e.value)
     assert "'relax-test-missing-org/no-such-dataset'" in msg and "split 'test'" in msg
     assert "local folder or JSONL/Parquet file" in msg
+
+
+def _publish_cli(*args):
+    from typer.testing import CliRunner
+
+    from relax.infra.cli import app
+
+    return CliRunner().invoke(app, ["publish", *map(str, args)])
+
+
+def test_cli_exits_1_with_one_line_when_every_row_fails(broker, unique, tmp_path):
+    src = _jsonl(tmp_path / "all_bad.jsonl", [json.dumps({"q": i, "a": "1"}).encode()
+                                               for i in range(17)])
+    topic = f"prompts.{unique}"
+    res = _publish_cli(src, "--topic", topic, "--prompt-field", "q", "--label-field", "a",
+                       "--bootstrap", broker)
+    assert res.exit_code == 1, res.output
+    assert not res.stdout.strip(), res.output
+    last = res.stderr.strip().splitlines()[-1]  # after the progress bar's lines
+    assert last.startswith("error: no row was published: all 17 rows failed"), last
+    assert "line 1: field 'q': expected text or a list of chat messages, got int" in last
+    assert f"relax errors {topic}" in last
+    cfg = BusConfig(bootstrap_servers=broker)
+    assert read_table(cfg, topics.errors_topic(topic)).num_rows == 17  # still recorded
+
+
+def test_cli_partial_failure_exits_0_and_counts_the_errors(broker, unique, tmp_path):
+    src = _jsonl(tmp_path / "some_bad.jsonl", [json.dumps({"q": "What is 1 + 1?"}).encode(),
+                                               json.dumps({"q": 5}).encode()])
+    topic = f"prompts.{unique}"
+    res = _publish_cli(src, "--topic", topic, "--prompt-field", "q", "--bootstrap", broker)
+    assert res.exit_code == 0, res.output
+    assert res.stdout.strip().splitlines()[-1] == f"published=1 errors=1 topic={topic} partitions=4"
+    assert f"1 row failed: see `relax errors {topic}`" in res.stderr
+
+
+@pytest.mark.parametrize("option", ["--prompt-field", "--label-field"])
+def test_cli_misspelled_field_fails_at_once_naming_the_fields(broker, unique, tmp_path, option):
+    src = _jsonl(tmp_path / "gsm.jsonl", [json.dumps({"question": f"What is {i} + 1?",
+                                                      "answer": str(i + 1)}).encode()
+                                          for i in range(5)])
+    topic = f"prompts.{unique}"
+    fields = {"--prompt-field": "question", "--label-field": "answer"}
+    fields[option] = "questoin"
+    res = _publish_cli(src, "--topic", topic, "--prompt-field", fields["--prompt-field"],
+                       "--label-field", fields["--label-field"], "--bootstrap", broker)
+    assert res.exit_code == 1, res.output
+    assert not res.stdout.strip(), res.output
+    msg = res.stderr.strip().splitlines()[-1]
+    assert msg.startswith("error: ") and "sending" not in res.stderr, res.stderr
+    assert f"{option} 'questoin'" in msg and "'answer', 'question'" in msg, msg
+    cfg = BusConfig(bootstrap_servers=broker)
+    assert topic_partitions(cfg, [topic, topics.errors_topic(topic)]) == {}  # nothing sent
+
+
+def test_missing_field_raises_before_anything_is_sent(broker, unique, tmp_path):
+    from relax.producers.publish import FieldNotFound
+
+    lines = [json.dumps({"q": "What is 2 + 2?", "a": "4"}).encode()] * 3
+    src = _jsonl(tmp_path / "x.jsonl", [b"{not json"] + lines)
+    cfg = BusConfig(bootstrap_servers=broker)
+    with pytest.raises(FieldNotFound) as e:
+        publish(cfg, str(src), f"prompts.{unique}", prompt_field="q", label_field="answer")
+    assert e.value.field == "answer" and e.value.available == ["a", "q"]
+    assert isinstance(e.value, SourceError)
+    # a field some records lack is a per-row error, not a missing field
+    mixed = _jsonl(tmp_path / "mixed.jsonl", [json.dumps({"a": "1"}).encode()] + lines[:1])
+    r = publish(cfg, str(mixed), f"prompts.{unique}", prompt_field="q", label_field="a")
+    assert (r.published, r.errors) == (1, 1)

@@ -123,3 +123,76 @@ def test_group_by_key_keeps_row_order_within_key():
         assert set(t.column("group_id").to_pylist()) == {k}
         idx = t.column("sample_index").to_pylist()
         assert idx == sorted(idx)
+
+
+def _several_chunks(order: list[int], n_chunks: int = 3) -> pa.Table:
+    """Rollout rows (groups of 3) in ``order``, as a table whose columns keep
+    ``n_chunks`` chunks, and an empty chunk between each two."""
+    rows = rollout_rows(len(order), group_size=3)
+    per = -(-len(order) // n_chunks)
+    empty = pa.Table.from_pylist([], schema=ROLLOUTS)
+    return pa.concat_tables(
+        [t for c in range(n_chunks) for t in (
+            pa.Table.from_pylist([rows[i] for i in order[c * per:(c + 1) * per]], schema=ROLLOUTS),
+            empty)][:-1])
+
+
+@pytest.mark.parametrize("limit", [1 << 20, 16 * 1024])
+def test_every_row_of_a_chunked_table_is_encoded(limit):
+    t = _several_chunks(list(range(24)))
+    assert t.column("rollout_id").num_chunks == 5
+    msgs = encode_messages(t, limit)
+    assert all(len(m) <= limit for m in msgs)
+    back = pa.concat_tables([decode(m, "rollouts") for m in msgs])
+    assert back.column("rollout_id").to_pylist() == t.column("rollout_id").to_pylist()
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_keyed_path_keeps_every_row_of_a_chunked_table(interleaved):
+    order = [i for j in range(3) for i in range(j, 24, 3)] if interleaved else list(range(24))
+    t = _several_chunks(order)
+    got = {}
+    for key, part in group_by_key(t, "group_id"):
+        for m in encode_messages(part, 16 * 1024):
+            rows = decode(m, "rollouts").to_pylist()
+            assert {r["group_id"] for r in rows} == {key}
+            got.setdefault(key, []).extend(r["rollout_id"] for r in rows)
+    want = {}
+    for r in t.to_pylist():  # keys in order of first appearance, rows in order per key
+        want.setdefault(r["group_id"], []).append(r["rollout_id"])
+    assert list(got.items()) == list(want.items())
+
+
+def _over_2gib_table(rows: int = 2200, row_bytes: int = 1_000_000) -> pa.Table:
+    """``rows`` rows of ``row_bytes`` binary each (2.2 GB: past 32-bit offsets), in two
+    chunks that share one data buffer; group_id alternates ``a``/``b``."""
+    import numpy as np
+
+    half = rows // 2
+    data = pa.py_buffer(np.random.default_rng(0).integers(0, 255, half * row_bytes,
+                                                          dtype=np.uint8).tobytes())
+    offsets = pa.py_buffer(np.arange(0, (half + 1) * row_bytes, row_bytes,
+                                     dtype=np.int32).tobytes())
+    chunk = pa.Array.from_buffers(pa.binary(), half, [None, offsets, data])
+    return pa.table({"row": pa.array(np.arange(rows)),
+                     "group_id": pa.array(["a", "b"] * half),
+                     "payload": pa.chunked_array([chunk, chunk])})
+
+
+@pytest.mark.slow
+def test_column_over_2gib_keeps_every_row():
+    """A 2.2 GB binary column: combine_chunks cannot make it one chunk; every row must
+    still be encoded, on the plain and on the keyed path (peak memory about 6 GB)."""
+    t = _over_2gib_table()
+    limit = 64 << 20
+
+    def rows_back(table) -> list[int]:
+        got = []
+        for m in encode_messages(table, limit):
+            assert len(m) <= limit
+            got += decode(m).column("row").to_pylist()
+        return got
+
+    assert rows_back(t) == list(range(2200))
+    keyed = {k: rows_back(part) for k, part in group_by_key(t, "group_id")}
+    assert keyed == {"a": list(range(0, 2200, 2)), "b": list(range(1, 2200, 2))}

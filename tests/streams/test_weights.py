@@ -20,6 +20,7 @@ from relax.streams.weights import (
     build_manifest,
     checksum,
     flatten_into,
+    manifest_rows,
     plan_buckets,
     read_safetensors_flat,
     replay_membership,
@@ -328,3 +329,94 @@ def test_gloo_broadcast_to_two_subscriber_processes_and_a_late_joiner(bus, uniqu
     )
     assert results["C"]["history"] == [[2, "checkpoint"], [3, "broadcast"]]
     assert results["A"]["sample_versions"] == [2] * 8 + [3] * 6
+
+
+def test_rejected_update_leaves_the_staged_one_intact():
+    """v1 staged, then v2 rejected partway (its first tensors fine, then a wrong shape; or
+    a parameter left out; or an unknown name): the next swap installs exactly v1, as v1."""
+    from relax.consumers.engines.hf import HFEngine
+
+    engine = HFEngine("tiny-llama", device="cpu")
+    v1 = {n: p.detach() + 0.01 for n, p in engine.model.named_parameters()}
+    engine.update_weights(v1, 1)
+    v2 = {n: t + 1.0 for n, t in v1.items()}
+    last = list(v2)[-1]
+    with pytest.raises(ValueError, match="shape"):
+        engine.update_weights({**v2, last: torch.zeros(3)}, 2)
+    with pytest.raises(ValueError, match="does not cover"):
+        engine.update_weights({"model.norm.weight": v2["model.norm.weight"]}, 2)
+    with pytest.raises(KeyError, match="nope"):
+        engine.update_weights({**v2, "nope": torch.zeros(1)}, 2)
+    assert engine.pending_version == 1
+    assert engine.apply_pending() and engine.policy_version == 1
+    for n, p in engine.model.named_parameters():
+        assert torch.equal(p, v1[n]), n
+
+
+def test_install_into_a_module_checks_every_tensor_before_copying():
+    """A bad update (a tensor that would broadcast into the wrong shape, an unknown name)
+    is refused before any parameter changes."""
+    model = torch.nn.Linear(4, 3)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    with pytest.raises(ValueError, match="bias"):
+        WeightSubscriber._install(model, {"weight": torch.ones(3, 4), "bias": torch.ones(1)}, 2)
+    with pytest.raises(KeyError, match="nope"):
+        WeightSubscriber._install(model, {"weight": torch.ones(3, 4), "nope": torch.ones(1)}, 2)
+    for n, p in model.named_parameters():
+        assert torch.equal(p, before[n]), n
+
+
+def _checkpoint_row(tmp_path: Path, named: dict[str, torch.Tensor], version: int) -> dict:
+    """Write ``named`` as the checkpoint of ``version``; its announcement row."""
+    manifest = build_manifest(named)
+    flat = torch.empty(total_bytes(manifest), dtype=torch.uint8)
+    flatten_into(flat, named, manifest)
+    folder = tmp_path / f"v{version}"
+    folder.mkdir()
+    write_safetensors(folder / "model.safetensors", flat, manifest)
+    return {"policy_version": version, "checkpoint_uri": f"file://{folder}",
+            "checksum": checksum(flat), "manifest": manifest_rows(manifest),
+            "total_bytes": total_bytes(manifest), "bucket_bytes": 1 << 20}
+
+
+def test_failed_receive_never_labels_a_half_written_buffer(bus, unique, tmp_path, monkeypatch):
+    """v1 verified and not yet applied; then a checkpoint whose tensors differ from its
+    announcement, and a broadcast that dies after writing part of the buffer: neither
+    may hand out bytes or a manifest that are not v1's under the label v1."""
+    from relax.streams import weights
+
+    model = torch.nn.Linear(4, 3)
+    v1 = {n: p.detach().clone() for n, p in model.named_parameters()}
+    sub = WeightSubscriber(bus, unique, member_id="m", catch_up=False)
+    try:
+        assert sub.load_checkpoint(_checkpoint_row(tmp_path, v1, 1)) == 1
+        bad = _checkpoint_row(tmp_path, {"w": torch.ones(12), "b": torch.ones(3)}, 2)
+        bad["manifest"] = manifest_rows(build_manifest({"x": torch.ones(15)}))  # 60 bytes too
+        with pytest.raises(ValueError, match="differ"):
+            sub.load_checkpoint(bad)
+        version, got = sub.latest()
+        assert version == 1 and got.keys() == v1.keys()
+        assert all(torch.equal(got[n], v1[n]) for n in v1)
+
+        def dies_midway(pg, tensor):
+            tensor.fill_(0xFF)
+            raise RuntimeError("peer went away")
+
+        class Store:
+            def append(self, key, value):
+                pass
+
+        monkeypatch.setattr(weights, "_broadcast", dies_midway)
+        sub._store, sub._group, sub._pg = Store(), "g", object()  # as if in group g
+        row = _checkpoint_row(tmp_path, {n: t + 1 for n, t in v1.items()}, 3)
+        sub._receive({**row, "transport": "gloo"}, "g", ["m"])
+        assert sub.stats.skipped == 1
+        target = torch.nn.Linear(4, 3)
+        before = {n: p.detach().clone() for n, p in target.named_parameters()}
+        latest = sub.latest()
+        assert latest is None or all(torch.equal(latest[1][n], v1[n]) for n in v1)
+        assert sub.apply(target) in (None, 1)
+        for n, p in target.named_parameters():
+            assert torch.equal(p, before[n]) or torch.equal(p, v1[n]), n
+    finally:
+        sub.close()

@@ -78,3 +78,34 @@ def test_ledger_refuses_double_decision(tmp_path):
     back = Ledger.load(tmp_path / "l.parquet")
     assert back.counts() == {"trained": 1, "stale": 1, "filtered": 0, "error": 0}
     assert back.ids("stale") == {"b"}
+
+
+def test_stale_group_credit_comes_back_while_the_batch_waits(bus, unique):
+    """Second wedge of issue 12: the batch holds one usable group, drops a stale one, and
+    can complete only with a replacement; the rollout makes that replacement only once the
+    drop is reported. The drop must be reported while waiting, not when the batch is done."""
+    import threading
+
+    run = unique
+    topic = topics.run_topic(run, "train_samples")
+    ensure_topics(bus, {topic: 1})
+    p = BatchProducer(bus)
+    p.send(topic, _table(0, 1, version=3))  # g0000: admitted at v4
+    p.send(topic, _table(1, 1, version=0))  # g0001: stale at v4 (max_staleness 1)
+    p.flush()
+    replaced = threading.Event()
+
+    def rollout_credit(groups: int) -> None:  # what the rollout stage does with the credit
+        p.send(topic, _table(2, groups, version=4))
+        p.flush()
+        replaced.set()
+
+    src = SampleSource(bus, run, Ledger(), batch_groups=2, max_staleness=1,
+                       on_drop=rollout_credit, start_version=4)
+    deadline = time.monotonic() + 30
+    b = src.next_batch(4, lambda: time.monotonic() > deadline)
+    src.close()
+    p.close()
+    assert replaced.is_set() and b is not None, "the batch waited for credit it never returned"
+    assert sorted(g.column("group_id")[0].as_py() for g in b.groups) == ["g0000", "g0002"]
+    assert b.dropped["stale"] == 2

@@ -1,0 +1,116 @@
+"""Seeded chaos runs: stage processes SIGKILLed (or frozen with SIGSTOP) at random
+moments of the tiny run, through the real broker. Every run must finish with every
+sampled rollout in exactly one ledger bucket and none trained twice
+(``benchmarks/chaos.py`` runs many more of the same)."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import uuid
+from pathlib import Path
+
+import pytest
+from testdata import tiny_recipe
+
+from relax.infra.chaos import Kill, chaos_run, plan_kills
+
+pytestmark = pytest.mark.e2e
+
+
+def _assert_whole(r):
+    detail = json.dumps(r.as_dict(), default=str)[:3000]
+    assert r.finished, detail
+    assert r.lost == 0 and r.trained_twice == 0, detail
+    assert r.trained + r.stale + r.filtered + r.errors == r.sampled > 0, detail
+
+
+def test_chaos_reward_and_aggregator_killed(broker, tmp_path):
+    """The run of the 2026-12-01 CI failure (shared/evidence/chaos-hang-2026-12-01)."""
+    recipe = tiny_recipe(broker, tmp_path, "chaos" + uuid.uuid4().hex[:6], "trainer.steps=5")
+    r = chaos_run(recipe, [Kill("reward.parity", 1, 0.0), Kill("aggregate", 3, 0.0)], 500)
+    assert len(r.killed) == 2, r.killed
+    _assert_whole(r)
+
+
+@pytest.mark.parametrize("seed", [3, 11])
+def test_seeded_chaos_run(broker, tmp_path, seed):
+    kills = plan_kills(random.Random(seed), 5)
+    recipe = tiny_recipe(broker, tmp_path, f"chaos{seed}" + uuid.uuid4().hex[:4],
+                         "trainer.steps=5")
+    r = chaos_run(recipe, kills, 500)
+    assert r.killed, kills
+    _assert_whole(r)
+
+
+def _freeze_on(step: int, stage: str, frozen: dict):
+    def on_step(s, run_dir: Path):
+        if int(s["step"]) == step and stage not in frozen:
+            pid = json.loads((run_dir / "stages.json").read_text())[stage]["pid"]
+            os.kill(pid, signal.SIGSTOP)  # alive, holds its partitions, does nothing
+            frozen[stage] = pid
+    return on_step
+
+
+def test_frozen_stage_is_noticed_and_restarted(broker, tmp_path):
+    from relax.infra.launch import train
+
+    recipe = tiny_recipe(broker, tmp_path, "frozen" + uuid.uuid4().hex[:6],
+                         "stall_timeout_s=10", "trainer.steps=5")
+    frozen: dict = {}
+    lines: list[str] = []
+    s = train(recipe, say=lines.append, on_step=_freeze_on(1, "reward.parity", frozen),
+              timeout_s=400)
+    assert frozen and s["steps"] == 5 and s["balanced"], json.dumps(s, default=str)
+    assert any(ln.startswith("restarted reward.parity: ") for ln in lines), lines
+    state = json.loads((Path(s["run_dir"]) / "stages.json").read_text())
+    assert state["reward.parity"]["restarts"] == 1
+    assert "stalled" in state["reward.parity"]["history"][0]
+
+
+def test_frozen_stage_past_its_restarts_fails_the_run_with_a_report(broker, tmp_path):
+    from relax.infra.launch import RunFailed, train
+
+    recipe = tiny_recipe(broker, tmp_path, "frozenx" + uuid.uuid4().hex[:6],
+                         "stall_timeout_s=10", "max_restarts=0")
+    frozen: dict = {}
+    with pytest.raises(RunFailed) as e:
+        train(recipe, say=lambda _: None, on_step=_freeze_on(1, "aggregate", frozen),
+              timeout_s=300)
+    msg = str(e.value)
+    assert "stage aggregate failed 1 times; last: stalled" in msg, msg
+    assert "trainer (" in msg and "rollout-0 (" in msg, msg  # every stage's latest counters
+
+
+def test_local_broker_restart_stops_the_run_with_what_was_lost(tmp_path):
+    """kill -9 of the memory-only local broker and a restart on the same port: the run
+    stops within seconds, saying what was lost and how to go on (not a traceback)."""
+    import time
+
+    from relax.infra.broker import start_broker, stop_broker
+    from relax.infra.launch import RunFailed, train
+
+    h = start_broker()
+    handles = [h]
+
+    def restart_broker(s, run_dir):
+        if int(s["step"]) == 1 and len(handles) == 1:
+            os.kill(h.pid, signal.SIGKILL)
+            time.sleep(2)
+            handles.append(start_broker(h.port))
+
+    recipe = tiny_recipe(h.bootstrap, tmp_path, "lost" + uuid.uuid4().hex[:6],
+                         "trainer.steps=5")
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(RunFailed) as e:
+            train(recipe, say=lambda _: None, on_step=restart_broker, timeout_s=300)
+    finally:
+        for x in handles:
+            stop_broker(x)
+    assert len(handles) == 2
+    msg = str(e.value)
+    assert "lost its broker's state" in msg and "checkpoint" in msg, msg
+    assert time.monotonic() - t0 < 200, msg

@@ -1,0 +1,137 @@
+"""Recipe checks before anything starts (infra/preflight.py), and ``relax train`` on a bad recipe."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from testdata import RECIPES, tiny_recipe
+
+from relax.infra.preflight import preflight
+from relax.infra.recipe import RecipeError, load_recipe
+
+
+def _recipe(*overrides: str):
+    return load_recipe(RECIPES / "tiny_ci.yaml", list(overrides))
+
+
+def _error(*overrides: str) -> str:
+    with pytest.raises(RecipeError) as e:
+        preflight(_recipe(*overrides))
+    message = str(e.value)
+    assert "\n" not in message, message
+    return message
+
+
+@pytest.mark.parametrize("name", ["tiny_ci", "arith_grpo_smollm2"])
+def test_shipped_recipes_pass(name):
+    preflight(load_recipe(RECIPES / f"{name}.yaml"))
+
+
+def test_test_recipe_with_a_user_reward_passes(tmp_path):
+    preflight(tiny_recipe("127.0.0.1:9", tmp_path, "pf", "trainer.accuracy_reward=parity"))
+
+
+def test_unimportable_reward_module():
+    msg = _error('rewards=[{name: correct, fn: "nosuch_module:fn"}]')
+    assert msg.startswith("rewards.0.fn: ") and "nosuch_module" in msg
+
+
+def test_missing_reward_function_in_a_module():
+    msg = _error('rewards=[{name: correct, fn: "testdata:no_such_reward"}]')
+    assert msg.startswith("rewards.0.fn: ") and "no_such_reward" in msg
+
+
+def test_unknown_registered_reward_suggests_the_close_one():
+    msg = _error("rewards=[{name: a, fn: gsm8k}, {name: b, fn: gsm8kk}]")
+    assert msg.startswith("rewards.1.fn: unknown reward 'gsm8kk'") and "did you mean 'gsm8k'" in msg
+
+
+def test_reward_option_the_function_does_not_take():
+    msg = _error("rewards=[{name: correct, fn: gsm8k, options: {mod: flexible}}]")
+    assert msg.startswith("rewards.0.options: ") and "'mod'" in msg and "mode" in msg
+
+
+def test_eval_reward_fn():
+    msg = _error("eval={source: 'reasoning_gym:basic_arithmetic?size=10', "
+                 "reward: {name: e, fn: 'nosuch_module:fn'}}")
+    assert msg.startswith("eval.reward.fn: ")
+
+
+def test_advantage_reward_name_not_in_rewards():
+    msg = _error("advantage.rewards={corect: 1.0}")
+    assert msg.startswith("advantage.rewards: 'corect'") and "did you mean 'correct'" in msg
+
+
+def test_accuracy_reward_not_in_rewards():
+    msg = _error("trainer.accuracy_reward=acc")
+    assert msg.startswith("trainer.accuracy_reward: 'acc'") and "(correct)" in msg
+
+
+def test_missing_data_and_eval_sources(tmp_path):
+    msg = _error(f"data.source={tmp_path / 'nope.jsonl'}")
+    assert msg.startswith("data.source: no such file")
+    msg = _error("eval={source: 'reasoning_gym:basic_arithmetic?size=ten'}")
+    assert msg.startswith("eval.source: ") and "integers" in msg
+
+
+def test_missing_model_folder(tmp_path):
+    msg = _error(f"model={tmp_path / 'no_model'}")
+    assert msg.startswith("model: ") and "no such directory" in msg
+
+
+def test_model_folder_needs_a_config(tmp_path):
+    assert _error(f"model={tmp_path}").startswith(f"model: folder '{tmp_path}' has no config.json")
+    (tmp_path / "config.json").write_text("{}")
+    preflight(_recipe(f"model={tmp_path}"))  # no weights are loaded
+
+
+def test_misspelled_model_name():
+    # no folder, not in the HF cache; offline the Hub cannot be reached, online it says 404
+    msg = _error("model=tiny-lama")
+    assert msg.startswith("model: 'tiny-lama'") and "did you mean 'tiny-llama'" in msg
+
+
+def test_hub_model_in_the_local_cache_passes(tmp_path, monkeypatch):
+    from huggingface_hub import constants
+
+    snapshot = tmp_path / "models--org--small" / "snapshots" / "abc123"
+    snapshot.mkdir(parents=True)
+    (snapshot / "config.json").write_text("{}")
+    (tmp_path / "models--org--small" / "refs").mkdir()
+    (tmp_path / "models--org--small" / "refs" / "main").write_text("abc123")
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path))
+    preflight(_recipe("model=org/small"))
+
+
+def test_train_checks_before_anything_starts(tmp_path):
+    from relax.infra.launch import train
+
+    recipe = _recipe(f"run_root={tmp_path}", "run=pf", "trainer.accuracy_reward=acc")
+    with pytest.raises(RecipeError, match="^trainer.accuracy_reward: "):
+        train(recipe, say=lambda line: None)
+    assert not (tmp_path / "pf").exists()  # no run folder, so no broker, Ray or stage either
+
+
+def _relax_train(*overrides: str) -> tuple[subprocess.CompletedProcess, float]:
+    relax = Path(sys.executable).parent / "relax"
+    t0 = time.perf_counter()
+    r = subprocess.run([str(relax), "train", str(RECIPES / "tiny_ci.yaml"), *overrides],
+                       check=False, capture_output=True, text=True, timeout=60)
+    return r, time.perf_counter() - t0
+
+
+def test_cli_bad_reward_exits_2_with_one_line_quickly():
+    # list items are not addressable by override (rewards.0.fn=...): replace the list
+    r, wall_s = _relax_train('rewards=[{name: correct, fn: "nosuch_module:fn"}]')
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert r.stdout == ""
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: rewards.0.fn: "), r.stderr
+    # 3 s on an idle machine; on a loaded one, no slower than a bad key (same imports) + 1 s
+    floor, floor_s = _relax_train("no_such_key=1")
+    assert floor.returncode == 2
+    assert wall_s < max(3.0, floor_s + 1.0), (wall_s, floor_s)
