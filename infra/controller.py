@@ -275,6 +275,22 @@ class Controller:
                 continue
         return out
 
+    def describe(self) -> str:
+        """One line per stage: pid, restarts, and how long ago its loop last turned (or
+        that it does not answer), for the report of a run that cannot finish."""
+        beats = self.status()
+        lines = []
+        for n, r in self.stages.items():
+            b = beats.get(n)
+            if r.finished:
+                state = "finished"
+            elif b is None:
+                state = "does not answer its heartbeat"
+            else:
+                state = f"up {b['up_s']:.0f}s, loop turned {b['loop_age_s']:.1f}s ago"
+            lines.append(f"{n} (pid {r.pid}, restarts {r.restarts}): {state}")
+        return "\n".join(lines)
+
     def stop(self, timeout_s: float = 60.0) -> None:
         """Ask every stage to stop, wait up to ``timeout_s``, kill what is left, shut down
         the Ray this controller started."""

@@ -87,9 +87,15 @@ class MetricsFollower:
         """New metric rows since the last call."""
         from relax.streams.codec import decode
 
+        from relax.schemas.validate import SchemaError
+        from relax.streams.codec import DecodeError
+
         new = []
         for m in self.c.poll(timeout_ms=int(timeout_s * 1000)).get(self.tp, []):
-            new.extend(decode(m.value, "metrics").to_pylist())
+            try:
+                new.extend(decode(m.value, "metrics").to_pylist())
+            except (DecodeError, SchemaError) as e:  # not a metrics batch: not ours to stop on
+                log.warning("skipping %s@%d: %s", self.tp.topic, m.offset, e)
         self.rows.extend(new)
         return new
 
@@ -238,8 +244,10 @@ def train(recipe: Recipe, *, say: Callable[[str], None] = print,
         def failed(cls: type[RunFailed], why: str) -> RunFailed:
             follower.poll(0.5)
             return cls(f"run {recipe.run} {why}, at step {len(printed)} of "
-                       f"{recipe.trainer.steps}; latest metrics:\n"
-                       + stall_report(follower.rows, int(time.time() * 1000)))
+                       f"{recipe.trainer.steps}.\nstages:\n{controller.describe()}\n"
+                       f"latest metrics:\n"
+                       + (stall_report(follower.rows, int(time.time() * 1000))
+                          or "(none written yet)"))
 
         while not done and not stopping["flag"]:
             if timeout_s is not None and time.time() - t_start > timeout_s:

@@ -197,7 +197,7 @@ def _read_jsonl(source: str) -> Iterator[SourceRow]:
             try:
                 rec = json.loads(text)
             except json.JSONDecodeError as e:
-                yield SourceRow(line_no, raw, None, f"not valid JSON: {e.msg} at column {e.colno}")
+                yield SourceRow(line_no, raw, None, f"not valid JSON: {e.msg} (column {e.colno})")
                 continue
             if not isinstance(rec, dict):
                 yield SourceRow(line_no, raw, None,

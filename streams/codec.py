@@ -19,7 +19,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from relax.schemas.validate import check_schema
+from relax.schemas.validate import SchemaError, check_schema
 from relax.schemas.v1 import get_schema
 from relax.streams.blobs import BlobStore
 
@@ -104,18 +104,26 @@ def decode(value: bytes, name: str | None = None) -> pa.Table:
             zero-row batches mid-stream are kept and do not end the stream.
 
     Raises:
-        DecodeError: if the bytes are not an Arrow IPC stream.
+        DecodeError: if the value is null or empty, or its bytes are not a valid Arrow IPC
+            stream (every buffer is validated, so a corrupt one cannot crash a later
+            compute call).
         relax.schemas.SchemaError: if the decoded fields/types differ from schema ``name``.
     """
+    if not value:
+        raise DecodeError("null value (a tombstone)" if value is None else "empty value")
     try:
         table = pa.ipc.open_stream(pa.py_buffer(value)).read_all()
-    except (pa.ArrowInvalid, OSError) as e:
+        table.validate(full=True)
+    except (pa.ArrowException, OSError, UnicodeDecodeError) as e:
         raise DecodeError(f"not an Arrow IPC stream ({len(value)} bytes): {e}") from e
     if name is None:
         return table
     canonical = get_schema(name)
     if not table.schema.equals(wire_schema(canonical)):
-        check_schema(table.schema, name)
+        try:
+            check_schema(table.schema, name)
+        except KeyError as e:  # a field name the stream holds twice
+            raise SchemaError(name, None, None, "unique field names", f"duplicates ({e})") from e
         table = table.select(canonical.names)
     return pa.Table.from_batches(
         [pa.RecordBatch.from_arrays(b.columns, schema=canonical) for b in table.to_batches()],

@@ -251,3 +251,28 @@ def parity_reward(responses, labels, metadata, **options):
 PARITY_REWARD = 'rewards=[{name: parity, fn: "testdata:parity_reward"}]'
 """A recipe override that scores the tiny run with :func:`parity_reward` (tests put
 ``tests/`` on PYTHONPATH so the stage processes can import it)."""
+
+
+MISBEHAVIOURS = ("raise", "nan", "sleep", "memory")
+"""Labels on which :func:`misbehaving_reward` fails, each its own way."""
+
+
+def misbehaving_reward(responses, labels, metadata, **options):
+    """A test reward that fails on purpose, row by row, as the row's label says: ``raise``
+    raises, ``nan`` returns NaN, ``sleep`` sleeps 600 s (past any ``timeout_s``: the pool
+    kills the worker), ``memory`` asks for 10 GiB (past the worker's address-space limit,
+    ``RLIMIT_AS``: a MemoryError at once, nothing is touched); any other label scores
+    like :func:`parity_reward`. The same row fails the same way when retried alone.
+    Loaded as ``testdata:misbehaving_reward``."""
+    import time
+
+    out = []
+    for response, label in zip(responses, labels):
+        if label == "raise":
+            raise RuntimeError(f"misbehaving_reward raises on purpose (response {response!r})")
+        if label == "sleep":
+            time.sleep(600)
+        if label == "memory":
+            bytearray(10 << 30)
+        out.append(float("nan") if label == "nan" else float(len(response) % 2 == 0))
+    return out

@@ -81,7 +81,9 @@ def test_frozen_stage_past_its_restarts_fails_the_run_with_a_report(broker, tmp_
               timeout_s=300)
     msg = str(e.value)
     assert "stage aggregate failed 1 times; last: stalled" in msg, msg
-    assert "trainer (" in msg and "rollout-0 (" in msg, msg  # every stage's latest counters
+    stages, metrics = msg.split("latest metrics:")
+    assert "aggregate (pid " in stages and "rollout-0 (pid " in stages, msg
+    assert "trainer (" in metrics and "rollout-0 (" in metrics, msg  # every stage's counters
 
 
 def test_local_broker_restart_stops_the_run_with_what_was_lost(tmp_path):

@@ -5,6 +5,7 @@ the good messages around it come through and nothing raises."""
 from __future__ import annotations
 
 import random
+import time
 
 import pyarrow as pa
 
@@ -14,6 +15,7 @@ from relax.schemas.v1 import REWARDS, ROLLOUTS
 from relax.streams.client import ensure_topics, producer_kwargs
 from relax.streams.codec import encode
 from relax.streams.consumer import BatchConsumer
+from relax.streams.producer import BatchProducer
 
 from testdata import alternating_rewards, rollout_rows
 
@@ -187,3 +189,38 @@ def test_the_aggregate_changelog_carries_several_schemas_named_by_header(bus, un
     assert "no relax-schema header" in errs[2]["error"]
     assert "schema header 'prompts' is not a schema of topic" in errs[3]["error"]
     assert "a 'rewards' batch" in errs[4]["error"]
+
+
+def test_metrics_readers_skip_what_is_not_a_metrics_batch(bus, unique):
+    """The launcher's follower and the rollout's credit reader read ``<run>.metrics``
+    group-less: a tombstone or garbage there is skipped, never a crash of the run."""
+    from kafka import KafkaProducer
+
+    from relax.consumers.rollout import TrainerProgress
+    from relax.infra.launch import MetricsFollower
+    from relax.schemas import metric_names as M
+    from relax.streams.metrics import MetricsWriter
+
+    topic = topics.run_topic(unique, topics.METRICS)
+    ensure_topics(bus, {topic: 1})
+    raw = KafkaProducer(bootstrap_servers=bus.bootstrap_servers)
+    raw.send(topic, value=None, key=b"trainer")
+    raw.send(topic, value=b"not arrow", key=b"trainer")
+    raw.flush()
+    raw.close()
+    p = BatchProducer(bus)
+    w = MetricsWriter(p, unique, "trainer")
+    w.add(M.GROUPS_CONSUMED, 6, 3)
+    w.flush()
+    p.flush()
+    follower, progress = MetricsFollower(bus, unique), TrainerProgress(bus, unique)
+    deadline = time.monotonic() + 20
+    rows: list = []
+    while (not rows or progress.consumed is None) and time.monotonic() < deadline:
+        rows += follower.poll(0.5)
+        progress.poll(0.5)
+    follower.close()
+    progress.close()
+    p.close()
+    assert [(r["name"], r["value"]) for r in rows] == [(M.GROUPS_CONSUMED, 6.0)]
+    assert progress.consumed == 6 and progress.version == 3
