@@ -49,14 +49,15 @@ def _actor_class():
             self.spec, self.bus, self.log_file = spec, bus, log_file
             self._stop = threading.Event()
             self._started = time.time()
-            self._beat = time.monotonic()
+            self._beat: float | None = None  # set by the first should_stop(): loop running
 
         def pid(self) -> int:
             return os.getpid()
 
         def heartbeat(self) -> dict:
+            age = None if self._beat is None else time.monotonic() - self._beat
             return {"pid": os.getpid(), "ts": time.time(), "up_s": time.time() - self._started,
-                    "loop_age_s": time.monotonic() - self._beat}
+                    "loop_age_s": age}
 
         def _should_stop(self) -> bool:
             self._beat = time.monotonic()  # the pulse: the stage loop turned
@@ -239,7 +240,7 @@ class Controller:
             beat = beats.get(name)
             if beat is not None:
                 r.answered = now
-            why = loop_stalled(None if beat is None else beat["loop_age_s"], now - r.answered,
+            why = loop_stalled(beat is not None, beat and beat["loop_age_s"], now - r.answered,
                                self.stall_timeout_s)
             ig = input_group(r.spec.config.get("run", ""), r.spec.kind, name)
             if why is None and ig is not None:
@@ -286,6 +287,8 @@ class Controller:
                 state = "finished"
             elif b is None:
                 state = "does not answer its heartbeat"
+            elif b["loop_age_s"] is None:
+                state = f"up {b['up_s']:.0f}s, still starting"
             else:
                 state = f"up {b['up_s']:.0f}s, loop turned {b['loop_age_s']:.1f}s ago"
             lines.append(f"{n} (pid {r.pid}, restarts {r.restarts}): {state}")

@@ -180,6 +180,10 @@ class Recipe(_Strict):
         names = [r.name for r in self.rewards]
         if len(set(names)) != len(names):
             raise ValueError(f"rewards: names must be unique, got {names}")
+        slow = [r.name for r in self.rewards if r.timeout_s >= self.stall_timeout_s]
+        if slow:  # a reward call may take its timeout_s inside one turn of the stage loop
+            raise ValueError(f"stall_timeout_s {self.stall_timeout_s:g} must exceed the "
+                             f"timeout_s of rewards {slow}")
         if not any(r.weight for r in self.rewards):
             raise ValueError("rewards: at least one reward needs a weight != 0")
         if self.trainer.model != self.model:

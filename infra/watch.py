@@ -6,7 +6,9 @@ Two signals per stage, both read by the controller (:class:`relax.infra.controll
   asks once per turn (a poll, a generate call, a wait for data of at most a second), so
   a loop age over ``stall_timeout_s`` means the stage is stuck inside one call (a
   blocked socket, a deadlock, a GIL-holding spin); a stage whose process does not even
-  answer the heartbeat counts the same, from its last answer.
+  answer the heartbeat counts the same, from its last answer. The clock starts at the
+  first ``should_stop()``: building a model and joining a consumer group is start-up,
+  not a stall.
 * **input progress**: for stages that commit after every poll (rewards, reference,
   aggregate), the committed offsets of their consumer group over their input topics. A
   stage whose input has records it has not committed (lag > 0) and whose committed
@@ -77,20 +79,23 @@ def input_stalled(w: StageWatch, committed: dict, lag: int, now: float, timeout_
     return lag > 0 and now - w.since > timeout_s
 
 
-def loop_stalled(loop_age_s: float | None, unanswered_s: float, timeout_s: float) -> str | None:
+def loop_stalled(answered: bool, loop_age_s: float | None, unanswered_s: float,
+                 timeout_s: float) -> str | None:
     """Why a stage counts as hung by its heartbeat, or None.
 
     Args:
-        loop_age_s: seconds since the stage last asked ``should_stop()`` (None: the
-            heartbeat did not answer).
+        answered: the heartbeat answered this time.
+        loop_age_s: seconds since the stage last asked ``should_stop()``; None while it
+            is still starting (building its model and clients: not judged here, a run
+            whose stage never starts fails by ``step_timeout_s``).
         unanswered_s: seconds since the heartbeat last answered.
         timeout_s: stall limit (seconds).
     """
-    if loop_age_s is None:
+    if not answered:
         if unanswered_s > timeout_s:
             return f"its process has not answered a heartbeat for {unanswered_s:.0f}s"
         return None
-    if loop_age_s > timeout_s:
+    if loop_age_s is not None and loop_age_s > timeout_s:
         return f"its loop has been inside one call for {loop_age_s:.0f}s"
     return None
 

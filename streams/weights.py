@@ -370,12 +370,19 @@ def replay_membership(log_bytes: bytes) -> list[str]:
     return out
 
 
+CONNECT_S = 10.0
+"""Seconds a subscriber tries to reach a publisher's rendezvous store before it takes the
+publisher for gone (a trainer that died; its successor announces a new rendezvous)."""
+
+
 def _newest_live(rows: list[dict]) -> list[dict]:
-    """``rows`` without broadcast announcements older than the newest one among them: the
-    publisher announces v+1 only after v's broadcast ended, so those are history."""
-    live = [r["policy_version"] for r in rows if r["transport"] != "checkpoint"]
-    newest = max(live, default=None)
-    return [r for r in rows if r["transport"] == "checkpoint" or r["policy_version"] == newest]
+    """``rows`` with only the last broadcast announcement among them (checkpoints kept):
+    the publisher announces v+1 only after v's broadcast ended, and a restarted trainer
+    announces from a new rendezvous, so every earlier one is history (joining a dead
+    publisher's store would only time out)."""
+    live = [i for i, r in enumerate(rows) if r["transport"] != "checkpoint"]
+    last = live[-1] if live else None
+    return [r for i, r in enumerate(rows) if r["transport"] == "checkpoint" or i == last]
 
 
 def parse_rendezvous(uri: str) -> tuple[str, int]:
@@ -555,7 +562,14 @@ class WeightPublisher:
         self._members: list[str] = []
         self._pg = None
         self._first_version: int | None = None
+        self._digest: str | None = None  # checksum of the version in the send buffer
+        self._snapshot_version: int | None = None  # newest version written to the store
+        self._late: Future | None = None
+        self._closed = threading.Event()
         self.history: list[PublishStats] = []
+        if self.checkpoint_dir is not None:
+            threading.Thread(target=self._watch_late_joiners, name="relax-weights-late",
+                             daemon=True).start()
 
     def members(self) -> list[str]:
         """Subscribers registered now (joined and not left), in join order."""
@@ -606,6 +620,8 @@ class WeightPublisher:
             )
         if self._pending is not None:
             self._pending.result()
+        if self._late is not None:  # a late joiner's snapshot reads the send buffer
+            self._late.result()
         manifest = build_manifest(named_tensors)
         if self._manifest is None:
             device = next(iter(named_tensors.values())).device
@@ -690,7 +706,7 @@ class WeightPublisher:
         self._group_name = None  # forces a new group at the next version
 
     def _background(self, stats: PublishStats, t0: float) -> PublishStats:
-        digest = checksum(self._flat)
+        digest = self._digest = checksum(self._flat)
         self._regroup()
         backend = "nccl" if self._flat.device.type == "cuda" else "gloo"
         self._announce(stats.policy_version, digest, backend, self._group_name, None)
@@ -712,12 +728,43 @@ class WeightPublisher:
                 self.store.set(f"{self._group_name}/done/{stats.policy_version}", "ok")
         stats.broadcast_s = time.perf_counter() - t1
         stats.publish_s = time.perf_counter() - t0
-        if self._checkpoint_due(stats.policy_version):
-            stats.checkpoint_uri = self._write_checkpoint(stats.policy_version, digest)
-            self._announce(
-                stats.policy_version, digest, "checkpoint", stats.group_name, stats.checkpoint_uri
-            )
+        # a member that missed the broadcast catches up from the store, not at the next
+        # version: the trainer may be waiting for samples only that member can make
+        if self._checkpoint_due(stats.policy_version) or (
+                stats.error is not None and self.checkpoint_dir is not None):
+            stats.checkpoint_uri = self._snapshot(stats.policy_version, digest, stats.group_name)
         return stats
+
+    def _snapshot(self, version: int, digest: str, group_name: str) -> str:
+        """Write the send buffer to the checkpoint store and announce it (pool thread)."""
+        uri = self._write_checkpoint(version, digest)
+        self._snapshot_version = version
+        self._announce(version, digest, "checkpoint", group_name, uri)
+        return uri
+
+    def _late_joiners(self) -> None:
+        """Snapshot the newest version for subscribers that registered after its group
+        was formed (a restarted engine, a new one): they would otherwise wait for the
+        next version, which may never come while the trainer waits for their samples."""
+        if not self.history or self._digest is None:
+            return
+        version = self.history[-1].policy_version
+        if self._snapshot_version == version:
+            return
+        late = [m for m in self.members() if m not in self._members]
+        if late:
+            log.info("weight subscribers %s joined after v%d was broadcast: snapshot for them",
+                     late, version)
+            self._snapshot(version, self._digest, self._group_name or "")
+
+    def _watch_late_joiners(self, every_s: float = 2.0) -> None:
+        while not self._closed.wait(every_s):
+            idle = self._pending is None or self._pending.done()
+            if idle and (self._late is None or self._late.done()):
+                try:
+                    self._late = self._pool.submit(self._late_joiners)
+                except RuntimeError:  # the pool was shut down: closing
+                    return
 
     def _checkpoint_due(self, version: int) -> bool:
         return self.checkpoint_dir is not None and (
@@ -749,6 +796,7 @@ class WeightPublisher:
     def close(self) -> None:
         """Finish the last publish, stop the background thread, close the producer.
         The rendezvous store goes away with this object."""
+        self._closed.set()
         try:
             if self._pending is not None:
                 self._pending.result()
@@ -975,14 +1023,15 @@ class WeightSubscriber:
         if self._rendezvous == rendezvous:
             return
         host, port = parse_rendezvous(rendezvous)
-        self._store = dist.TCPStore(
+        self._store = dist.TCPStore(  # a dead publisher is given up on after CONNECT_S
             host,
             port,
             is_master=False,
             wait_for_workers=False,
-            timeout=timedelta(seconds=self.join_timeout_s),
+            timeout=timedelta(seconds=min(CONNECT_S, self.join_timeout_s)),
             use_libuv=True,
         )
+        self._store.set_timeout(timedelta(seconds=self.join_timeout_s))
         self._rendezvous, self._group, self._pg = rendezvous, None, None
         self._gloo_host = local_ip_towards(host, port)
         self._store.append(MEMBERSHIP_KEY, f"+{self.member_id}\n")

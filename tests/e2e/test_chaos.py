@@ -45,6 +45,10 @@ def test_seeded_chaos_run(broker, tmp_path, seed):
     _assert_whole(r)
 
 
+FAST_PARITY = 'rewards=[{name: parity, fn: "testdata:parity_reward", timeout_s: 5}]'
+"""The parity reward with a call limit under the tests' 20 s stall limit."""
+
+
 def _freeze_on(step: int, stage: str, frozen: dict):
     def on_step(s, run_dir: Path):
         if int(s["step"]) == step and stage not in frozen:
@@ -58,7 +62,7 @@ def test_frozen_stage_is_noticed_and_restarted(broker, tmp_path):
     from relax.infra.launch import train
 
     recipe = tiny_recipe(broker, tmp_path, "frozen" + uuid.uuid4().hex[:6],
-                         "stall_timeout_s=10", "trainer.steps=5")
+                         "stall_timeout_s=20", FAST_PARITY, "trainer.steps=5")
     frozen: dict = {}
     lines: list[str] = []
     s = train(recipe, say=lines.append, on_step=_freeze_on(1, "reward.parity", frozen),
@@ -74,7 +78,7 @@ def test_frozen_stage_past_its_restarts_fails_the_run_with_a_report(broker, tmp_
     from relax.infra.launch import RunFailed, train
 
     recipe = tiny_recipe(broker, tmp_path, "frozenx" + uuid.uuid4().hex[:6],
-                         "stall_timeout_s=10", "max_restarts=0")
+                         "stall_timeout_s=20", FAST_PARITY, "max_restarts=0")
     frozen: dict = {}
     with pytest.raises(RunFailed) as e:
         train(recipe, say=lambda _: None, on_step=_freeze_on(1, "aggregate", frozen),

@@ -25,10 +25,11 @@ def test_input_stalled_only_when_input_waits_and_nothing_is_committed_for_the_li
 
 
 def test_loop_stalled_names_the_cause():
-    assert loop_stalled(2.0, 0.0, 10) is None
-    assert "inside one call for 12s" in loop_stalled(12.0, 0.0, 10)
-    assert loop_stalled(None, 5.0, 10) is None                     # one missed answer is no stall
-    assert "not answered a heartbeat for 11s" in loop_stalled(None, 11.0, 10)
+    assert loop_stalled(True, 2.0, 0.0, 10) is None
+    assert "inside one call for 12s" in loop_stalled(True, 12.0, 0.0, 10)
+    assert loop_stalled(True, None, 0.0, 10) is None          # still starting: not judged
+    assert loop_stalled(False, None, 5.0, 10) is None         # one missed answer is no stall
+    assert "not answered a heartbeat for 11s" in loop_stalled(False, None, 11.0, 10)
 
 
 def test_input_group_of_each_stage_kind():

@@ -172,6 +172,28 @@ def test_checkpoint_catch_up_and_checksum_failure(bus, unique, tmp_path):
         assert sub.stats.checksum_failures == 1
 
 
+def test_a_late_joiner_gets_the_current_version_while_the_trainer_waits(bus, unique, tmp_path):
+    """A subscriber that registers after the newest version was broadcast (a restarted
+    engine while the trainer waits for its samples) gets that version from a snapshot
+    the publisher writes for it, without a next version (issue 12: a chaos run waited
+    for weights that only its own samples would have produced)."""
+    model = torch.nn.Linear(4, 3)
+    pub = WeightPublisher(bus, unique, checkpoint_dir=tmp_path / "ckpt", checkpoint_every=100)
+    target = torch.nn.Linear(4, 3)
+    try:
+        for v in (1, 2):  # v1 is snapshotted (the first version), v2 is not due
+            with torch.no_grad():
+                model.weight.add_(1.0)
+            pub.publish(dict(model.named_parameters()), v).result()
+        assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["v00000001"]
+        with WeightSubscriber(bus, unique, member_id="late") as sub:
+            assert sub.wait_for(2, 30) == 2
+            assert sub.apply(target) == 2
+    finally:
+        pub.close()
+    assert torch.equal(target.weight, model.weight) and torch.equal(target.bias, model.bias)
+
+
 _SUBSCRIBER = textwrap.dedent("""
     import json, sys, time
     from pathlib import Path
