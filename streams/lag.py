@@ -48,8 +48,9 @@ def high_watermarks(cfg: BusConfig, topics: list[str], timeout_s: float = 10.0) 
 
 
 def topic_record_counts(cfg: BusConfig, topics: list[str]) -> dict[str, dict[int, int]]:
-    """``{topic: {partition: records}}``: offsets written per partition (high watermark;
-    the log start is 0 on the local broker, which keeps everything)."""
+    """``{topic: {partition: records}}``: offsets written per partition (high watermark).
+    Tansu keeps everything; on Kafka these counts include records that retention
+    (``retention.ms``, 7 days by default) has since deleted."""
     out: dict[str, dict[int, int]] = {t: {} for t in topics}
     for (t, p), hw in high_watermarks(cfg, topics).items():
         out[t][p] = hw

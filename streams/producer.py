@@ -26,7 +26,7 @@ import pyarrow as pa
 from relax.schemas import topics as topic_names
 from relax.schemas.v1 import SCHEMA_VERSION
 from relax.streams.blobs import BlobStore
-from relax.streams.client import BusConfig, producer_kwargs
+from relax.streams.client import BusConfig, ensure_topics, producer_kwargs, topic_partitions
 from relax.streams.codec import encode_messages, group_by_key
 from relax.streams.errors import error_batch
 
@@ -89,6 +89,7 @@ class BatchProducer:
         self._blobs = BlobStore(cfg.blob_store) if cfg.blob_store else None
         self._lock = threading.Lock()  # guards _futures and stats, never held while waiting
         self._futures: dict[int, list] = {}  # thread id -> futures (or send errors) unchecked
+        self._errors_topics: set[str] = set()  # <topic>.errors known to exist
         self.stats = ProducerStats()
 
     def _headers(self, schema: str) -> list[tuple[str, bytes]]:
@@ -158,10 +159,18 @@ class BatchProducer:
 
     def send_errors(self, topic: str, rows: list[dict]) -> None:
         """Queue error rows (from :func:`relax.streams.errors.error_row`) to
-        ``<topic>.errors``, keyed by the bad record's key."""
+        ``<topic>.errors``, keyed by the bad record's key. The errors topic is created
+        (1 partition) the first time this producer writes to it, if it is missing: a
+        send to a missing topic blocks the producer (for 60 s on a Kafka without
+        auto-create) and the stage with it."""
+        etopic = topic_names.errors_topic(topic)
+        if etopic not in self._errors_topics:
+            if not topic_partitions(self.cfg, [etopic]).get(etopic):
+                ensure_topics(self.cfg, {etopic: 1})
+            with self._lock:
+                self._errors_topics.add(etopic)
         for row in rows:
-            self.send(topic_names.errors_topic(topic), error_batch([row]), schema="errors",
-                      key=row.get("key"))
+            self.send(etopic, error_batch([row]), schema="errors", key=row.get("key"))
 
     def flush(self, timeout_s: float = 60.0, every_thread: bool = False) -> int:
         """Wait until every message the calling thread queued is acknowledged.

@@ -1,0 +1,84 @@
+"""Topic settings and client settings (streams/client.py); what Apache Kafka enforces."""
+
+from __future__ import annotations
+
+import time
+
+import pyarrow as pa
+import pytest
+
+from relax.schemas import topics
+from relax.schemas.v1 import METRICS
+from relax.streams.client import BusConfig, ensure_topics, producer_kwargs, topic_settings
+from relax.streams.producer import BatchProducer
+
+MiB = 1 << 20
+
+
+def test_topic_settings_fit_the_cluster():
+    cfg = BusConfig(bootstrap_servers="x:1", max_message_bytes=4 * MiB)
+    assert topic_settings(cfg, "r.rollouts", brokers=1) == (
+        1, {"max.message.bytes": str(4 * MiB + 64 * 1024), "min.insync.replicas": "1"})
+    rf, conf = topic_settings(cfg, "r.rollouts", brokers=5)
+    assert rf == 3 and conf["min.insync.replicas"] == "2" and "cleanup.policy" not in conf
+    epochs = topics.rollout_epochs_topic("r")
+    assert topic_settings(cfg, epochs, 3)[1]["cleanup.policy"] == "compact"
+    # a delta changelog, an errors topic of a compacted topic and a data set are not compacted
+    for t in (topics.changelog_topic("r"), topics.errors_topic(epochs),
+              topics.prompts_topic("rollout_epochs")):
+        assert "cleanup.policy" not in topic_settings(cfg, t, 3)[1], t
+    pinned = BusConfig(bootstrap_servers="x:1", replication_factor=2, min_insync_replicas=2)
+    assert topic_settings(pinned, "r.metrics", 3) == (
+        2, {"max.message.bytes": str(pinned.request_bytes), "min.insync.replicas": "2"})
+    with pytest.raises(ValueError, match="cluster has 1 broker"):
+        topic_settings(pinned, "r.metrics", 1)
+    with pytest.raises(ValueError, match="exceeds replication_factor"):
+        BusConfig(bootstrap_servers="x:1", replication_factor=1, min_insync_replicas=2)
+
+
+def test_producers_are_idempotent_with_acks_all():
+    kw = producer_kwargs(BusConfig(bootstrap_servers="x:1"))
+    assert kw["acks"] == "all" and kw["enable_idempotence"] is True
+
+
+@pytest.mark.kafka
+def test_kafka_gets_the_topic_settings(kafka_broker, unique):
+    from kafka.admin import ConfigResource, ConfigResourceType
+
+    from relax.streams.client import admin
+
+    cfg = BusConfig(bootstrap_servers=kafka_broker, max_message_bytes=3 * MiB)
+    data, epochs = topics.run_topic(unique, "rollouts"), topics.rollout_epochs_topic(unique)
+    ensure_topics(cfg, {data: 2, epochs: 1})
+    a = admin(cfg)
+    try:
+        res = a.describe_configs([ConfigResource(ConfigResourceType.TOPIC, t)
+                                  for t in (data, epochs)], config_filter="all")
+    finally:
+        a.close()
+    got = {t: {k: v["value"] for k, v in conf.items()} for t, conf in res["topic"].items()}
+    assert got[data]["max.message.bytes"] == str(cfg.request_bytes)
+    assert got[data]["min.insync.replicas"] == "1"
+    assert got[data]["cleanup.policy"] == "delete"
+    assert got[epochs]["cleanup.policy"] == "compact"
+
+
+def test_errors_topic_is_created_where_first_written(any_bus, unique):
+    """Kafka does not create topics on produce (a send would wait 60 s for metadata, then
+    fail): ``send_errors`` creates ``<topic>.errors`` the first time it writes there."""
+    from relax.infra.read import read_table
+    from relax.streams.errors import error_row
+
+    topic = topics.run_topic(unique, "metrics")
+    ensure_topics(any_bus, {topic: 1})
+    p = BatchProducer(any_bus)
+    t0 = time.monotonic()
+    p.send(topic, pa.RecordBatch.from_pylist(
+        [{"ts": 0, "component": "c", "name": "x", "value": 1.0, "policy_version": None}],
+        schema=METRICS))
+    p.send_errors(topic, [error_row(source_topic=topic, source_partition=0, source_offset=0,
+                                    stage="test", error="bad", key=b"k", value=b"v")])
+    assert p.flush() == 2 and time.monotonic() - t0 < 20
+    p.close()
+    errs = read_table(any_bus, topics.errors_topic(topic)).to_pylist()
+    assert [(e["stage"], e["error"]) for e in errs] == [("test", "bad")]
