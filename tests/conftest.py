@@ -16,6 +16,10 @@ import uuid
 
 import pytest
 
+# Tests stay on this machine: huggingface_hub answers "offline" at once instead of
+# reaching for the Hub (preflight's check of an unknown model name, for one).
+os.environ["HF_HUB_OFFLINE"] = "1"
+
 
 @pytest.fixture(scope="session")
 def broker():
