@@ -32,8 +32,11 @@ announcement or new progress. Several rollout instances (``num_instances`` = n,
 ``C``), each counting only its own groups; Kafka gives each instance its own prompt
 partitions. This is exact for n = 1 and balanced when the trainer consumes the
 instances' groups evenly; an instance whose groups are consumed faster than its
-share waits a little longer. After a restart an instance starts a fresh window from
-the then-current progress (at most one window of extra groups).
+share waits a little longer. After a restart an instance counts what its predecessor
+(same ``engine_id``) started and the trainer has not decided yet as started by itself:
+each instance records, on ``<run>.rollout_state`` after its groups are acknowledged,
+how many groups it started and which of them came from prompt messages not yet
+committed (those prompts come again after a restart and are skipped, not re-sampled).
 
 Weights: with ``follow_weights`` the HF engine subscribes to the weight broadcast
 (:class:`relax.streams.weights.WeightSubscriber`) and swaps at its safe points:
@@ -46,7 +49,7 @@ version (they would only be dropped as stale), for at most ``weights_wait_s``.
 Epochs: when every prompt of a partition has been sampled and ``epochs`` allows, the
 partition is read again from offset 0 with the epoch + 1 (``group_id`` carries the
 epoch). This assumes the prompt topic is complete before the run starts. Each epoch
-change is recorded on ``<run>.rollout_epochs`` before any offset of the new epoch is
+change is recorded on ``<run>.rollout_state`` before any offset of the new epoch is
 committed (the local broker drops commit metadata, so the epoch cannot ride on the
 offset), so a restarted instance goes on in the epoch of its committed offsets, not
 at epoch 0, whose group_ids the trainer already decided.
@@ -65,7 +68,7 @@ import json
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 import pyarrow as pa
@@ -198,24 +201,45 @@ class RolloutConfig(BaseModel):
         )
 
 
-def saved_epochs(bus: BusConfig, topic: str) -> dict[tuple[str, int], int]:
-    """``{(prompt topic, partition): epoch}``: the latest epoch of every prompt partition
-    recorded on ``<run>.rollout_epochs`` (empty for a new run).
+@dataclass
+class SavedState:
+    """What ``<run>.rollout_state`` holds (see :data:`relax.schemas.topics.ROLLOUT_STATE`).
+
+    Attributes:
+        epochs: ``{(prompt topic, partition): epoch}``.
+        started: ``{engine_id: groups started by that instance, all its incarnations}``.
+        pending: ``{engine_id: group_ids it produced whose prompt messages were not yet
+            committed}`` (a restart would get those prompts again).
+    """
+
+    epochs: dict[tuple[str, int], int] = field(default_factory=dict)
+    started: dict[str, int] = field(default_factory=dict)
+    pending: dict[str, list[str]] = field(default_factory=dict)
+
+
+def saved_state(bus: BusConfig, topic: str) -> SavedState:
+    """Read ``<run>.rollout_state`` to its end: the latest record of each key wins (an
+    empty state for a new run).
 
     Raises:
-        ValueError: a record that is not ``{"topic", "partition", "epoch"}`` JSON (names
-            its offset).
+        ValueError: a record that is neither ``{topic, partition, epoch}`` nor
+            ``{engine_id, started, pending}`` JSON (names its offset).
     """
     from relax.streams.changelog import read_partition
 
-    out = {}
+    out = SavedState()
     for m in read_partition(bus, topic, 0):
         try:
             r = json.loads(m.value)
-            out[(r["topic"], int(r["partition"]))] = int(r["epoch"])
+            if "epoch" in r:
+                out.epochs[(r["topic"], int(r["partition"]))] = int(r["epoch"])
+            else:
+                out.started[r["engine_id"]] = int(r["started"])
+                out.pending[r["engine_id"]] = [str(g) for g in r["pending"]]
         except (ValueError, KeyError, TypeError) as e:
-            raise ValueError(f"{topic}@{m.offset}: expected {{topic, partition, epoch}} "
-                             f"JSON, got {m.value[:80]!r}: {e}") from e
+            raise ValueError(f"{topic}@{m.offset}: expected {{topic, partition, epoch}} or "
+                             f"{{engine_id, started, pending}} JSON, got {m.value[:80]!r}: "
+                             f"{e}") from e
     return out
 
 
@@ -491,9 +515,11 @@ class RolloutStage:
         self._queue: list[_Item] = []
         self._remaining: dict[tuple, int] = {}
         self._epoch: dict = {}
-        self._epochs_topic = topics.rollout_epochs_topic(cfg.run)
+        self._state_topic = topics.rollout_state_topic(cfg.run)
         self._revoked: set = set()  # prompt partitions taken away by a rebalance (I/O thread)
-        self._saved_epochs: dict[tuple[str, int], int] = {}
+        self._saved = SavedState()
+        self._started_total = 0  # groups this engine_id started, all its incarnations
+        self._pending_gids: dict[tuple, list[str]] = {}  # prompt message -> groups produced
         self._exhausted: set = set()
         self._subscriber = None
         self._behind_since: float | None = None
@@ -614,6 +640,7 @@ class RolloutStage:
         gone, self._revoked = {(tp.topic, tp.partition) for tp in self._revoked}, set()
         self._queue = [i for i in self._queue if (i.delivery.topic, i.delivery.partition) not in gone]
         self._remaining = {k: n for k, n in self._remaining.items() if k[:2] not in gone}
+        self._pending_gids = {k: g for k, g in self._pending_gids.items() if k[:2] not in gone}
 
     def _enqueue(self, consumer, deliveries) -> None:
         from kafka import TopicPartition
@@ -621,7 +648,7 @@ class RolloutStage:
         self._drop_revoked()
         for d in deliveries:
             tp = TopicPartition(d.topic, d.partition)
-            epoch = self._epoch.setdefault(tp, self._saved_epochs.get((tp.topic, tp.partition), 0))
+            epoch = self._epoch.setdefault(tp, self._saved.epochs.get((tp.topic, tp.partition), 0))
             rows = d.table.to_pylist()
             if not rows:
                 consumer.done(d)
@@ -640,7 +667,7 @@ class RolloutStage:
                 continue
             if any(k[0] == tp.topic and k[1] == tp.partition for k in self._remaining):
                 continue
-            epoch = self._epoch.setdefault(tp, self._saved_epochs.get((tp.topic, tp.partition), 0))
+            epoch = self._epoch.setdefault(tp, self._saved.epochs.get((tp.topic, tp.partition), 0))
             if epoch + 1 >= self.cfg.epochs:
                 self._exhausted.add(tp)
                 continue
@@ -648,7 +675,7 @@ class RolloutStage:
             # the new epoch is durable before any offset of it is committed: a restart
             # never samples an epoch's group_ids twice (at worst, killed between the two
             # writes, it skips that epoch)
-            self._producer.send_value(self._epochs_topic, json.dumps(
+            self._producer.send_value(self._state_topic, json.dumps(
                 {"topic": tp.topic, "partition": tp.partition, "epoch": epoch + 1}).encode(),
                 key=f"{tp.topic}:{tp.partition}".encode())
             self._producer.flush()
@@ -761,9 +788,24 @@ class RolloutStage:
                 item.row, group_id, samples, self.cfg, self.cfg.engine_id, started, finished
             )
             producer.send(self.rollouts_topic, batch)
+            self._pending_gids.setdefault(self._key(item.delivery), []).append(group_id)
             self.stats.groups += 1
             self.stats.samples += len(samples)
             self.stats.tokens += sum(sum(e.loss_mask) for e in samples)
+        self._started_total += len(items)
+        self._save_started(producer)
+
+    def _save_started(self, producer) -> None:
+        """Record the groups started and those whose prompts are not yet committed, after
+        the groups themselves are acknowledged: a successor then neither loses their
+        credit nor samples their prompts again (a record lost in a kill is harmless: the
+        successor re-samples exactly the groups it does not count)."""
+        producer.flush()
+        pending = [g for gids in self._pending_gids.values() for g in gids]
+        producer.send_value(self._state_topic, json.dumps(
+            {"engine_id": self.cfg.engine_id, "started": self._started_total,
+             "pending": pending}).encode(), key=f"started:{self.cfg.engine_id}".encode())
+        producer.flush()
 
     def _route_prompt_error(self, producer, item: _Item, e: Exception) -> None:
         from relax.streams.codec import encode
@@ -798,6 +840,7 @@ class RolloutStage:
             self._remaining[k] -= 1
             if self._remaining[k] == 0:
                 del self._remaining[k]
+                self._pending_gids.pop(k, None)  # committed below
                 done.append(item.delivery)
         if done:
             self._producer_flush()
@@ -810,14 +853,14 @@ class RolloutStage:
     # ---------------------------------------------------------------- run loop
     def ensure_topics(self) -> None:
         """Create ``<run>.rollouts`` (``rollouts_partitions``), ``<run>.metrics``,
-        ``<run>.rollout_epochs`` and ``prompts.<dataset>.errors`` if missing (existing
+        ``<run>.rollout_state`` and ``prompts.<dataset>.errors`` if missing (existing
         topics are left as they are)."""
         from relax.streams.client import topic_partitions
 
         metrics = topics.run_topic(self.cfg.run, topics.METRICS)
         errors = topics.errors_topic(self.prompts_topic)
         want = {self.rollouts_topic: self.cfg.rollouts_partitions, metrics: 1, errors: 1,
-                self._epochs_topic: 1}
+                self._state_topic: 1}
         have = topic_partitions(self.cfg.bus, list(want))
         todo = {t: n for t, n in want.items() if not have.get(t)}
         if todo:
@@ -835,7 +878,10 @@ class RolloutStage:
 
         cfg = self.cfg
         self.ensure_topics()
-        self._saved_epochs = saved_epochs(cfg.bus, self._epochs_topic)
+        self._saved = saved_state(cfg.bus, self._state_topic)
+        self._started_total = self._saved.started.get(cfg.engine_id, 0)
+        # the groups of prompts that will come again were produced already: not again
+        self._started_ids.update(self._saved.pending.get(cfg.engine_id, []))
         self._producer = producer = BatchProducer(cfg.bus, producer_id=f"{cfg.run}-{cfg.engine_id}")
         consumer = BatchConsumer(
             cfg.bus,
@@ -864,6 +910,10 @@ class RolloutStage:
             self.base_version = self.trainer_version or 0
             self.trainer_version = self.base_version
             self._consumed0 = self._progress.consumed or 0
+            # what a predecessor started and the trainer has not decided is in flight: it
+            # holds credit as if this instance had started it (exact for one instance)
+            mine = share(self._consumed0, cfg.instance_index, cfg.num_instances)
+            self.groups_started = max(0, self._started_total - mine)
             last_metrics, last_tokens, last_t = time.monotonic(), 0, time.monotonic()
             while not should_stop():
                 if self._subscriber is not None:

@@ -28,11 +28,13 @@ AGGREGATE_CHANGELOG = "aggregate_changelog"
 """``<run>.aggregate_changelog``: the aggregator's state changelog (internal; holds the
 input rows of groups not yet emitted and an ``emitted`` marker per group)."""
 
-ROLLOUT_EPOCHS = "rollout_epochs"
-"""``<run>.rollout_epochs``: the rollout stage's epoch per prompt partition (internal; a
-JSON record per epoch change, keyed by ``<topic>:<partition>``)."""
+ROLLOUT_STATE = "rollout_state"
+"""``<run>.rollout_state``: the rollout stage's durable state (internal; JSON records): the
+epoch of each prompt partition, keyed ``<topic>:<partition>``, and per rollout instance
+the groups it started and those not yet covered by a prompt commit, keyed
+``started:<engine_id>``."""
 
-COMPACTED = (ROLLOUT_EPOCHS,)
+COMPACTED = (ROLLOUT_STATE,)
 """Internal topics created with ``cleanup.policy=compact``: every record is keyed and the
 latest record of a key is that key's whole state, so the broker may drop older ones.
 Not ``aggregate_changelog``: its records are deltas (a group's rollouts, then its rewards,
@@ -76,9 +78,9 @@ def changelog_topic(run: str) -> str:
     return f"{check_name('run', run)}.{AGGREGATE_CHANGELOG}"
 
 
-def rollout_epochs_topic(run: str) -> str:
-    """``<run>.rollout_epochs``, the rollout stage's epoch per prompt partition."""
-    return f"{check_name('run', run)}.{ROLLOUT_EPOCHS}"
+def rollout_state_topic(run: str) -> str:
+    """``<run>.rollout_state``, the rollout stage's durable state (see :data:`ROLLOUT_STATE`)."""
+    return f"{check_name('run', run)}.{ROLLOUT_STATE}"
 
 
 def compacted(topic: str) -> bool:

@@ -35,6 +35,15 @@ def test_chaos_reward_and_aggregator_killed(broker, tmp_path):
     _assert_whole(r)
 
 
+def test_rollout_killed_while_its_groups_wait_samples_nothing_extra(broker, tmp_path):
+    """The kill of chaos run 23 (seed 0), which left 8 rollouts sampled and never decided
+    before the successor counted its predecessor's groups in flight."""
+    recipe = tiny_recipe(broker, tmp_path, "chaosro" + uuid.uuid4().hex[:4], "trainer.steps=5")
+    r = chaos_run(recipe, [Kill("rollout-0", 1, 0.39)], 500)
+    assert r.killed, r
+    _assert_whole(r)
+
+
 @pytest.mark.parametrize("seed", [3, 11])
 def test_seeded_chaos_run(broker, tmp_path, seed):
     kills = plan_kills(random.Random(seed), 5)

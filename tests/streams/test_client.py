@@ -21,11 +21,11 @@ def test_topic_settings_fit_the_cluster():
         1, {"max.message.bytes": str(4 * MiB + 64 * 1024), "min.insync.replicas": "1"})
     rf, conf = topic_settings(cfg, "r.rollouts", brokers=5)
     assert rf == 3 and conf["min.insync.replicas"] == "2" and "cleanup.policy" not in conf
-    epochs = topics.rollout_epochs_topic("r")
+    epochs = topics.rollout_state_topic("r")
     assert topic_settings(cfg, epochs, 3)[1]["cleanup.policy"] == "compact"
     # a delta changelog, an errors topic of a compacted topic and a data set are not compacted
     for t in (topics.changelog_topic("r"), topics.errors_topic(epochs),
-              topics.prompts_topic("rollout_epochs")):
+              topics.prompts_topic("rollout_state")):
         assert "cleanup.policy" not in topic_settings(cfg, t, 3)[1], t
     pinned = BusConfig(bootstrap_servers="x:1", replication_factor=2, min_insync_replicas=2)
     assert topic_settings(pinned, "r.metrics", 3) == (
@@ -48,7 +48,7 @@ def test_kafka_gets_the_topic_settings(kafka_broker, unique):
     from relax.streams.client import admin
 
     cfg = BusConfig(bootstrap_servers=kafka_broker, max_message_bytes=3 * MiB)
-    data, epochs = topics.run_topic(unique, "rollouts"), topics.rollout_epochs_topic(unique)
+    data, epochs = topics.run_topic(unique, "rollouts"), topics.rollout_state_topic(unique)
     ensure_topics(cfg, {data: 2, epochs: 1})
     a = admin(cfg)
     try:
