@@ -36,6 +36,7 @@ import uuid
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from relax.schemas import topics as topic_names
+from relax.streams import kafka_join
 
 DEFAULT_MAX_MESSAGE_BYTES = 1 << 20
 
@@ -121,8 +122,10 @@ def consumer_kwargs(cfg: BusConfig, group_id: str | None, client_id: str | None 
                     from_beginning: bool = True) -> dict:
     """Keyword arguments for ``kafka.KafkaConsumer``: manual commits, reading from the
     earliest offset when the group has none (``from_beginning``), fetch limits at
-    least one message."""
+    least one message. Applies :func:`relax.streams.kafka_join.apply` (group joins that
+    finish between polls are kept)."""
     _check_crc32c()
+    kafka_join.apply()
     return dict(
         bootstrap_servers=cfg.bootstrap_servers.split(","),
         client_id=client_id or f"relax-{uuid.uuid4().hex[:8]}",
