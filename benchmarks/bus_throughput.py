@@ -127,7 +127,7 @@ def bus_roundtrip(cfg: BusConfig, batch: pa.RecordBatch, run: str, garbage: int)
         if back.equals(part):
             ok += back.num_rows
     # errors landed in the errors topic
-    from relax.infra.read import read_table
+    from relax.streams.read import read_table
 
     routed = sum(1 for r in read_table(cfg, etopic).to_pylist() if r["source_topic"] == topic)
     cons.close()

@@ -82,7 +82,7 @@ from relax.consumers.multiturn import (
     render_ids,
     run_episodes,
 )
-from relax.infra.cores import BusyFlag
+from relax.trainer.cores import BusyFlag
 from relax.schemas import metric_names as M
 from relax.schemas import topics
 from relax.schemas.v1 import ROLLOUTS
@@ -130,7 +130,7 @@ class RolloutConfig(BaseModel):
         metrics_every_s: seconds between metric flushes.
         from_beginning: where a new consumer group starts on the prompt topic.
         busy_dir: folder of the run's busy flags: each engine call is marked there so a
-            co-located trainer can take the idle core (``relax.infra.cores``); None = off.
+            co-located trainer can take the idle core (``relax.trainer.cores``); None = off.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)

@@ -188,7 +188,7 @@ def tail_cmd(topic: str, n: int = typer.Option(10, "-n", help="rows to print"),
              as_json: bool = typer.Option(False, "--json", help="one JSON object per row"),
              bootstrap: Optional[str] = BootstrapOpt) -> None:
     """Decode and print the last N rows of a topic (newest last)."""
-    from relax.infra.read import read_last_rows
+    from relax.streams.read import read_last_rows
 
     rows = read_last_rows(bus_config(bootstrap), topic, n)
     if as_json:
@@ -218,7 +218,7 @@ def errors_cmd(topic: str, n: int = typer.Option(20, "-n", help="records to prin
 
     Pass TOPIC.errors, or --no-reward-rows, for the error topic alone.
     """
-    from relax.infra.read import read_last_rows, read_reward_errors
+    from relax.streams.read import read_last_rows, read_reward_errors
     from relax.schemas.topics import ERRORS_SUFFIX, REWARDS, errors_topic, schema_for_topic
 
     cfg = bus_config(bootstrap)

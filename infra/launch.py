@@ -134,7 +134,7 @@ def _training_prompts(recipe: Recipe) -> set[str]:
 
 
 def _evaluate(recipe: Recipe, model: str, rows: list[dict]):
-    from relax.trainer.evaluate import greedy_accuracy
+    from relax.infra.evaluate import greedy_accuracy
 
     ev = recipe.eval
     reward = ev.reward or next(r for r in recipe.rewards if r.weight)
@@ -205,7 +205,7 @@ def train(recipe: Recipe, *, say: Callable[[str], None] = print,
         _publish_data(recipe, bus, say)
         eval_rows = None
         if recipe.eval is not None:
-            from relax.trainer.evaluate import eval_rows as load_eval_rows
+            from relax.infra.evaluate import eval_rows as load_eval_rows
 
             ev = recipe.eval
             eval_rows = load_eval_rows(ev.source, ev.size, prompt_field=ev.prompt_field,
@@ -358,7 +358,7 @@ def _save_tokenizer(model: str, folder: Path) -> None:
 
 
 def _accounting(bus: BusConfig, recipe: Recipe, run_dir: Path, accounting) -> dict:
-    from relax.infra.read import read_table
+    from relax.streams.read import read_table
     from relax.trainer import checkpoint
 
     sampled = set(read_table(bus, topics.run_topic(recipe.run, topics.ROLLOUTS))

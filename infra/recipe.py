@@ -113,7 +113,7 @@ class Resources(_Strict):
     torch_threads: int | None = Field(None, ge=1)
     max_torch_threads: int | None = Field(
         None, ge=1, description="trainer only: threads while no rollout engine of the run "
-        "generates (co-located stages, infra/cores.py); None = torch_threads always")
+        "generates (co-located stages, trainer/cores.py); None = torch_threads always")
 
     @model_validator(mode="after")
     def _check_threads(self):

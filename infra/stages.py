@@ -87,7 +87,7 @@ def _reference(config: dict, bus: BusConfig, should_stop: Callable[[], bool]) ->
 
 
 def _aggregate(config: dict, bus: BusConfig, should_stop: Callable[[], bool]) -> None:
-    from relax.streams.aggregate import AggregateConfig, AggregateStage
+    from relax.consumers.aggregate import AggregateConfig, AggregateStage
 
     AggregateStage(AggregateConfig(**config), bus).run(should_stop)
 

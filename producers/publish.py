@@ -297,7 +297,7 @@ class _FieldCheck:
 
 def existing_prompt_ids(cfg: BusConfig, topic: str) -> set[str]:
     """Every prompt_id already on ``topic`` (reads the whole topic; empty if it does not exist)."""
-    from relax.infra.read import read_table
+    from relax.streams.read import read_table
     from relax.streams.client import topic_partitions
 
     if not topic_partitions(cfg, [topic]):

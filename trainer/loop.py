@@ -51,7 +51,7 @@ class TrainerStageConfig(BaseModel):
         weights_port: rendezvous port (0 = free).
         prometheus_port: serve Prometheus metrics on this port (None = off, 0 = free).
         busy_dir / max_threads: take up to ``max_threads`` torch threads while no rollout
-            engine flags ``busy_dir`` (co-located stages, ``relax.infra.cores``); None = off.
+            engine flags ``busy_dir`` (co-located stages, ``relax.trainer.cores``); None = off.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -139,7 +139,7 @@ class TrainerStage:
         self._skip_zero = not (loss.kl_coef and loss.kl_in == "loss") and loss.entropy_coef == 0
         self.threads = None
         if cfg.busy_dir and cfg.max_threads:
-            from relax.infra.cores import ElasticThreads
+            from relax.trainer.cores import ElasticThreads
 
             low = torch.get_num_threads()
             self.threads = ElasticThreads(cfg.busy_dir, low=low, high=max(low, cfg.max_threads))

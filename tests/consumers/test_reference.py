@@ -13,7 +13,7 @@ import torch
 from relax.consumers.engines.base import SamplingParams
 from relax.consumers.engines.hf import HFEngine
 from relax.consumers.reference import ReferenceConfig, ReferenceStage, ref_batch, response_logprobs
-from relax.infra.read import read_table
+from relax.streams.read import read_table
 from relax.schemas import topics
 from relax.schemas.v1 import ROLLOUTS
 from relax.schemas.validate import validate

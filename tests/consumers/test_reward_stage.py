@@ -14,7 +14,7 @@ from typer.testing import CliRunner
 
 from relax.consumers.reward.stage import RewardStage, RewardStageConfig
 from relax.infra.cli import app
-from relax.infra.read import read_table
+from relax.streams.read import read_table
 from relax.schemas import topics
 from relax.schemas.v1 import ROLLOUTS
 from relax.streams.client import ensure_topics, topic_partitions

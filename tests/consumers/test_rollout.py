@@ -14,7 +14,7 @@ from testdata import prompt_rows
 from relax.consumers.engines.base import Generation, SamplingParams
 from relax.consumers.multiturn import TemplateError, observation_ids, render_ids, run_episodes
 from relax.consumers.rollout import RolloutConfig, RolloutStage, instance_budget, rollout_batch
-from relax.infra.read import read_table
+from relax.streams.read import read_table
 from relax.schemas import metric_names as M
 from relax.schemas import topics
 from relax.schemas.v1 import PROMPTS

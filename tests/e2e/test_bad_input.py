@@ -35,7 +35,7 @@ from testdata import (
     weight_rows,
 )
 
-from relax.infra.read import read_reward_errors, read_table
+from relax.streams.read import read_reward_errors, read_table
 from relax.producers.publish import AlreadyPublished, FieldNotFound, publish
 from relax.schemas import SCHEMAS, topics
 from relax.streams.client import BusConfig, producer_kwargs, topic_partitions

@@ -28,7 +28,7 @@ def test_tiny_async_run_accounts_for_every_rollout(tiny_run, broker):
     assert s["steps"] == 3 and s["balanced"], s
     assert s["trained"] + s["stale"] + s["filtered"] + s["errors"] == s["sampled"] > 0
     assert checkpoint.latest(Path(s["run_dir"])).name == "step_000003"  # policy_version 3
-    from relax.infra.read import read_table
+    from relax.streams.read import read_table
     from relax.streams.client import BusConfig
 
     versions = read_table(BusConfig(bootstrap_servers=broker),
@@ -96,7 +96,7 @@ def test_trainer_killed_after_step_2_resumes_at_step_3(broker, tmp_path):
 def test_tiny_async_run_on_kafka_accounts_for_every_rollout(kafka_broker, tmp_path):
     """The tiny run on Apache Kafka (auto-create off, topic limits enforced): every
     rollout accounted, every policy_version announced."""
-    from relax.infra.read import read_table
+    from relax.streams.read import read_table
     from relax.streams.client import BusConfig
 
     recipe = tiny_recipe(kafka_broker, tmp_path, "kafka" + uuid.uuid4().hex[:6])

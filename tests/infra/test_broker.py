@@ -12,7 +12,7 @@ import pytest
 
 from relax.infra.broker import (free_port, kafka_missing, pid_alive, port_open, start_broker,
                                 start_kafka, stop_broker)
-from relax.infra.read import read_table
+from relax.streams.read import read_table
 from relax.schemas import topics
 from relax.schemas.v1 import ROLLOUTS
 from relax.streams.client import BusConfig, ensure_topics

@@ -12,7 +12,7 @@ import json
 import pyarrow.parquet as pq
 from testdata import produce_run
 
-from relax.infra.read import read_messages
+from relax.streams.read import read_messages
 from relax.producers.archive import (
     META_COLUMNS,
     archive_run,

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from relax.infra.read import read_table
+from relax.streams.read import read_table
 from relax.producers.publish import AlreadyPublished, prompt_id, publish
 from relax.producers.sources import SourceError
 from relax.schemas import topics

@@ -9,7 +9,7 @@ import time
 
 import pyarrow as pa
 
-from relax.infra.read import read_table
+from relax.streams.read import read_table
 from relax.schemas import topics
 from relax.schemas.v1 import REWARDS, ROLLOUTS
 from relax.streams.client import ensure_topics, producer_kwargs

@@ -71,7 +71,7 @@ def test_garbage_goes_to_errors_topic_and_stage_goes_on(any_bus, unique):
         if len(seen) >= 8:
             break
     assert len(seen) == 8
-    from relax.infra.read import read_table
+    from relax.streams.read import read_table
 
     errs = read_table(any_bus, topics.errors_topic(src)).to_pylist()
     stages = sorted(e["stage"] for e in errs)

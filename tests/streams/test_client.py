@@ -66,7 +66,7 @@ def test_kafka_gets_the_topic_settings(kafka_broker, unique):
 def test_errors_topic_is_created_where_first_written(any_bus, unique):
     """Kafka does not create topics on produce (a send would wait 60 s for metadata, then
     fail): ``send_errors`` creates ``<topic>.errors`` the first time it writes there."""
-    from relax.infra.read import read_table
+    from relax.streams.read import read_table
     from relax.streams.errors import error_row
 
     topic = topics.run_topic(unique, "metrics")

@@ -63,7 +63,7 @@ def test_arrow_batch_over_limit_is_split_not_lost(any_bus, unique):
     rows = rollout_rows(64, group_size=64, tokens=4096)  # one key, ~3 MiB
     n = p.send(topic, pa.RecordBatch.from_pylist(rows, schema=ROLLOUTS))
     assert n >= 3 and p.flush() == n
-    from relax.infra.read import read_table
+    from relax.streams.read import read_table
 
     t = read_table(any_bus, topic)
     assert t.column("rollout_id").to_pylist() == [r["rollout_id"] for r in rows]

@@ -10,7 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pyarrow as pa
 import pytest
 
-from relax.infra.read import read_table
+from relax.streams.read import read_table
 from relax.schemas import topics
 from relax.schemas.v1 import METRICS
 from relax.streams.client import ensure_topics

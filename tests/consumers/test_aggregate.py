@@ -7,10 +7,10 @@ import time
 import pyarrow as pa
 
 from relax.consumers.advantage.samples import AdvantageConfig
-from relax.infra.read import read_table
+from relax.streams.read import read_table
 from relax.schemas import topics
 from relax.schemas.v1 import REWARDS, ROLLOUTS
-from relax.streams.aggregate import AggregateConfig, AggregateStage, JoinState
+from relax.consumers.aggregate import AggregateConfig, AggregateStage, JoinState
 from relax.streams.client import ensure_topics
 from relax.streams.producer import BatchProducer
 

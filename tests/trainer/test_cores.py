@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from relax.infra.cores import BusyFlag, ElasticThreads
+from relax.trainer.cores import BusyFlag, ElasticThreads
 
 
 @pytest.fixture
