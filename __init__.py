@@ -4,7 +4,7 @@ The repository root is this package; each top-level folder is a subpackage:
 ``relax.schemas`` (what flows), ``relax.streams`` (how it moves),
 ``relax.producers`` (data into the bus), ``relax.consumers`` (one stage per
 module), ``relax.trainer`` (losses, back ends, the loop) and ``relax.infra``
-(broker, launch, CLI). See ARCHITECTURE.md.
+(broker, launch, CLI). See docs/architecture.md.
 """
 
 __version__ = "0.1.0"

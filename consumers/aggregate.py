@@ -73,7 +73,7 @@ class AggregateConfig(BaseModel):
     run: str
     partitions: int = Field(4, ge=1)
     advantage: AdvantageConfig = Field(default_factory=AdvantageConfig)
-    group_timeout_s: float = Field(600.0, gt=0)
+    group_timeout_s: float = Field(300.0, gt=0)
     poll_timeout_s: float = Field(0.5, gt=0)
 
 

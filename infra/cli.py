@@ -14,10 +14,10 @@ from typing import Optional
 
 import typer
 
+from relax.infra.broker_cli import broker_app
+
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="relax: RL post-training for LLMs over Arrow record batches on Kafka topics.")
-broker_app = typer.Typer(no_args_is_help=True,
-                         help="Start, stop or inspect the local broker (Tansu or Apache Kafka).")
 app.add_typer(broker_app, name="broker")
 
 BootstrapOpt = typer.Option(None, "--bootstrap", "-b", envvar="RELAX_BOOTSTRAP",
@@ -47,98 +47,6 @@ def bus_config(bootstrap: Optional[str], **kw):
     from relax.streams.client import BusConfig
 
     return BusConfig(bootstrap_servers=resolve_bootstrap(bootstrap), **kw)
-
-
-@broker_app.command("start")
-def broker_start(port: Optional[int] = typer.Option(None, help="TCP port (default: a free one); "
-                                                    "Kafka: the first node's, then port+1, ..."),
-                 host: str = typer.Option("127.0.0.1", help="address to listen on"),
-                 kind: str = typer.Option("tansu", help="tansu (in memory, starts in "
-                                          "milliseconds) or kafka (Apache Kafka, durable; needs "
-                                          "java and `make install`)"),
-                 brokers: Optional[int] = typer.Option(
-                     None, help="kafka: nodes in the KRaft cluster, 1 or 3 (default 1, or as "
-                     "many as the --dir cluster has)"),
-                 data_dir: Optional[str] = typer.Option(
-                     None, "--dir", help="kafka: folder for its configs, logs and data (default "
-                     "$RELAX_HOME/kafka); a folder that holds a cluster starts it again as it was")
-                 ) -> None:
-    """Start a local broker in the background and record it in $RELAX_HOME/broker.json."""
-    import time
-    from pathlib import Path
-
-    from relax.infra.broker import (KINDS, pid_alive, relax_home, save_state, start_broker,
-                                    start_kafka, status)
-
-    if kind not in KINDS:
-        raise typer.BadParameter(f"unknown broker kind {kind!r}; valid: {', '.join(KINDS)}",
-                                 param_hint="--kind")
-    if kind == "tansu" and (brokers is not None or data_dir):
-        raise typer.BadParameter("--brokers and --dir are for --kind kafka (Tansu is one "
-                                 "process and keeps nothing on disk)")
-    if brokers not in (None, 1, 3):
-        raise typer.BadParameter(f"--brokers must be 1 or 3, got {brokers}",
-                                 param_hint="--brokers")
-    handle, running = status()
-    if running:
-        typer.echo(f"broker already running: kind={handle.kind} "
-                   f"pid={','.join(map(str, handle.pids))} bootstrap={handle.bootstrap}")
-        raise typer.Exit(1)
-    if handle is not None and any(pid_alive(p) for p in handle.pids):
-        same = (kind == handle.kind == "kafka"
-                and (data_dir is None or Path(data_dir).resolve() == Path(handle.data_dir)))
-        if not same:
-            typer.echo(f"the recorded {handle.kind} broker is partly running "
-                       f"(pid={','.join(map(str, handle.pids))}): `relax broker stop` it first")
-            raise typer.Exit(1)
-        data_dir = handle.data_dir  # start its stopped nodes again
-    t0 = time.monotonic()
-    try:
-        if kind == "kafka":
-            h = start_kafka(data_dir or relax_home() / "kafka", brokers=brokers, port=port,
-                            host=host)
-        else:
-            h = start_broker(port, host)
-    except (FileNotFoundError, ValueError, OSError, TimeoutError) as e:
-        typer.echo(f"broker not started: {e}", err=True)
-        raise typer.Exit(1) from None
-    save_state(h)
-    where = f"dir={h.data_dir}" if h.data_dir else f"log={h.log_path}"
-    typer.echo(f"broker started: kind={h.kind} pid={','.join(map(str, h.pids))} "
-               f"bootstrap={h.bootstrap} {where} ({time.monotonic() - t0:.1f}s)")
-
-
-@broker_app.command("stop")
-def broker_stop() -> None:
-    """Stop the recorded broker, every node of it (SIGTERM, then SIGKILL after 30 s)."""
-    from relax.infra.broker import default_state_file, load_state, stop_broker
-
-    h = load_state()
-    if h is None:
-        typer.echo("no broker recorded")
-        raise typer.Exit(0)
-    stop_broker(h)
-    default_state_file().unlink(missing_ok=True)
-    typer.echo(f"broker stopped: kind={h.kind} pid={','.join(map(str, h.pids))}")
-
-
-@broker_app.command("status")
-def broker_status() -> None:
-    """Print whether the recorded broker runs, each node for Kafka (exit code 1 if not)."""
-    from relax.infra.broker import pid_alive, port_open, status
-
-    h, running = status()
-    if h is None:
-        typer.echo("no broker recorded")
-        raise typer.Exit(1)
-    typer.echo(f"{'running' if running else 'not running'}: kind={h.kind} "
-               f"pid={','.join(map(str, h.pids))} bootstrap={h.bootstrap}"
-               + (f" dir={h.data_dir}" if h.data_dir else ""))
-    for n in h.nodes:
-        up = pid_alive(n.pid) and port_open(h.host, n.port)
-        typer.echo(f"  node {n.node_id}: {'up' if up else 'down'} pid={n.pid} "
-                   f"port={n.port} log={n.log_path}")
-    raise typer.Exit(0 if running else 1)
 
 
 @app.command("topics")
@@ -256,8 +164,8 @@ def _echo_error(r: dict, as_json: bool) -> None:
 
 
 # --- commands of other components register below (keep one line each) ---
-from relax.consumers.reward.cli import reward_app; app.add_typer(reward_app, name="reward")  # noqa: E402,E702
-from relax.consumers.stage_cli import register as _stages; _stages(app)  # rollout, reference  # noqa: E402,E702,E501
+from relax.infra.reward_cli import reward_app; app.add_typer(reward_app, name="reward")  # noqa: E402,E702
+from relax.infra.stage_cli import register as _stages; _stages(app)  # rollout, reference  # noqa: E402,E702,E501
 
 
 @app.command("publish")

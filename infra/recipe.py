@@ -5,9 +5,23 @@
 scalars), then validates everything with pydantic: an unknown key or a bad value
 is reported with its dotted path and the valid choices.
 
-``mode`` chooses sync (``max_staleness = 0``, the rollout stage waits for every
-new policy_version: strictly on-policy) or async (``max_staleness >= 1``, stages
-overlap). Same code, different values.
+A recipe is the composition of the stages' own configs (docs/architecture.md,
+"Recipe"): the sections ``rollout``, ``rewards[]``, ``reference``, ``aggregate`` and
+``trainer`` carry every option of ``RolloutConfig``, ``RewardStageConfig``,
+``ReferenceConfig``, ``AggregateConfig`` and ``TrainerConfig``/``TrainerStageConfig``
+with the stage's own defaults (:func:`section_of`); the launcher fills the rest (the
+``*_WIRING`` sets). A small shared block fills the stages where they leave a key
+absent and raises when two places disagree:
+
+* ``max_staleness`` and ``batch_groups`` (top level, ``rollout.*``, ``trainer.*``);
+  ``mode`` chooses sync (``max_staleness = 0``: the rollout waits for every new
+  policy_version, strictly on-policy) or async (``max_staleness >= 1``).
+* ``model`` (top level, ``trainer.model``).
+* reward names: declared once in ``rewards[].name``; ``advantage.rewards`` (default:
+  every reward with its weight) and ``trainer.accuracy_reward`` must use those names
+  (checked with the valid names listed by ``relax.infra.preflight``).
+* ``kl:`` the KL penalty (``coef``, ``in: loss|reward``, ``estimator``) fills
+  ``trainer.loss.kl_*`` or ``advantage.kl_*`` and turns the reference stage on.
 """
 
 from __future__ import annotations
@@ -19,20 +33,26 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, Field, ValidationError, model_validator
 
 from relax.consumers.advantage.samples import AdvantageConfig
+from relax.infra.sections import (
+    AggregateSection,
+    BusSection,
+    KLSection,
+    ReferenceSection,
+    RewardSpec,
+    RolloutSection,
+    StrictModel,
+    TrainerSection,
+)
 from relax.trainer.config import TrainerConfig
 
 STAGES = ("rollout", "reward", "reference", "aggregate", "trainer")
 """Stage names of a run (each one or more processes)."""
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-
-class DataConfig(_Strict):
+class DataConfig(StrictModel):
     """Training prompts: published into ``prompts.<dataset>`` before the run if the topic
     is empty (a file, a saved HF dataset, ``hf://...`` or ``reasoning_gym:TASK?...``)."""
 
@@ -44,19 +64,7 @@ class DataConfig(_Strict):
     partitions: int = Field(4, ge=1)
 
 
-class RewardSpec(_Strict):
-    """One reward consumer: ``fn`` (a REWARD_FNS name or ``module:function``) scored
-    under ``name``; ``weight`` counts it in the final reward (0 = recorded only)."""
-
-    name: str
-    fn: str
-    weight: float = 1.0
-    options: dict[str, Any] = Field(default_factory=dict)
-    workers: int = Field(1, ge=1)
-    timeout_s: float = Field(30.0, gt=0)
-
-
-class EvalConfig(_Strict):
+class EvalConfig(StrictModel):
     """Greedy held-out accuracy before and after training.
 
     ``source`` is read like a data source; prompts that also appear in the training
@@ -75,37 +83,7 @@ class EvalConfig(_Strict):
     after: bool = True
 
 
-class RolloutSection(_Strict):
-    """Sampling (see ``consumers/rollout.py``)."""
-
-    group_size: int = Field(8, ge=1)
-    groups_per_generate: int = Field(1, ge=1)
-    max_new_tokens: int = Field(64, ge=1)
-    temperature: float = Field(1.0, gt=0)
-    top_p: float = Field(1.0, gt=0, le=1)
-    top_k: int = Field(0, ge=0)
-    stop: tuple[str, ...] = ()
-    prompt_template: str = "{prompt}"
-    instances: int = Field(1, ge=1)
-    epochs: int = Field(100, ge=1)
-    partial_rollout: bool = False
-    seed: int | None = None
-
-
-class ReferenceSection(_Strict):
-    """Reference log-probs (needed when the KL penalty is on)."""
-
-    enabled: bool = False
-    follow_every: int = Field(0, ge=0)
-
-
-class AggregateSection(_Strict):
-    """Join of rollouts, rewards and reference log-probs."""
-
-    group_timeout_s: float = Field(300.0, gt=0)
-
-
-class Resources(_Strict):
+class Resources(StrictModel):
     """What one process of a stage asks Ray for, and its torch threads."""
 
     num_cpus: float = Field(1.0, ge=0)
@@ -123,16 +101,21 @@ class Resources(_Strict):
         return self
 
 
-class Recipe(_Strict):
+class Recipe(StrictModel):
     """A whole run.
 
     Attributes:
         run: run name (topics ``<run>.*``); default: the recipe file name and a time stamp.
         mode: ``sync`` (max_staleness 0) or ``async`` (max_staleness >= 1).
         bootstrap_servers: Kafka cluster; None = start a local broker for the run.
+        bus: replication, retention and client settings of the run's topics
+            (:data:`relax.infra.sections.BusSection`).
         partitions: partition count of the run's co-partitioned topics.
         run_root: folder under which ``<run>/`` is written.
         model: the policy model (trainer, rollout, reference, eval).
+        max_staleness / batch_groups: shared by the rollout and the trainer (module
+            docstring); None here = taken from those sections or their defaults.
+        kl: the KL penalty (:class:`KLSection`).
         ray_address: Ray cluster address; None = a local Ray on 127.0.0.1.
         max_restarts: restarts allowed per stage process before the run fails.
         stall_timeout_s: a stage alive but stuck this long (seconds; its loop inside one
@@ -147,8 +130,12 @@ class Recipe(_Strict):
     bootstrap_servers: str | None = None
     partitions: int = Field(4, ge=1)
     max_message_bytes: int = Field(1 << 20, ge=1024)
+    bus: BusSection = Field(default_factory=BusSection)
     run_root: str = "runs"
     model: str = "tiny-llama"
+    max_staleness: int | None = Field(None, ge=0)
+    batch_groups: int | None = Field(None, ge=1)
+    kl: KLSection = Field(default_factory=KLSection)
     data: DataConfig
     eval: EvalConfig | None = None
     rollout: RolloutSection = Field(default_factory=RolloutSection)
@@ -156,7 +143,7 @@ class Recipe(_Strict):
     reference: ReferenceSection = Field(default_factory=ReferenceSection)
     advantage: AdvantageConfig = Field(default_factory=AdvantageConfig)
     aggregate: AggregateSection = Field(default_factory=AggregateSection)
-    trainer: TrainerConfig = Field(default_factory=TrainerConfig)
+    trainer: TrainerSection = Field(default_factory=TrainerSection)
     resources: dict[str, Resources] = Field(default_factory=dict)
     ray_address: str | None = None
     max_restarts: int = Field(3, ge=0)
@@ -174,9 +161,9 @@ class Recipe(_Strict):
                              f"{sorted(elastic)}")
         ms = self.trainer.max_staleness
         if self.mode == "sync" and ms != 0:
-            raise ValueError(f"mode 'sync' needs trainer.max_staleness 0, got {ms}")
+            raise ValueError(f"mode 'sync' needs max_staleness 0, got {ms}")
         if self.mode == "async" and ms < 1:
-            raise ValueError("mode 'async' needs trainer.max_staleness >= 1 (use mode: sync for 0)")
+            raise ValueError("mode 'async' needs max_staleness >= 1 (use mode: sync for 0)")
         names = [r.name for r in self.rewards]
         if len(set(names)) != len(names):
             raise ValueError(f"rewards: names must be unique, got {names}")
@@ -189,13 +176,6 @@ class Recipe(_Strict):
         if self.trainer.model != self.model:
             raise ValueError(f"trainer.model {self.trainer.model!r} differs from model "
                              f"{self.model!r}: set only model")
-        if self.advantage.needs_ref or (self.trainer.loss.kl_in == "loss" and self.trainer.loss.kl_coef):
-            if not self.reference.enabled:
-                raise ValueError("the KL penalty needs reference.enabled: true")
-        if self.advantage.kl_in_reward_coef and self.trainer.loss.kl_in == "loss" \
-                and self.trainer.loss.kl_coef:
-            raise ValueError("KL is configured both in the reward (advantage.kl_in_reward_coef) and "
-                             "in the loss (trainer.loss.kl_coef): use one")
         return self
 
     def resources_of(self, stage: str) -> Resources:
@@ -204,17 +184,30 @@ class Recipe(_Strict):
 
 
 def set_dotted(tree: dict, path: str, value: Any) -> None:
-    """Set ``tree[a][b][c] = value`` for ``path = "a.b.c"`` (creating dicts)."""
+    """Set ``tree[a][b][c] = value`` for ``path = "a.b.c"`` (creating dicts); a number
+    indexes a list (``rewards.0.workers=2``).
+
+    Raises:
+        ValueError: a step of the path is not a section, or a list index is out of range.
+    """
     keys = path.split(".")
-    node = tree
-    for k in keys[:-1]:
-        nxt = node.get(k)
+    node: Any = tree
+    for i, k in enumerate(keys):
+        last = i == len(keys) - 1
+        if isinstance(node, list):
+            if not k.isdigit() or int(k) >= len(node):
+                raise ValueError(f"override {path!r}: {k!r} is not an index of the "
+                                 f"{len(node)} entries of {'.'.join(keys[:i])}")
+            k = int(k)
+        elif not isinstance(node, dict):
+            raise ValueError(f"override {path!r}: {keys[i - 1]!r} is not a section")  # noqa: TRY004 (a bad override: callers report ValueError)
+        if last:
+            node[k] = value
+            return
+        nxt = node[k] if isinstance(node, list) else node.get(k)
         if nxt is None:
             nxt = node[k] = {}
-        if not isinstance(nxt, dict):
-            raise ValueError(f"override {path!r}: {k!r} is not a section")
         node = nxt
-    node[keys[-1]] = value
 
 
 def parse_override(text: str) -> tuple[str, Any]:
@@ -271,14 +264,95 @@ def _explain(e: ValidationError) -> str:
     return "invalid recipe:\n  " + "\n  ".join(lines)
 
 
+SHARED_KEYS = {"max_staleness": ("rollout", "trainer"), "batch_groups": ("rollout", "trainer")}
+"""Top-level keys shared by stage sections: one value fills them all."""
+
+
+def _section(tree: dict, path: str) -> dict:
+    """The dict at dotted ``path`` of ``tree`` (created when absent)."""
+    node = tree
+    for k in path.split("."):
+        if node.get(k) is None:
+            node[k] = {}
+        node = node[k]
+        if not isinstance(node, dict):
+            raise RecipeError(f"{path}: expected a mapping, got {node!r}")
+    return node
+
+
+def _fill(tree: dict, values: dict[str, Any], why: str) -> None:
+    """Set each dotted key of ``values`` in ``tree`` where absent; raise where the tree
+    gives another value (``why`` names the one place the value belongs)."""
+    for path, want in values.items():
+        where, _, key = path.rpartition(".")
+        node = _section(tree, where) if where else tree
+        if key in node and node[key] is not None and node[key] != want:
+            raise RecipeError(f"{path}: {node[key]!r} conflicts with {want!r} from {why}")
+        node[key] = want
+
+
+def _fill_shared(tree: dict) -> None:
+    """One value for each :data:`SHARED_KEYS` key, from wherever the recipe sets it (the
+    top level, a section, ``mode: sync`` for max_staleness, else the trainer's default)."""
+    for key, sections in SHARED_KEYS.items():
+        given = {key: tree.get(key)} if tree.get(key) is not None else {}
+        for sec in sections:
+            node = tree.get(sec)
+            if isinstance(node, dict) and node.get(key) is not None:
+                given[f"{sec}.{key}"] = node[key]
+        if len(set(given.values())) > 1:
+            raise RecipeError(f"{key} is set differently in {given}: set it once, at the top level")
+        if given:
+            value = next(iter(given.values()))
+        elif key == "max_staleness" and tree.get("mode") == "sync":
+            value = 0
+        else:
+            value = TrainerConfig.model_fields[key].default
+        tree[key] = value
+        _fill(tree, {f"{sec}.{key}": value for sec in sections}, f"the top-level {key}")
+
+
+def _fill_kl(tree: dict) -> None:
+    """Spread the ``kl:`` block over the stages (:class:`KLSection`)."""
+    try:
+        kl = KLSection.model_validate(tree.get("kl") or {})
+    except ValidationError as e:
+        raise RecipeError("invalid recipe:\n  " + "\n  ".join(
+            f"kl.{'.'.join(map(str, err['loc']))}: {err['msg']}".replace("kl.: ", "kl: ")
+            for err in e.errors())) from None
+    values: dict[str, Any] = {"trainer.loss.kl_coef": 0.0, "advantage.kl_in_reward_coef": 0.0}
+    if kl.in_ == "loss":
+        values.update({"trainer.loss.kl_coef": kl.coef, "trainer.loss.kl_in": "loss",
+                       "advantage.ref_logprobs": True})
+        if kl.estimator:
+            values["trainer.loss.kl_estimator"] = kl.estimator
+    elif kl.in_ == "reward":
+        values["advantage.kl_in_reward_coef"] = kl.coef
+        if kl.estimator:
+            values["advantage.kl_estimator"] = kl.estimator
+    if kl.coef:
+        values["reference.enabled"] = True
+    _fill(tree, values, "the kl: block (set the KL penalty only there)")
+
+
+def _reward_weights(tree: dict) -> None:
+    """``advantage.rewards`` defaults to every reward with a weight != 0."""
+    if "rewards" in (tree.get("advantage") or {}):
+        return
+    weights = {r["name"]: r.get("weight", 1.0) for r in tree.get("rewards", [])
+               if isinstance(r, dict) and "name" in r and r.get("weight", 1.0)}
+    if weights:
+        _section(tree, "advantage")["rewards"] = weights
+
+
 def load_recipe(path: str | Path | None = None, overrides: list[str] = (),
                 tree: dict | None = None) -> Recipe:
-    """Read a recipe file (or ``tree``), apply ``key=value`` overrides, validate.
-
-    The top-level ``model`` also fills ``trainer.model`` when that is not given.
+    """Read a recipe file (or ``tree``), apply ``key=value`` overrides, fill the shared
+    block (module docstring), validate the recipe and every stage config it makes.
 
     Raises:
-        RecipeError: listing every bad key (with the valid keys) or value.
+        RecipeError: listing every bad key (with the valid keys) or value, or two places
+            that disagree on a shared key.
         FileNotFoundError: no such recipe file.
     """
     tree = dict(tree or {})
@@ -289,21 +363,19 @@ def load_recipe(path: str | Path | None = None, overrides: list[str] = (),
     for o in overrides:
         k, v = parse_override(o)
         set_dotted(tree, k, v)
-    tree.setdefault("trainer", {})
-    if isinstance(tree["trainer"], dict) and "model" in tree:
-        tree["trainer"].setdefault("model", tree["model"])
-    if isinstance(tree["trainer"], dict) and tree.get("mode") == "sync":
-        tree["trainer"].setdefault("max_staleness", 0)
+    if "model" in tree:
+        _fill(tree, {"trainer.model": tree["model"]}, "the top-level model")
     if "run" not in tree or tree["run"] is None:
         stem = Path(path).stem if path else "run"
         tree["run"] = re.sub(r"[^A-Za-z0-9_-]", "-", f"{stem}-{time.strftime('%Y%m%d-%H%M%S')}")
-    if "advantage" not in tree or "rewards" not in (tree.get("advantage") or {}):
-        weights = {r["name"]: r.get("weight", 1.0) for r in tree.get("rewards", [])
-                   if isinstance(r, dict) and "name" in r and r.get("weight", 1.0)}
-        if weights:
-            tree.setdefault("advantage", {})
-            tree["advantage"] = {**(tree["advantage"] or {}), "rewards": weights}
     try:
-        return Recipe.model_validate(tree)
+        _fill_shared(tree)
+        _fill_kl(tree)
+        _reward_weights(tree)
+        recipe = Recipe.model_validate(tree)
     except ValidationError as e:
         raise RecipeError(_explain(e)) from None
+    from relax.infra.stages import check_stage_configs
+
+    check_stage_configs(recipe)
+    return recipe

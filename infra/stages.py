@@ -17,7 +17,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from relax.infra.recipe import Recipe, Resources
+from pydantic import BaseModel, ValidationError
+
+from relax.infra.recipe import Recipe, RecipeError, Resources
+from relax.infra.sections import TRAINER_STAGE_KEYS
 from relax.streams.client import BusConfig
 
 
@@ -32,40 +35,89 @@ class StageSpec:
     resources: Resources
 
 
+def _checked(what: str, config: type[BaseModel], values: dict) -> dict:
+    """``values`` validated by the stage's own ``config`` class, as JSON-ready data.
+
+    Raises:
+        RecipeError: naming ``what`` (e.g. ``stage rollout-0 (rollout)``) and the complaint.
+    """
+    try:
+        return config(**values).model_dump(mode="json")
+    except ValidationError as e:
+        lines = [f"{'.'.join(map(str, x['loc'])) or '(config)'}: {x['msg']}" for x in e.errors()]
+        raise RecipeError(f"invalid recipe: {what}:\n  " + "\n  ".join(lines)) from None
+
+
 def stage_specs(recipe: Recipe, bus: BusConfig, run_dir: Path) -> list[StageSpec]:
-    """Every process the recipe asks for, trainer last."""
-    run, ro, t = recipe.run, recipe.rollout, recipe.trainer
+    """Every process the recipe asks for, trainer last: each stage's config is its recipe
+    section plus the wiring (``relax.infra.sections.*_WIRING``), checked by the stage's own
+    config class.
+
+    Raises:
+        RecipeError: a stage config does not validate.
+    """
+    from relax.consumers.aggregate import AggregateConfig
+    from relax.consumers.reference import ReferenceConfig
+    from relax.consumers.reward.stage import RewardStageConfig
+    from relax.consumers.rollout import RolloutConfig
+    from relax.trainer.loop import TrainerStageConfig
+
+    run, ro = recipe.run, recipe.rollout
     busd = bus.model_dump()
     # co-located cores: rollouts flag their generate calls, the trainer takes the idle core
     max_threads = recipe.resources_of("trainer").max_torch_threads
     busy_dir = str(run_dir / "busy") if max_threads else None
     specs = []
+    options = ro.model_dump(exclude={"instances"})
     for i in range(ro.instances):
-        specs.append(StageSpec(f"rollout-{i}", "rollout", dict(
-            bus=busd, run=run, dataset=recipe.data.dataset, model=recipe.model,
-            engine_id=f"rollout-{i}", group_size=ro.group_size, batch_groups=t.batch_groups,
-            max_staleness=t.max_staleness, groups_per_generate=ro.groups_per_generate,
-            max_new_tokens=ro.max_new_tokens, temperature=ro.temperature, top_p=ro.top_p,
-            top_k=ro.top_k, stop=list(ro.stop), seed=ro.seed, epochs=ro.epochs,
-            partial_rollout=ro.partial_rollout, prompt_template=ro.prompt_template,
-            instance_index=i, num_instances=ro.instances, rollouts_partitions=recipe.partitions,
-            busy_dir=busy_dir),
-            recipe.resources_of("rollout")))
+        name = f"rollout-{i}"
+        config = _checked(f"stage {name} (rollout)", RolloutConfig, dict(
+            options, bus=busd, run=run, dataset=recipe.data.dataset, model=recipe.model,
+            engine_id=name, instance_index=i, num_instances=ro.instances,
+            rollouts_partitions=recipe.partitions, busy_dir=busy_dir))
+        specs.append(StageSpec(name, "rollout", config, recipe.resources_of("rollout")))
     for r in recipe.rewards:
-        specs.append(StageSpec(f"reward.{r.name}", "reward", dict(
-            bus=busd, run=run, reward=r.fn, name=r.name, options=r.options, workers=r.workers,
-            timeout_s=r.timeout_s), recipe.resources_of("reward")))
+        name = f"reward.{r.name}"
+        options = r.model_dump(exclude={"fn", "weight"})
+        config = _checked(f"stage {name} (reward)", RewardStageConfig,
+                          dict(options, bus=busd, run=run, reward=r.fn))
+        specs.append(StageSpec(name, "reward", config, recipe.resources_of("reward")))
     if recipe.reference.enabled:
-        specs.append(StageSpec("reference", "reference", dict(
-            bus=busd, run=run, model=recipe.model, follow_every=recipe.reference.follow_every),
+        options = recipe.reference.model_dump(exclude={"enabled"})
+        specs.append(StageSpec("reference", "reference", _checked(
+            "stage reference (reference)", ReferenceConfig,
+            dict(options, bus=busd, run=run, model=recipe.model)),
             recipe.resources_of("reference")))
-    specs.append(StageSpec("aggregate", "aggregate", dict(
-        run=run, partitions=recipe.partitions, advantage=recipe.advantage.model_dump(),
-        group_timeout_s=recipe.aggregate.group_timeout_s), recipe.resources_of("aggregate")))
-    specs.append(StageSpec("trainer", "trainer", dict(
-        run=run, run_dir=str(run_dir), trainer=t.model_dump(), busy_dir=busy_dir,
-        max_threads=max_threads), recipe.resources_of("trainer")))
+    specs.append(StageSpec("aggregate", "aggregate", _checked(
+        "stage aggregate (aggregate)", AggregateConfig, dict(
+            recipe.aggregate.model_dump(), run=run, partitions=recipe.partitions,
+            advantage=recipe.advantage.model_dump())), recipe.resources_of("aggregate")))
+    trainer = recipe.trainer.model_dump(exclude=TRAINER_STAGE_KEYS)
+    stage = recipe.trainer.model_dump(include=TRAINER_STAGE_KEYS)
+    config = _checked("stage trainer (trainer)", TrainerStageConfig, dict(
+        stage, run=run, run_dir=str(run_dir), trainer=trainer, busy_dir=busy_dir,
+        max_threads=max_threads))
+    specs.append(StageSpec("trainer", "trainer", config, recipe.resources_of("trainer")))
     return specs
+
+
+def run_bus(recipe: Recipe, bootstrap: str, run_dir: Path) -> BusConfig:
+    """The run's :class:`BusConfig`: ``bootstrap`` (the recipe's cluster or the local
+    broker), the recipe's ``max_message_bytes`` and ``bus`` section, the blob store in
+    ``<run_dir>/blobs``."""
+    return BusConfig(**_checked("section bus", BusConfig, dict(
+        recipe.bus.model_dump(), bootstrap_servers=bootstrap,
+        max_message_bytes=recipe.max_message_bytes, blob_store=str(run_dir / "blobs"))))
+
+
+def check_stage_configs(recipe: Recipe) -> None:
+    """Validate every stage config the recipe makes (with a placeholder bus and run folder).
+
+    Raises:
+        RecipeError: naming the stage and the bad key.
+    """
+    run_dir = Path("runs") / recipe.run
+    stage_specs(recipe, run_bus(recipe, "localhost:9092", run_dir), run_dir)
 
 
 def _rollout(config: dict, bus: BusConfig, should_stop: Callable[[], bool]) -> None:

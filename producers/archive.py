@@ -1,6 +1,6 @@
 """Topics to Parquet, incrementally and resumably (``relax archive``).
 
-The broker is transport, not storage (ARCHITECTURE section 8): the archive is
+The broker is transport, not storage (docs/architecture.md, section 8): the archive is
 where a run's data lives after it. Layout of an archive folder ``DIR``::
 
     DIR/manifest.json                 what was archived and up to where

@@ -52,7 +52,7 @@ def staleness_hist_name(k: int) -> str:
     """Metric name holding the count of samples with staleness ``k``."""
     return f"{STALENESS_HIST_PREFIX}{k}"
 
-# trainer progress, read by the rollout stage to size its credit (see consumers/rollout.py):
+# trainer progress, read by the rollout stage to size its credit (see consumers/rollout/progress.py):
 # groups the trainer has decided (trained in a finished step, or dropped), and groups it still
 # needs to finish the run. started - consumed <= min(budget, needed) keeps the rollout stage
 # from sampling groups that the run will never train.

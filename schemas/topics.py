@@ -2,7 +2,7 @@
 
 Renaming any of these breaks running pipelines, committed offsets and faust
 table changelogs, so they live here as the one place that spells them
-(ARCHITECTURE section 2).
+(docs/architecture.md, section 2).
 
 Per-run topics are ``<run>.<name>``; the prompt topic ``prompts.<dataset>`` is
 shared across runs; every topic ``T`` has an error topic ``T.errors``.

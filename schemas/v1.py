@@ -1,4 +1,4 @@
-"""Arrow schemas v1: what flows on each topic (ARCHITECTURE section 2).
+"""Arrow schemas v1: what flows on each topic (docs/architecture.md, section 2).
 
 Each schema carries schema-level metadata ``relax.schema`` (its name) and
 ``relax.version``; each field carries ``doc`` and, where it has one, ``unit`` in

@@ -1,4 +1,4 @@
-"""policy_version and staleness, defined once (ARCHITECTURE section 4).
+"""policy_version and staleness, defined once (docs/architecture.md, section 4).
 
 * ``policy_version`` = the number of optimizer steps applied to the weights
   (0 = the initial model). The trainer after its k-th step holds version k.
@@ -104,7 +104,7 @@ def admit(trainer_version: int, policy_version_start: int, policy_version_end: i
 
 def in_flight_budget(max_staleness: int, batch_groups: int) -> int:
     """Most groups the rollout stage may have in flight (sampled or being sampled but
-    not yet trained): ``(max_staleness + 1) * batch_groups`` (ARCHITECTURE section 4)."""
+    not yet trained): ``(max_staleness + 1) * batch_groups`` (docs/architecture.md, section 4)."""
     if max_staleness < 0 or batch_groups < 1:
         raise ValueError(f"need max_staleness >= 0 and batch_groups >= 1, got "
                          f"{max_staleness}, {batch_groups}")

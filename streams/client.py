@@ -2,7 +2,7 @@
 
 Works against any Kafka-protocol cluster, tested on Apache Kafka and on the local
 Tansu broker. Clients: short session timeout and heartbeat (Tansu holds a JoinGroup
-for half the session timeout; ARCHITECTURE section 8), client size limits raised to
+for half the session timeout; docs/architecture.md, section 8), client size limits raised to
 the message size, crc32c for speed, idempotent producers with ``acks=all``.
 
 Topics are created explicitly (Kafka runs with ``auto.create.topics.enable=false``: a
@@ -58,6 +58,9 @@ class BusConfig(BaseModel):
         min_insync_replicas: ``min.insync.replicas`` of each topic relax creates (with
             ``acks=all``, a write needs this many replicas); None = 2 when the
             replication factor is 3 or more, else 1.
+        retention_ms: ``retention.ms`` of each non-compacted topic relax creates (ms; -1 =
+            keep forever); None = the broker's default (Kafka: 7 days). Tansu keeps
+            everything in memory until it stops and ignores it.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -71,6 +74,7 @@ class BusConfig(BaseModel):
     linger_ms: int = Field(5, ge=0)
     replication_factor: int | None = Field(None, ge=1)
     min_insync_replicas: int | None = Field(None, ge=1)
+    retention_ms: int | None = Field(None, ge=-1)
 
     @model_validator(mode="after")
     def _check_replicas(self):
@@ -158,7 +162,8 @@ def topic_settings(cfg: BusConfig, topic: str, brokers: int) -> tuple[int, dict[
     - replication factor ``cfg.replication_factor`` or ``min(3, brokers)``, and
       ``min.insync.replicas`` ``cfg.min_insync_replicas`` or 2 from 3 replicas, else 1;
     - ``cleanup.policy=compact`` for :func:`relax.schemas.topics.compacted` topics; the
-      others keep the broker's delete policy and retention.
+      others keep the broker's delete policy, with ``retention.ms`` from
+      ``cfg.retention_ms`` when set (else the broker's retention).
 
     Raises:
         ValueError: the replication factor asked for exceeds ``brokers``.
@@ -171,6 +176,8 @@ def topic_settings(cfg: BusConfig, topic: str, brokers: int) -> tuple[int, dict[
     configs = {"max.message.bytes": str(cfg.request_bytes), "min.insync.replicas": str(isr)}
     if topic_names.compacted(topic):
         configs["cleanup.policy"] = "compact"
+    elif cfg.retention_ms is not None:
+        configs["retention.ms"] = str(cfg.retention_ms)
     return rf, configs
 
 

@@ -1,7 +1,7 @@
 """Record counts and consumer-group lag that are correct on every Kafka-protocol broker.
 
 Tansu's ListOffsets answers with the last record batch's base offset + 1, not
-the log end (ARCHITECTURE section 8), so ``end_offsets`` cannot be trusted.
+the log end (docs/architecture.md, section 8), so ``end_offsets`` cannot be trusted.
 The high watermark returned with every *fetch* is right everywhere: this module
 assigns the partitions to a group-less consumer, fetches at most one byte from
 each (KIP-74 still returns the first batch) and reads the watermark.

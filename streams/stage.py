@@ -1,6 +1,6 @@
 """The stage loop every consumer stage uses: consume -> function -> produce -> commit.
 
-Delivery contract (at-least-once, ARCHITECTURE section 3):
+Delivery contract (at-least-once, docs/architecture.md, section 3):
 
 * Input: one consumer group per stage (``<run>.<stage>``); partitions are
   shared among the group's instances, so adding an instance scales the stage.

@@ -42,7 +42,8 @@ def kafka_broker(tmp_path_factory):
     """A single-node Apache Kafka (KRaft) on free ports for the test session, its data in
     a temporary folder; stopped at the end. ``RELAX_TEST_KAFKA_BOOTSTRAP`` runs these
     tests against another Kafka cluster instead."""
-    from relax.infra.broker import kafka_missing, start_kafka, stop_broker
+    from relax.infra.broker import stop_broker
+    from relax.infra.kafka_broker import kafka_missing, start_kafka
 
     external = os.environ.get("RELAX_TEST_KAFKA_BOOTSTRAP")
     if external:

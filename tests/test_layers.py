@@ -67,3 +67,14 @@ def test_the_checker_sees_an_upward_import(tmp_path):
     f = tmp_path / "m.py"
     f.write_text("def f():\n    from relax.infra.cores import x\n    import relax.trainer\n")
     assert _relax_imports(f) == [(2, "infra"), (3, "trainer")]
+
+
+MAX_LINES = 450
+
+
+def test_no_module_over_450_lines():
+    """One idea per module: a module that grows past 450 lines is split (docs/architecture.md)."""
+    big = [f"{p.relative_to(ROOT)}: {n} lines" for layer in LAYERS
+           for p in sorted((ROOT / layer).rglob("*.py"))
+           if (n := len(p.read_text().splitlines())) > MAX_LINES]
+    assert not big, "modules over 450 lines:\n" + "\n".join(big)

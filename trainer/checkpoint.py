@@ -5,7 +5,7 @@ Layout: ``<run_dir>/checkpoints/step_<policy_version:06d>/`` holding the model
 input positions per partition, counters) and ``ledger.parquet``. A checkpoint is
 written into a temporary folder and renamed into place, so a crash never leaves a
 half-written one; only after the rename does the trainer commit its input offsets
-(ARCHITECTURE section 3). The newest ``keep`` checkpoints are kept.
+(docs/architecture.md, section 3). The newest ``keep`` checkpoints are kept.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 Every sampled rollout ends in exactly one of ``trained``, ``stale`` (dropped by
 staleness admission), ``filtered`` (dropped by a filter upstream: zero variance,
-group timeout) or ``error`` (reward or rollout error) (ARCHITECTURE section 3).
+group timeout) or ``error`` (reward or rollout error) (docs/architecture.md, section 3).
 The ledger is saved with each checkpoint, so a restarted trainer neither trains a
 rollout twice nor forgets one; redelivered rows of a known rollout_id are
 duplicates and are skipped.

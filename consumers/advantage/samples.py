@@ -4,7 +4,7 @@ Pure function over Arrow tables (no Kafka): the aggregator calls
 :func:`build_train_samples` when a group is complete (or timed out). Every
 rollout of the group comes out as one ``train_samples`` row, trained or not:
 ``drop_reason`` says why one is not (so the trainer's ledger accounts for every
-sampled rollout, ARCHITECTURE section 3).
+sampled rollout, docs/architecture.md, section 3).
 
 Order of operations (each optional step off by default):
 
@@ -66,6 +66,8 @@ class AdvantageConfig(BaseModel):
         kl_in_reward_coef: > 0 puts a sequence KL penalty into the reward (needs
             ref_logprobs); the loss must then not add KL (the trainer's config check).
         kl_estimator: k1 | k2 | k3 for the KL-in-reward penalty.
+        ref_logprobs: join ``<run>.ref_logprobs`` and carry them on the train samples even
+            without a KL-in-reward penalty (the loss's KL needs them: recipe ``kl.in: loss``).
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -77,6 +79,7 @@ class AdvantageConfig(BaseModel):
     soft_overlong: SoftOverlong | None = None
     kl_in_reward_coef: float = Field(0.0, ge=0)
     kl_estimator: Literal["k1", "k2", "k3"] = "k1"
+    ref_logprobs: bool = False
 
     @model_validator(mode="after")
     def _check(self):
@@ -89,8 +92,8 @@ class AdvantageConfig(BaseModel):
 
     @property
     def needs_ref(self) -> bool:
-        """Whether reference log-probs are needed to build samples."""
-        return self.kl_in_reward_coef > 0
+        """Whether reference log-probs are joined and put on the samples."""
+        return self.kl_in_reward_coef > 0 or self.ref_logprobs
 
 
 RewardCell = tuple[float | None, str | None]

@@ -1,4 +1,4 @@
-"""Reward functions and the reward stage (ARCHITECTURE section 6, "reward").
+"""Reward functions and the reward stage (docs/architecture.md, section 6, "reward").
 
 Every reward is a plain function listed in :data:`REWARD_FNS` (the contract is in
 :mod:`relax.consumers.reward.base`: ``fn(responses, labels, metadata, **options) ->

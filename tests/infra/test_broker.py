@@ -6,19 +6,30 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pyarrow as pa
 import pytest
+from testdata import rollout_rows
+from typer.testing import CliRunner
 
-from relax.infra.broker import (free_port, kafka_missing, pid_alive, port_open, start_broker,
-                                start_kafka, stop_broker)
-from relax.streams.read import read_table
+from relax.infra.broker import (
+    free_port,
+    load_states,
+    pid_alive,
+    port_open,
+    running,
+    save_state,
+    start_broker,
+    stop_broker,
+)
+from relax.infra.cli import app
+from relax.infra.kafka_broker import kafka_missing, start_kafka
 from relax.schemas import topics
 from relax.schemas.v1 import ROLLOUTS
 from relax.streams.client import BusConfig, ensure_topics
 from relax.streams.producer import BatchProducer
-
-from testdata import rollout_rows
+from relax.streams.read import read_table
 
 
 def relax(*args, check=True):
@@ -49,6 +60,44 @@ def test_cli_broker_start_topics_stop():
         relax("broker", "stop")
     assert not pid_alive(pid)
     assert relax("broker", "status", check=False).returncode == 1
+
+
+def test_cli_broker_stop_by_port_leaves_the_other_running(monkeypatch, tmp_path):
+    """Two recorded brokers: `stop` alone asks which, `stop --port` stops that one only."""
+    monkeypatch.setenv("RELAX_HOME", str(tmp_path))
+    cli = CliRunner()
+    a = start_broker()
+    save_state(a)
+    port = free_port()
+    while port == a.port:
+        port = free_port()
+    try:
+        out = cli.invoke(app, ["broker", "start", "--port", str(port)])  # a second one
+        assert out.exit_code == 0, out.output
+        assert cli.invoke(app, ["broker", "start"]).exit_code == 1  # the last one runs
+        (b,) = [h for h in load_states() if h.port == port]
+        assert [h.port for h in load_states()] == [a.port, b.port]
+
+        recorded = f"tansu on {a.port}, tansu on {b.port}"
+        out = cli.invoke(app, ["broker", "stop"])
+        assert out.exit_code == 1 and "--port" in out.output and recorded in out.output
+        out = cli.invoke(app, ["broker", "stop", "--port", "1"])
+        assert out.exit_code == 1 and f"no broker recorded on port 1; recorded: {recorded}" \
+            in out.output
+        assert running(a) and running(b)
+
+        out = cli.invoke(app, ["broker", "stop", "--port", str(a.port)])
+        assert out.exit_code == 0 and f"bootstrap=127.0.0.1:{a.port}" in out.output
+        assert not pid_alive(a.pid) and running(b)
+        assert [h.port for h in load_states()] == [b.port]
+        assert f"running: kind=tansu pid={b.pid}" in cli.invoke(app, ["broker", "status"]).output
+
+        out = cli.invoke(app, ["broker", "stop"])  # one recorded: no --port needed
+        assert out.exit_code == 0 and not pid_alive(b.pid)
+        assert load_states() == [] and not (tmp_path / "broker.json").exists()
+    finally:
+        for h in [a, *[h for h in load_states() if h.port == port]]:
+            stop_broker(h)
 
 
 def test_cli_topics_tail_errors(bus, unique):
@@ -138,3 +187,38 @@ def test_kafka_three_nodes_replicate_every_topic(tmp_path, unique):
     finally:
         stop_broker(h)
     assert not any(pid_alive(x) for x in h.pids)
+
+
+@pytest.mark.kafka
+def test_kafka_consumer_groups_tool_shows_the_lag_relax_reports(kafka_broker, unique):
+    """Kafka's own kafka-consumer-groups (``relax broker tool consumer-groups``) describes a
+    relax consumer group with the same per-partition lag as ``relax.streams.lag``."""
+    from relax.streams.consumer import BatchConsumer
+    from relax.streams.lag import group_lag
+
+    bus = BusConfig(bootstrap_servers=kafka_broker)
+    topic, group = f"{unique}.rollouts", f"{unique}.reward.correct"
+    ensure_topics(bus, {topic: 2})
+    p = BatchProducer(bus)
+    for _ in range(3):  # 3 messages of 2 groups each: both partitions get records
+        p.send(topic, pa.RecordBatch.from_pylist(rollout_rows(8, group_size=2), schema=ROLLOUTS))
+    p.close()
+    c = BatchConsumer(bus, group, [topic], stage="reward.correct")
+    got, deadline = [], time.monotonic() + 60
+    while not got and time.monotonic() < deadline:
+        got = c.poll(1.0)
+    while len({d.partition for d in got}) < 2 and time.monotonic() < deadline:
+        got += c.poll(1.0)
+    first = {d.partition: d for d in reversed(got)}  # the first message of each partition
+    c.done(list(first.values()))  # committed on both partitions, one message each
+    c.commit()
+    c.close()
+    ours = group_lag(bus, group, [topic])
+    r = relax("broker", "tool", "consumer-groups", "--bootstrap-server", kafka_broker,
+              "--describe", "--group", group)
+    theirs = {}
+    for line in r.stdout.splitlines():
+        cols = line.split()
+        if len(cols) >= 6 and cols[1] == topic:  # GROUP TOPIC PARTITION CURRENT LOG-END LAG
+            theirs[(topic, int(cols[2]))] = int(cols[5])
+    assert theirs == ours and sum(ours.values()) > 0, (r.stdout, ours)

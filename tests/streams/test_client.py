@@ -47,7 +47,8 @@ def test_kafka_gets_the_topic_settings(kafka_broker, unique):
 
     from relax.streams.client import admin
 
-    cfg = BusConfig(bootstrap_servers=kafka_broker, max_message_bytes=3 * MiB)
+    cfg = BusConfig(bootstrap_servers=kafka_broker, max_message_bytes=3 * MiB,
+                    retention_ms=3_600_000)
     data, epochs = topics.run_topic(unique, "rollouts"), topics.rollout_state_topic(unique)
     ensure_topics(cfg, {data: 2, epochs: 1})
     a = admin(cfg)
@@ -60,14 +61,16 @@ def test_kafka_gets_the_topic_settings(kafka_broker, unique):
     assert got[data]["max.message.bytes"] == str(cfg.request_bytes)
     assert got[data]["min.insync.replicas"] == "1"
     assert got[data]["cleanup.policy"] == "delete"
+    assert got[data]["retention.ms"] == "3600000"  # recipe key bus.retention_ms
     assert got[epochs]["cleanup.policy"] == "compact"
+    assert got[epochs]["retention.ms"] != "3600000"  # compacted state is kept
 
 
 def test_errors_topic_is_created_where_first_written(any_bus, unique):
     """Kafka does not create topics on produce (a send would wait 60 s for metadata, then
     fail): ``send_errors`` creates ``<topic>.errors`` the first time it writes there."""
-    from relax.streams.read import read_table
     from relax.streams.errors import error_row
+    from relax.streams.read import read_table
 
     topic = topics.run_topic(unique, "metrics")
     ensure_topics(any_bus, {topic: 1})

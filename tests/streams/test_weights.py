@@ -405,7 +405,7 @@ def test_failed_receive_never_labels_a_half_written_buffer(bus, unique, tmp_path
     """v1 verified and not yet applied; then a checkpoint whose tensors differ from its
     announcement, and a broadcast that dies after writing part of the buffer: neither
     may hand out bytes or a manifest that are not v1's under the label v1."""
-    from relax.streams import weights
+    from relax.streams.weights import subscriber as weights_subscriber
 
     model = torch.nn.Linear(4, 3)
     v1 = {n: p.detach().clone() for n, p in model.named_parameters()}
@@ -428,7 +428,7 @@ def test_failed_receive_never_labels_a_half_written_buffer(bus, unique, tmp_path
             def append(self, key, value):
                 pass
 
-        monkeypatch.setattr(weights, "_broadcast", dies_midway)
+        monkeypatch.setattr(weights_subscriber, "_broadcast", dies_midway)  # _receive looks here
         sub._store, sub._group, sub._pg = Store(), "g", object()  # as if in group g
         row = _checkpoint_row(tmp_path, {n: t + 1 for n, t in v1.items()}, 3)
         sub._receive({**row, "transport": "gloo"}, "g", ["m"])

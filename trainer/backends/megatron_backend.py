@@ -1,7 +1,6 @@
 """megatron-core back end (TP/PP/CP/EP): GPU only, not implemented in this release.
 
-megatron-core's forward, schedules and optimizer assume CUDA (ARCHITECTURE
-section 9), and no GPU is available where relax is developed, so this back end is
+megatron-core's forward, schedules and optimizer assume CUDA, and no GPU is available where relax is developed, so this back end is
 a declared seam: the recipe value ``trainer.backend: megatron`` reaches here and
 fails with a clear error instead of silently running something else.
 """

@@ -6,6 +6,8 @@ Field units and rules are in each field's description. Cross-field rules:
   C09, verl #211); ``kl_coef > 0`` needs ``kl_in``.
 * ``0 <= clip_eps_low < 1`` (else the lower bound ``1 - eps`` never binds, C10d),
   ``clip_eps_high >= 0``, ``dual_clip_c > 1`` (C10; opendilab/PPOxFamily #95).
+* An option of one policy loss (:data:`OPTION_OWNERS`, e.g. ``dual_clip_c`` of
+  ``ppo_clip``) set for another one is an error (it would silently do nothing).
 * ``seq-mean-token-sum-norm`` needs a constant divisor (C08: fixed across steps and
   micro-batches, e.g. max_new_tokens).
 
@@ -23,6 +25,16 @@ POLICY_LOSS_NAMES = ("ppo_clip", "gspo", "sapo", "cispo")
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum",
                   "seq-mean-token-sum-norm")
 KL_ESTIMATOR_NAMES = ("k1", "k2", "k3", "low_var_kl")
+OPTION_OWNERS = {
+    "dual_clip_c": ("ppo_clip",),
+    "sapo_tau_pos": ("sapo",),
+    "sapo_tau_neg": ("sapo",),
+    "cispo_eps_low": ("cispo",),
+    "cispo_eps_high": ("cispo",),
+}
+"""The policy losses that read each loss-specific option (``trainer/losses/<name>.py``);
+setting one away from its default for another policy loss is an error, not a no-op.
+(``clip_eps_low/high`` are read by ppo_clip and gspo and accepted with every loss.)"""
 
 
 def _one_of(value: str, valid: tuple[str, ...], what: str) -> str:
@@ -112,6 +124,11 @@ class LossConfig(BaseModel):
 
     @model_validator(mode="after")
     def _cross_field(self) -> LossConfig:
+        for option, owners in OPTION_OWNERS.items():
+            if self.policy_loss not in owners and \
+                    getattr(self, option) != type(self).model_fields[option].default:
+                raise ValueError(f"{option} applies to policy_loss {' / '.join(owners)} only, "
+                                 f"not {self.policy_loss!r}: remove it or change policy_loss")
         if self.kl_coef > 0 and self.kl_in is None:
             raise ValueError("kl_coef > 0 needs kl_in = 'loss' or 'reward'")
         if (self.loss_agg_mode == "seq-mean-token-sum-norm"

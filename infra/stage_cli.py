@@ -82,7 +82,7 @@ def rollout_cmd(
     sets: list[str] | None = _SetOpt,
     bootstrap: str | None = _BootstrapOpt,
 ) -> None:
-    """Run a rollout instance: prompts.DATASET -> RUN.rollouts (see consumers/rollout.py)."""
+    """Run a rollout instance: prompts.DATASET -> RUN.rollouts (see consumers/rollout/)."""
     from pydantic import ValidationError
 
     from relax.consumers.rollout import RolloutConfig, RolloutStage

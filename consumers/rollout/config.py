@@ -1,0 +1,119 @@
+"""Settings of one rollout instance (:class:`RolloutConfig`)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from relax.consumers.engines.base import SamplingParams
+from relax.schemas import topics
+from relax.streams.client import BusConfig
+
+
+class RolloutConfig(BaseModel):
+    """Settings of one rollout instance.
+
+    Attributes:
+        bus: bus settings.
+        run: run name (topics ``<run>.*``, consumer group ``<run>.rollout``).
+        dataset: prompt topic ``prompts.<dataset>``.
+        model: model name/folder/Hub id (``smollm2-135m``, ``tiny-llama``, ...).
+        engine: ``hf`` (transformers) or ``sglang`` (an SGLang server at ``sglang_url``).
+        engine_id: this instance's id (rollout rows, metrics component, weight member id).
+        device: HF engine device (default: cuda if available).
+        group_size: G, samples per prompt.
+        batch_groups: groups the trainer consumes per step.
+        max_staleness: see the module docstring (0 = sync mode).
+        groups_per_generate: groups sampled together in one engine call (batch = this * G).
+        prompt_template: applied to a prompt's text before the chat template
+            (``"{prompt}"`` = as is; e.g. ``"{prompt}\nReply with just the number."``);
+            rows with ``messages`` are rendered from their messages.
+        max_new_tokens / temperature / top_p / top_k / stop / seed: sampling settings
+            (``seed`` + the group counter seeds each call; None = random).
+        epochs: passes over the prompt topic.
+        partial_rollout / chunk_tokens: allow weight swaps every ``chunk_tokens`` tokens.
+        follow_weights: join the weight broadcast (HF engine), and start no group while the
+            engine's weights are more than ``max_staleness`` versions behind the trainer's
+            (such samples would only be dropped as stale); after ``weights_wait_s`` the
+            stage goes on with the weights it has (logged).
+        weights_rendezvous: ``tcp://host:port`` of the trainer's publisher, to join before
+            its first announcement (default: learnt from the first announcement).
+        environment: ``module:function`` returning a new environment per sample
+            (multi-turn); None = single turn.
+        max_turns / max_total_tokens: multi-turn budgets (turns; response tokens).
+        instance_index / num_instances: this instance among the rollout instances.
+        rollouts_partitions: partitions of ``<run>.rollouts`` if the stage creates it.
+        poll_timeout_s: prompt poll timeout (seconds).
+        metrics_every_s: seconds between metric flushes.
+        from_beginning: where a new consumer group starts on the prompt topic.
+        busy_dir: folder of the run's busy flags: each engine call is marked there so a
+            co-located trainer can take the idle core (``relax.trainer.cores``); None = off.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    bus: BusConfig
+    run: str
+    dataset: str
+    model: str = "tiny-llama"
+    engine: Literal["hf", "sglang"] = "hf"
+    sglang_url: str | None = None
+    engine_id: str = "rollout-0"
+    device: str | None = None
+    group_size: int = Field(4, ge=1)
+    batch_groups: int = Field(8, ge=1)
+    max_staleness: int = Field(1, ge=0)
+    groups_per_generate: int = Field(1, ge=1)
+    max_new_tokens: int = Field(64, ge=1)
+    temperature: float = Field(1.0, gt=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = Field(0, ge=0)
+    stop: tuple[str, ...] = ()
+    seed: int | None = None
+    prompt_template: str = "{prompt}"
+    epochs: int = Field(1, ge=1)
+    partial_rollout: bool = False
+    chunk_tokens: int = Field(32, ge=1)
+    follow_weights: bool = True
+    weights_rendezvous: str | None = None
+    weights_wait_s: float = Field(300.0, gt=0)
+    environment: str | None = None
+    max_turns: int = Field(1, ge=1)
+    max_total_tokens: int | None = Field(None, ge=1)
+    instance_index: int = Field(0, ge=0)
+    num_instances: int = Field(1, ge=1)
+    rollouts_partitions: int = Field(1, ge=1)
+    poll_timeout_s: float = Field(0.5, gt=0)
+    metrics_every_s: float = Field(5.0, gt=0)
+    from_beginning: bool = True
+    busy_dir: str | None = None
+
+    @model_validator(mode="after")
+    def _check(self):
+        if self.instance_index >= self.num_instances:
+            raise ValueError(
+                f"instance_index {self.instance_index} must be < num_instances {self.num_instances}"
+            )
+        if self.engine == "sglang" and not self.sglang_url:
+            raise ValueError("engine 'sglang' needs sglang_url (http://host:port)")
+        topics.check_name("run", self.run)
+        topics.check_name("dataset", self.dataset)
+        try:
+            self.prompt_template.format(prompt="")
+        except (KeyError, IndexError, ValueError) as e:
+            raise ValueError(
+                f"prompt_template must use only {{prompt}}, got {self.prompt_template!r}: {e!r}"
+            ) from None
+        return self
+
+    def sampling(self, seed: int | None = None) -> SamplingParams:
+        """The :class:`SamplingParams` of one engine call."""
+        return SamplingParams(
+            max_new_tokens=self.max_new_tokens,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            stop=tuple(self.stop),
+            seed=seed,
+        )

@@ -1,0 +1,163 @@
+"""The rollout stage's prompt queue: prompt rows delivered and not yet sampled, which
+prompt messages are finished (then committed), and the epoch of each prompt partition
+(rewound to offset 0 for the next epoch, recorded on ``<run>.rollout_state`` first).
+See the package docstring (:mod:`relax.consumers.rollout`), "Delivery" and "Epochs"."""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from dataclasses import dataclass
+
+from relax.consumers.rollout.config import RolloutConfig
+from relax.consumers.rollout.metrics import RolloutStats
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Item:
+    """One prompt row waiting to be sampled, and the delivery it came in."""
+
+    delivery: object
+    row: dict
+    epoch: int
+
+
+def message_key(d) -> tuple:
+    """``(topic, partition, offset)`` of a delivery (one prompt message)."""
+    return (d.topic, d.partition, d.offset)
+
+
+class PromptQueue:
+    """The prompts one rollout instance has taken from its consumer and not finished.
+
+    Attributes:
+        items: prompt rows waiting to be sampled, in delivery order.
+        remaining: ``{message_key: rows of that message not yet finished}``.
+        epoch: ``{TopicPartition: epoch}`` of the partitions seen.
+        revoked: prompt partitions taken away by a rebalance (filled by the consumer's
+            I/O thread through :meth:`note_revoked`).
+        pending_gids: ``{message_key: group_ids produced}`` of messages not yet
+            committed.
+        exhausted_partitions: partitions sampled for every epoch.
+        saved_epochs: ``{(topic, partition): epoch}`` from ``<run>.rollout_state``
+            (set before the first fetch).
+        producer: the stage's :class:`relax.streams.producer.BatchProducer` (set before
+            the first fetch): writes epoch records, flushed before a commit.
+    """
+
+    def __init__(self, cfg: RolloutConfig, state_topic: str, stats: RolloutStats):
+        self.cfg = cfg
+        self.stats = stats
+        self._state_topic = state_topic
+        self.items: list[_Item] = []
+        self.remaining: dict[tuple, int] = {}
+        self.epoch: dict = {}
+        self.revoked: set = set()  # prompt partitions taken away by a rebalance (I/O thread)
+        self._revoked_lock = threading.Lock()
+        self.pending_gids: dict[tuple, list[str]] = {}  # prompt message -> groups produced
+        self.exhausted_partitions: set = set()
+        self.saved_epochs: dict[tuple[str, int], int] = {}
+        self.producer = None
+
+    def fetch(self, consumer) -> None:
+        """Poll ``consumer`` for prompts; with none queued, rewind finished partitions
+        (:meth:`maybe_next_epoch`)."""
+        self.enqueue(consumer, consumer.poll(self.cfg.poll_timeout_s))
+        if not self.items:
+            self.maybe_next_epoch(consumer)
+
+    def note_revoked(self, partitions) -> None:
+        """The consumer's ``on_revoke`` callback (its I/O thread): remember ``partitions``
+        (TopicPartitions) until the stage thread's next :meth:`drop_revoked`."""
+        with self._revoked_lock:
+            self.revoked.update(partitions)
+
+    def drop_revoked(self) -> None:
+        """Forget the queued prompts of partitions a rebalance took away: their new owner
+        samples them (sampling them here too would spend credit on duplicates)."""
+        with self._revoked_lock:
+            gone = {(tp.topic, tp.partition) for tp in self.revoked}
+            self.revoked = set()
+        if not gone:
+            return
+        self.items = [i for i in self.items if (i.delivery.topic, i.delivery.partition) not in gone]
+        self.remaining = {k: n for k, n in self.remaining.items() if k[:2] not in gone}
+        self.pending_gids = {k: g for k, g in self.pending_gids.items() if k[:2] not in gone}
+
+    def enqueue(self, consumer, deliveries) -> None:
+        """Queue the rows of ``deliveries`` with their partition's epoch (an empty
+        message is done at once)."""
+        from kafka import TopicPartition
+
+        self.drop_revoked()
+        for d in deliveries:
+            tp = TopicPartition(d.topic, d.partition)
+            epoch = self.epoch.setdefault(tp, self.saved_epochs.get((tp.topic, tp.partition), 0))
+            rows = d.table.to_pylist()
+            if not rows:
+                consumer.done(d)
+                continue
+            self.remaining[message_key(d)] = len(rows)
+            self.items.extend(_Item(d, r, epoch) for r in rows)
+
+    def maybe_next_epoch(self, consumer) -> None:
+        """Rewind partitions whose prompts were all sampled, if ``epochs`` allows."""
+        from kafka.structs import OffsetAndMetadata
+
+        kc = consumer.kafka
+        for tp in kc.assignment():
+            hw = kc.highwater(tp)
+            if hw is None or kc.position(tp) < hw or tp in self.exhausted_partitions:
+                continue
+            if any(k[0] == tp.topic and k[1] == tp.partition for k in self.remaining):
+                continue
+            epoch = self.epoch.setdefault(tp, self.saved_epochs.get((tp.topic, tp.partition), 0))
+            if epoch + 1 >= self.cfg.epochs:
+                self.exhausted_partitions.add(tp)
+                continue
+            consumer.commit()
+            # the new epoch is durable before any offset of it is committed: a restart
+            # never samples an epoch's group_ids twice (at worst, killed between the two
+            # writes, it skips that epoch)
+            self.producer.send_value(self._state_topic, json.dumps(
+                {"topic": tp.topic, "partition": tp.partition, "epoch": epoch + 1}).encode(),
+                key=f"{tp.topic}:{tp.partition}".encode())
+            self.producer.flush()
+            consumer._tracker.forget([tp])  # offsets restart at 0 for the next epoch
+            kc.seek(tp, 0)
+            kc.commit({tp: OffsetAndMetadata(0, "", -1)})
+            self.epoch[tp] = epoch + 1
+            self.stats.epochs_started += 1
+            log.info("%s: %s[%d] epoch %d", self.cfg.engine_id, tp.topic, tp.partition, epoch + 1)
+
+    def exhausted(self, consumer) -> bool:
+        """Every prompt partition assigned to ``consumer`` has been sampled for all epochs
+        and nothing is queued (False while no partition is assigned)."""
+        assigned = consumer.kafka.assignment()
+        return (
+            bool(assigned)
+            and all(tp in self.exhausted_partitions for tp in assigned)
+            and not self.items
+            and not self.remaining
+        )
+
+    def finish(self, consumer, items: list[_Item]) -> None:
+        """Count ``items`` (taken from :attr:`items`) as finished; messages with no row
+        left are done: the producer is flushed, then they are committed."""
+        done = []
+        for item in items:
+            k = message_key(item.delivery)
+            if k not in self.remaining:  # its partition was revoked meanwhile
+                continue
+            self.remaining[k] -= 1
+            if self.remaining[k] == 0:
+                del self.remaining[k]
+                self.pending_gids.pop(k, None)  # committed below
+                done.append(item.delivery)
+        if done:
+            self.producer.flush()
+            consumer.done(done)
+            consumer.commit()

@@ -1,0 +1,143 @@
+"""Sampling: the engine and environments a config asks for, ``G`` samples per prompt in
+one engine call (:func:`sample_groups`), and the ROLLOUTS rows of a group
+(:func:`rollout_batch`)."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import time
+from collections.abc import Callable
+
+import pyarrow as pa
+
+from relax.consumers.engines.base import Engine, SamplingParams
+from relax.consumers.multiturn import Episode
+from relax.consumers.rollout.config import RolloutConfig
+from relax.schemas.v1 import ROLLOUTS
+from relax.schemas.validate import validate
+
+
+def load_environment_factory(spec: str) -> Callable[[], object]:
+    """``module:function`` -> the function (called once per sample for a new environment).
+
+    Raises:
+        ValueError: not of the form ``module:function`` or not found (names it).
+    """
+    mod, sep, fn = spec.partition(":")
+    if not sep or not mod or not fn:
+        raise ValueError(f"environment must be 'module:function', got {spec!r}")
+    try:
+        return getattr(importlib.import_module(mod), fn)
+    except (ImportError, AttributeError) as e:
+        raise ValueError(f"environment {spec!r} cannot be loaded: {e}") from e
+
+
+def build_engine(cfg: RolloutConfig) -> Engine:
+    """The engine a config asks for (HF loads the model; SGLang connects to its server)."""
+    if cfg.engine == "hf":
+        from relax.consumers.engines.hf import HFEngine
+
+        return HFEngine(
+            cfg.model,
+            engine_id=cfg.engine_id,
+            device=cfg.device,
+            partial_rollout=cfg.partial_rollout,
+            chunk_tokens=cfg.chunk_tokens,
+        )
+    from relax.consumers.engines.sglang import SGLangEngine
+    from relax.trainer.models import load_tokenizer
+
+    return SGLangEngine(cfg.sglang_url, load_tokenizer(cfg.model), engine_id=cfg.engine_id)
+
+
+def _ms() -> int:
+    return int(time.time() * 1000)
+
+
+def rollout_batch(
+    prompt_row: dict,
+    group_id: str,
+    samples: list[Episode],
+    cfg: RolloutConfig,
+    engine_id: str,
+    started_at: int,
+    finished_at: int,
+) -> pa.RecordBatch:
+    """ROLLOUTS rows of one group (validated).
+
+    Raises:
+        relax.schemas.validate.SchemaError: a row breaks the schema (a bug: never sent).
+    """
+    rows = []
+    for k, e in enumerate(samples):
+        rows.append(
+            dict(
+                rollout_id=f"{group_id}/{k}",
+                group_id=group_id,
+                prompt_id=prompt_row["prompt_id"],
+                dataset=prompt_row["dataset"],
+                sample_index=k,
+                group_size=len(samples),
+                prompt_ids=e.prompt_ids,
+                response_ids=e.response_ids,
+                loss_mask=e.loss_mask,
+                logprobs=e.logprobs,
+                token_policy_versions=e.token_policy_versions if e.versions_recorded else None,
+                policy_version_start=e.policy_version_start,
+                policy_version_end=e.policy_version_end,
+                finish_reason=e.finish_reason,
+                turns=[{"role": t["role"], "start": t["start"], "end": t["end"]} for t in e.turns],
+                prompt_text=prompt_row["prompt"],
+                response_text=e.response_text,
+                label=prompt_row.get("label"),
+                metadata=_metadata(prompt_row, e),
+                media=prompt_row.get("media"),
+                temperature=cfg.temperature,
+                top_p=cfg.top_p,
+                top_k=cfg.top_k,
+                engine_id=engine_id,
+                started_at=started_at,
+                finished_at=finished_at,
+            )
+        )
+    batch = pa.RecordBatch.from_pylist(rows, schema=ROLLOUTS)
+    validate(batch, "rollouts")
+    return batch
+
+
+def _metadata(prompt_row: dict, e: Episode) -> str:
+    if not e.rewards:
+        return prompt_row["metadata"]
+    meta = json.loads(prompt_row["metadata"] or "{}")
+    meta["env_rewards"] = e.rewards
+    return json.dumps(meta)
+
+
+def sample_groups(
+    engine: Engine, prompts: list[list[int]], group_size: int, params: SamplingParams
+) -> list[list[Episode]]:
+    """``group_size`` samples of each prompt in one engine call; ``[groups][G]`` episodes."""
+    gens = engine.generate([p for p in prompts for _ in range(group_size)], params)
+    out = []
+    for gi, p in enumerate(prompts):
+        group = []
+        for g in gens[gi * group_size : (gi + 1) * group_size]:
+            n = len(g.token_ids)
+            group.append(
+                Episode(
+                    prompt_ids=list(p),
+                    response_ids=list(g.token_ids),
+                    loss_mask=[1] * n,
+                    logprobs=list(g.logprobs),
+                    token_policy_versions=list(g.token_policy_versions or []),
+                    versions_recorded=g.token_policy_versions is not None,
+                    policy_version_start=g.policy_version_start,
+                    policy_version_end=g.policy_version_end,
+                    finish_reason=g.finish_reason,
+                    turns=[{"role": "assistant", "start": 0, "end": n}],
+                    texts=[g.text],
+                )
+            )
+        out.append(group)
+    return out

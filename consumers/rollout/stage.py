@@ -1,0 +1,382 @@
+"""The rollout stage's loop (:class:`RolloutStage`): learn the trainer's progress, wait
+for credit or weights, sample, produce, commit. See the package docstring
+(:mod:`relax.consumers.rollout`) for the flow, delivery, budget, weights and epochs."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import time
+from collections.abc import Callable
+
+from relax.consumers.engines.base import Engine
+from relax.consumers.multiturn import (
+    Episode,
+    TemplateError,
+    prompt_messages,
+    render_ids,
+    run_episodes,
+)
+from relax.consumers.rollout import credit
+from relax.consumers.rollout.config import RolloutConfig
+from relax.consumers.rollout.errors import route_prompt_error
+from relax.consumers.rollout.metrics import RolloutStats, emit_metrics
+from relax.consumers.rollout.progress import TrainerProgress
+from relax.consumers.rollout.prompts import PromptQueue, _Item, message_key
+from relax.consumers.rollout.sampling import (
+    _ms,
+    build_engine,
+    load_environment_factory,
+    rollout_batch,
+    sample_groups,
+)
+from relax.consumers.rollout.state import SavedState, saved_state
+from relax.schemas import topics
+from relax.streams.client import ensure_topics
+from relax.trainer.cores import BusyFlag
+
+log = logging.getLogger(__name__)
+
+
+class RolloutStage:
+    """One rollout instance: ``RolloutStage(cfg).run(should_stop)``.
+
+    Args:
+        cfg: the settings.
+        engine: an engine to use instead of building one from ``cfg`` (tests, sharing).
+    """
+
+    def __init__(self, cfg: RolloutConfig, engine: Engine | None = None):
+        self.cfg = cfg
+        self.engine = engine if engine is not None else build_engine(cfg)
+        self.tokenizer = self.engine.tokenizer
+        self.prompts_topic = topics.prompts_topic(cfg.dataset)
+        self.rollouts_topic = topics.run_topic(cfg.run, topics.ROLLOUTS)
+        self.stats = RolloutStats()
+        self.trainer_version: int | None = None
+        self.base_version: int | None = None
+        self.groups_started = 0
+        self._env_factory = load_environment_factory(cfg.environment) if cfg.environment else None
+        self._state_topic = topics.rollout_state_topic(cfg.run)
+        self._prompts = PromptQueue(cfg, self._state_topic, self.stats)
+        self._saved = SavedState()
+        self._started_total = 0  # groups this engine_id started, all its incarnations
+        self._subscriber = None
+        self._behind_since: float | None = None
+        self._warned_behind = False
+        self._progress: TrainerProgress | None = None
+        self._consumed0 = 0
+        self._started_ids: set[str] = set()
+        self._busy = BusyFlag(cfg.busy_dir, cfg.engine_id) if cfg.busy_dir else None
+
+    # ---------------------------------------------------------------- budget
+    def _consumed(self) -> int | None:
+        p = self._progress
+        return None if p is None else credit.consumed_since(p.consumed, self._consumed0)
+
+    def budget(self) -> int:
+        """Groups this instance may still start now (:func:`credit.credit_left`)."""
+        return credit.credit_left(
+            self.trainer_version or 0,
+            self.base_version or 0,
+            self.cfg.max_staleness,
+            self.cfg.batch_groups,
+            self.groups_started,
+            self.cfg.instance_index,
+            self.cfg.num_instances,
+            groups_consumed=self._consumed(),
+            groups_needed=None if self._progress is None else self._progress.needed,
+        )
+
+    def groups_in_flight(self) -> int:
+        """Groups this instance started that the trainer has not decided yet (its share;
+        :func:`credit.groups_in_flight`)."""
+        return credit.groups_in_flight(
+            self.trainer_version or 0,
+            self.base_version or 0,
+            self.cfg.batch_groups,
+            self.groups_started,
+            self.cfg.instance_index,
+            self.cfg.num_instances,
+            groups_consumed=self._consumed(),
+        )
+
+    def _learn(self, reader, timeout_s: float) -> None:
+        """Read announcements (waiting up to ``timeout_s``) and trainer progress."""
+        self._read_announcements(reader, timeout_s)
+        if self._progress is not None:
+            self._progress.poll(0.0)
+
+    def _idle(self, consumer, wait: Callable[[], object]) -> None:
+        """Wait without taking prompts: pause the assigned partitions, poll (the group
+        stays alive; partitions assigned by a rebalance just now may still deliver: those
+        are queued), run ``wait``, resume."""
+        kc = consumer.kafka
+        assigned = list(kc.assignment())
+        kc.pause(*assigned)
+        try:
+            self._prompts.enqueue(consumer, consumer.poll(0))
+            wait()
+        finally:
+            kc.resume(*assigned)
+
+    def weights_needed(self) -> int | None:
+        """The oldest policy_version a group started now may be sampled with: it will be
+        consumed ``in_flight // batch_groups`` steps after the trainer's current version
+        (the groups already in flight go first), and must then have staleness <=
+        max_staleness. None when the trainer's version is unknown
+        (:func:`credit.oldest_usable_version`)."""
+        return credit.oldest_usable_version(
+            self.trainer_version,
+            None if self._progress is None else self._progress.version,
+            self.groups_in_flight(),
+            self.cfg.batch_groups,
+            self.cfg.max_staleness,
+            self.cfg.num_instances,
+        )
+
+    def _weights_behind(self) -> bool:
+        """The engine's weights (staged included) are older than :meth:`weights_needed`
+        (a group started now would be dropped as stale), and ``weights_wait_s`` has not
+        run out."""
+        need = self.weights_needed()
+        if self._subscriber is None or need is None:
+            return False
+        have = max(self.engine.policy_version, getattr(self.engine, "pending_version", None) or 0)
+        if have >= need:
+            self._behind_since, self._warned_behind = None, False
+            return False
+        now = time.monotonic()
+        self._behind_since = self._behind_since or now
+        if now - self._behind_since > self.cfg.weights_wait_s:
+            if self._warned_behind:
+                return False
+            self._warned_behind = True
+            log.warning(
+                "%s: weights v%d are older than the v%d a new group needs after %.0fs; "
+                "sampling anyway",
+                self.cfg.engine_id,
+                have,
+                need,
+                self.cfg.weights_wait_s,
+            )
+            return False
+        return True
+
+    def _read_announcements(self, reader, timeout_s: float) -> None:
+        reader.poll(timeout_s)
+        if reader.latest_version is not None:
+            self.trainer_version = max(self.trainer_version or 0, reader.latest_version)
+
+    # ---------------------------------------------------------------- prompts
+    def exhausted(self, consumer) -> bool:
+        """Every prompt partition assigned to ``consumer`` has been sampled for all epochs
+        and nothing is queued (False while no partition is assigned)."""
+        return self._prompts.exhausted(consumer)
+
+    # ---------------------------------------------------------------- sampling
+    def _templated(self, row: dict) -> dict:
+        if self.cfg.prompt_template == "{prompt}":
+            return row
+        return {**row, "prompt": self.cfg.prompt_template.format(prompt=row["prompt"])}
+
+    def _render(self, item: _Item) -> list[int]:
+        return render_ids(self.tokenizer, prompt_messages(self._templated(item.row)))
+
+    def _sample(self, items: list[_Item], prompt_ids: list[list[int]]) -> list[list[Episode]]:
+        with self._busy.busy() if self._busy else contextlib.nullcontext():
+            return self._sample_now(items, prompt_ids)
+
+    def _sample_now(self, items: list[_Item], prompt_ids: list[list[int]]) -> list[list[Episode]]:
+        seed = None if self.cfg.seed is None else self.cfg.seed + self.groups_started
+        params = self.cfg.sampling(seed)
+        if self._env_factory is None:
+            return sample_groups(self.engine, prompt_ids, self.cfg.group_size, params)
+        out = []
+        for item in items:
+            envs = [self._env_factory() for _ in range(self.cfg.group_size)]
+            out.append(
+                run_episodes(
+                    self.engine,
+                    self.tokenizer,
+                    envs,
+                    self._templated(item.row),
+                    params,
+                    max_turns=self.cfg.max_turns,
+                    max_total_tokens=self.cfg.max_total_tokens,
+                )
+            )
+        return out
+
+    def process_once(self, consumer, producer, reader) -> int:
+        """One turn: learn the trainer's version, fetch prompts if needed, sample up to
+        ``groups_per_generate`` groups within the budget, produce, flush, commit.
+
+        Returns:
+            groups produced (0 when waiting for prompts or for budget).
+        """
+        self._learn(reader, 0.0)
+        if self._weights_behind():
+            self.stats.weight_waits += 1
+            t0 = time.perf_counter()
+            self._idle(consumer, lambda: self._subscriber.poll(self.cfg.poll_timeout_s))
+            self.stats.weight_wait_s += time.perf_counter() - t0
+            return 0
+        left = self.budget()
+        if left <= 0:
+            self.stats.budget_waits += 1
+            t0 = time.perf_counter()
+            self._idle(consumer, lambda: self._learn(reader, self.cfg.poll_timeout_s))
+            self.stats.budget_wait_s += time.perf_counter() - t0
+            return 0
+        queue = self._prompts
+        if not queue.items:
+            queue.fetch(consumer)
+        if not queue.items:
+            return 0
+        take = queue.items[: credit.groups_per_call(left, self.cfg.groups_per_generate)]
+        items, prompt_ids = [], []
+        for item in take:
+            queue.items.remove(item)
+            gid = f"{item.row['prompt_id']}:{item.epoch}"
+            if gid in self._started_ids:  # a redelivered or repeated prompt: group exists
+                self.stats.repeated_prompts += 1
+                continue
+            self._started_ids.add(gid)
+            try:
+                prompt_ids.append(self._render(item))
+                items.append(item)
+            except (TemplateError, ValueError, TypeError, KeyError) as e:
+                self.stats.prompt_errors += 1
+                route_prompt_error(producer, item, e, self.cfg.engine_id)
+        if items:
+            self._produce(items, prompt_ids, producer)
+        queue.finish(consumer, take)
+        return len(items)
+
+    def _produce(self, items, prompt_ids, producer) -> None:
+        started = _ms()
+        t0 = time.perf_counter()
+        self.groups_started += len(items)
+        groups = self._sample(items, prompt_ids)
+        self.stats.generate_s += time.perf_counter() - t0
+        finished = _ms()
+        for item, samples in zip(items, groups):
+            group_id = f"{item.row['prompt_id']}:{item.epoch}"
+            batch = rollout_batch(
+                item.row, group_id, samples, self.cfg, self.cfg.engine_id, started, finished
+            )
+            producer.send(self.rollouts_topic, batch)
+            self._prompts.pending_gids.setdefault(message_key(item.delivery), []).append(group_id)
+            self.stats.groups += 1
+            self.stats.samples += len(samples)
+            self.stats.tokens += sum(sum(e.loss_mask) for e in samples)
+        self._started_total += len(items)
+        self._save_started(producer)
+
+    def _save_started(self, producer) -> None:
+        """Record the groups started and those whose prompts are not yet committed, after
+        the groups themselves are acknowledged: a successor then neither loses their
+        credit nor samples their prompts again (a record lost in a kill is harmless: the
+        successor re-samples exactly the groups it does not count)."""
+        producer.flush()
+        pending = [g for gids in self._prompts.pending_gids.values() for g in gids]
+        producer.send_value(self._state_topic, json.dumps(
+            {"engine_id": self.cfg.engine_id, "started": self._started_total,
+             "pending": pending}).encode(), key=f"started:{self.cfg.engine_id}".encode())
+        producer.flush()
+
+    # ---------------------------------------------------------------- run loop
+    def ensure_topics(self) -> None:
+        """Create ``<run>.rollouts`` (``rollouts_partitions``), ``<run>.metrics``,
+        ``<run>.rollout_state`` and ``prompts.<dataset>.errors`` if missing (existing
+        topics are left as they are)."""
+        from relax.streams.client import topic_partitions
+
+        metrics = topics.run_topic(self.cfg.run, topics.METRICS)
+        errors = topics.errors_topic(self.prompts_topic)
+        want = {self.rollouts_topic: self.cfg.rollouts_partitions, metrics: 1, errors: 1,
+                self._state_topic: 1}
+        have = topic_partitions(self.cfg.bus, list(want))
+        todo = {t: n for t, n in want.items() if not have.get(t)}
+        if todo:
+            ensure_topics(self.cfg.bus, todo)
+
+    def run(
+        self, should_stop: Callable[[], bool] = lambda: False, *, stop_when_exhausted: bool = False
+    ) -> RolloutStats:
+        """Run until ``should_stop()`` (or, with ``stop_when_exhausted``, until every epoch
+        of the assigned prompts was sampled); returns the counters."""
+        from relax.streams.consumer import BatchConsumer
+        from relax.streams.metrics import MetricsWriter
+        from relax.streams.producer import BatchProducer
+        from relax.streams.weights import AnnouncementReader, WeightSubscriber
+
+        cfg = self.cfg
+        self.ensure_topics()
+        self._saved = saved_state(cfg.bus, self._state_topic)
+        self._prompts.saved_epochs = self._saved.epochs
+        self._started_total = self._saved.started.get(cfg.engine_id, 0)
+        # the groups of prompts that will come again were produced already: not again
+        self._started_ids.update(self._saved.pending.get(cfg.engine_id, []))
+        self._prompts.producer = producer = BatchProducer(
+            cfg.bus, producer_id=f"{cfg.run}-{cfg.engine_id}")
+        consumer = BatchConsumer(
+            cfg.bus,
+            topics.group(cfg.run, "rollout"),
+            [self.prompts_topic],
+            stage=f"rollout/{cfg.engine_id}",
+            from_beginning=cfg.from_beginning,
+            error_producer=producer,
+            on_revoke=self._prompts.note_revoked,
+        )
+        reader = AnnouncementReader(cfg.bus, cfg.run)
+        self._progress = TrainerProgress(cfg.bus, cfg.run)
+        metrics = MetricsWriter(producer, cfg.run, cfg.engine_id)
+        if cfg.follow_weights and hasattr(self.engine, "update_weights") and cfg.engine == "hf":
+            self._subscriber = WeightSubscriber(
+                cfg.bus,
+                cfg.run,
+                member_id=cfg.engine_id,
+                target=self.engine,
+                device=getattr(self.engine, "device", "cpu"),
+                rendezvous=cfg.weights_rendezvous,
+            ).start()
+        try:
+            self._learn(reader, 1.0)
+            self._progress.poll(1.0)
+            self.base_version = self.trainer_version or 0
+            self.trainer_version = self.base_version
+            self._consumed0 = self._progress.consumed or 0
+            # what a predecessor started and the trainer has not decided is in flight: it
+            # holds credit as if this instance had started it (exact for one instance)
+            self.groups_started = credit.inherited_in_flight(
+                self._started_total, self._consumed0, cfg.instance_index, cfg.num_instances)
+            last_metrics, last_tokens, last_t = time.monotonic(), 0, time.monotonic()
+            while not should_stop():
+                if self._subscriber is not None:
+                    self._subscriber.poll(0)  # raises if its thread died
+                self.process_once(consumer, producer, reader)
+                if stop_when_exhausted and self.exhausted(consumer):
+                    break
+                now = time.monotonic()
+                if now - last_metrics >= cfg.metrics_every_s:
+                    self._emit_metrics(metrics, (self.stats.tokens - last_tokens) / (now - last_t))
+                    producer.flush()
+                    last_metrics, last_tokens, last_t = now, self.stats.tokens, now
+            self._emit_metrics(metrics, None)
+            producer.flush()
+            consumer.commit()
+        finally:
+            if self._subscriber is not None:
+                self._subscriber.close()
+            reader.close()
+            self._progress.close()
+            consumer.close()
+            producer.close()
+        return self.stats
+
+    def _emit_metrics(self, metrics, tokens_per_s: float | None) -> None:
+        v = getattr(self.engine, "policy_version", None)
+        emit_metrics(metrics, self.stats, self.groups_in_flight(), v, tokens_per_s)

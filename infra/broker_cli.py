@@ -1,0 +1,143 @@
+"""``relax broker start|stop|status``: the local broker (Tansu or Apache Kafka) from the
+command line; :mod:`relax.infra.broker` does the work and keeps the state file.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import typer
+
+broker_app = typer.Typer(no_args_is_help=True,
+                         help="Start, stop or inspect the local broker (Tansu or Apache Kafka).")
+
+
+@broker_app.command("start")
+def broker_start(port: Optional[int] = typer.Option(None, help="TCP port (default: a free one); "
+                                                    "Kafka: the first node's, then port+1, ..."),
+                 host: str = typer.Option("127.0.0.1", help="address to listen on"),
+                 kind: str = typer.Option("tansu", help="tansu (in memory, starts in "
+                                          "milliseconds) or kafka (Apache Kafka, durable; needs "
+                                          "java and `make install`)"),
+                 brokers: Optional[int] = typer.Option(
+                     None, help="kafka: nodes in the KRaft cluster, 1 or 3 (default 1, or as "
+                     "many as the --dir cluster has)"),
+                 data_dir: Optional[str] = typer.Option(
+                     None, "--dir", help="kafka: folder for its configs, logs and data (default "
+                     "$RELAX_HOME/kafka); a folder that holds a cluster starts it again as it was")
+                 ) -> None:
+    """Start a local broker in the background and record it in $RELAX_HOME/broker.json.
+
+    With --port, a broker recorded on another port may keep running: each is recorded
+    (`relax broker stop --port` stops one)."""
+    import time
+    from pathlib import Path
+
+    from relax.infra.broker import KINDS, pid_alive, relax_home, save_state, start_broker, status
+    from relax.infra.kafka_broker import start_kafka
+
+    if kind not in KINDS:
+        raise typer.BadParameter(f"unknown broker kind {kind!r}; valid: {', '.join(KINDS)}",
+                                 param_hint="--kind")
+    if kind == "tansu" and (brokers is not None or data_dir):
+        raise typer.BadParameter("--brokers and --dir are for --kind kafka (Tansu is one "
+                                 "process and keeps nothing on disk)")
+    if brokers not in (None, 1, 3):
+        raise typer.BadParameter(f"--brokers must be 1 or 3, got {brokers}",
+                                 param_hint="--brokers")
+    handle, running = status(port=port)  # --port: the one recorded there; else the last
+    if running:
+        typer.echo(f"broker already running: kind={handle.kind} "
+                   f"pid={','.join(map(str, handle.pids))} bootstrap={handle.bootstrap}")
+        raise typer.Exit(1)
+    if handle is not None and any(pid_alive(p) for p in handle.pids):
+        same = (kind == handle.kind == "kafka"
+                and (data_dir is None or Path(data_dir).resolve() == Path(handle.data_dir)))
+        if not same:
+            typer.echo(f"the recorded {handle.kind} broker is partly running "
+                       f"(pid={','.join(map(str, handle.pids))}): `relax broker stop` it first")
+            raise typer.Exit(1)
+        data_dir = handle.data_dir  # start its stopped nodes again
+    t0 = time.monotonic()
+    try:
+        if kind == "kafka":
+            h = start_kafka(data_dir or relax_home() / "kafka", brokers=brokers, port=port,
+                            host=host)
+        else:
+            h = start_broker(port, host)
+    except (FileNotFoundError, ValueError, OSError, TimeoutError) as e:
+        typer.echo(f"broker not started: {e}", err=True)
+        raise typer.Exit(1) from None
+    save_state(h)
+    where = f"dir={h.data_dir}" if h.data_dir else f"log={h.log_path}"
+    typer.echo(f"broker started: kind={h.kind} pid={','.join(map(str, h.pids))} "
+               f"bootstrap={h.bootstrap} {where} ({time.monotonic() - t0:.1f}s)")
+
+
+@broker_app.command("stop")
+def broker_stop(port: Optional[int] = typer.Option(
+        None, help="stop the broker recorded on this port (any of a Kafka cluster's); "
+        "needed when several brokers are recorded")) -> None:
+    """Stop a recorded broker, every node of it (SIGTERM, then SIGKILL after 30 s): the one
+    on --port, else the only one recorded."""
+    from relax.infra.broker import forget_state, load_states, stop_broker
+
+    handles = load_states()
+    if not handles:
+        typer.echo("no broker recorded")
+        raise typer.Exit(0)
+    recorded = ", ".join(f"{h.kind} on {','.join(map(str, h.ports))}" for h in handles)
+    if port is not None:
+        handles = [h for h in handles if port in h.ports]
+        if not handles:
+            typer.echo(f"error: no broker recorded on port {port}; recorded: {recorded}",
+                       err=True)
+            raise typer.Exit(1)
+    elif len(handles) > 1:
+        typer.echo(f"error: {len(handles)} brokers recorded ({recorded}): say which one with "
+                   "--port PORT", err=True)
+        raise typer.Exit(1)
+    h = handles[-1]
+    stop_broker(h)
+    forget_state(h)
+    typer.echo(f"broker stopped: kind={h.kind} pid={','.join(map(str, h.pids))} "
+               f"bootstrap={h.bootstrap}")
+
+
+@broker_app.command("status")
+def broker_status(port: Optional[int] = typer.Option(
+        None, help="the broker recorded on this port (default: the one recorded last)")) -> None:
+    """Print whether the recorded broker runs, each node for Kafka (exit code 1 if not)."""
+    from relax.infra.broker import pid_alive, port_open, status
+
+    h, running = status(port=port)
+    if h is None:
+        typer.echo("no broker recorded" + (f" on port {port}" if port is not None else ""))
+        raise typer.Exit(1)
+    typer.echo(f"{'running' if running else 'not running'}: kind={h.kind} "
+               f"pid={','.join(map(str, h.pids))} bootstrap={h.bootstrap}"
+               + (f" dir={h.data_dir}" if h.data_dir else ""))
+    for n in h.nodes:
+        up = pid_alive(n.pid) and port_open(h.host, n.port)
+        typer.echo(f"  node {n.node_id}: {'up' if up else 'down'} pid={n.pid} "
+                   f"port={n.port} log={n.log_path}")
+    raise typer.Exit(0 if running else 1)
+
+
+@broker_app.command("tool", context_settings={"allow_extra_args": True,
+                                               "ignore_unknown_options": True})
+def broker_tool(ctx: typer.Context, name: str = typer.Argument(
+        ..., help="consumer-groups | console-consumer | topics")) -> None:
+    """Run one of Apache Kafka's own tools (kafka-NAME.sh) on any Kafka-protocol broker,
+    e.g. `relax broker tool consumer-groups --bootstrap-server HOST:PORT --describe
+    --all-groups` (needs java and `make install`); exits with the tool's exit code."""
+    import subprocess
+
+    from relax.infra.kafka_broker import kafka_tool_cmd
+
+    try:
+        cmd = kafka_tool_cmd(name, list(ctx.args))
+    except (ValueError, FileNotFoundError) as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2) from None
+    raise typer.Exit(subprocess.run(cmd, check=False).returncode)

@@ -1,0 +1,245 @@
+"""The monitor's I/O half: :class:`RunReader` reads a run's topics, consumer groups and
+new messages off the bus into a :class:`Reading`, folding metric and train_samples rows
+into :class:`MetricsFold` / :class:`SamplesFold` as they arrive (see
+:mod:`relax.infra.monitor` for the snapshot built from readings). Nothing here commits
+offsets or joins a consumer group.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass, field
+
+from relax.schemas import metric_names as mn
+from relax.schemas import topics as topic_names
+from relax.streams.client import BusConfig
+
+# --- folding rows into aggregates (pure, incremental) ---------------------------------
+
+
+@dataclass
+class MetricsFold:
+    """Aggregates of ``<run>.metrics`` rows seen so far.
+
+    Attributes:
+        staleness: ``{k: samples}`` summed over every ``staleness_hist.<k>`` row.
+        reward / accuracy: ``{policy_version: [sum, count]}`` of trainer rows.
+        step_s / data_wait_s: ``{policy_version: seconds}`` of trainer rows (last value).
+        samples_trained: ``{policy_version: samples}`` of trainer rows (summed).
+        latest: ``{component: {name: value}}``, the newest value of every metric.
+        rows: metric rows folded.
+    """
+
+    staleness: dict[int, float] = field(default_factory=dict)
+    reward: dict[int, list] = field(default_factory=dict)
+    accuracy: dict[int, list] = field(default_factory=dict)
+    step_s: dict[int, float] = field(default_factory=dict)
+    data_wait_s: dict[int, float] = field(default_factory=dict)
+    samples_trained: dict[int, float] = field(default_factory=dict)
+    latest: dict[str, dict[str, float]] = field(default_factory=dict)
+    rows: int = 0
+
+    def add(self, rows: list[dict]) -> None:
+        """Fold metric rows (dicts of the ``metrics`` schema) in read order."""
+        for r in rows:
+            self.rows += 1
+            name, value, v, comp = r["name"], r["value"], r["policy_version"], r["component"]
+            self.latest.setdefault(comp, {})[name] = value
+            if name.startswith(mn.STALENESS_HIST_PREFIX):
+                k = name[len(mn.STALENESS_HIST_PREFIX):]
+                if k.isdigit():
+                    self.staleness[int(k)] = self.staleness.get(int(k), 0.0) + value
+                continue
+            if v is None or not comp.startswith("trainer"):
+                continue
+            if name == mn.REWARD_MEAN:
+                acc = self.reward.setdefault(v, [0.0, 0])
+                acc[0] += value
+                acc[1] += 1
+            elif name == mn.ACCURACY:
+                acc = self.accuracy.setdefault(v, [0.0, 0])
+                acc[0] += value
+                acc[1] += 1
+            elif name == mn.STEP_S:
+                self.step_s[v] = value
+            elif name == mn.DATA_WAIT_S:
+                self.data_wait_s[v] = value
+            elif name == mn.SAMPLES_TRAINED:
+                self.samples_trained[v] = self.samples_trained.get(v, 0.0) + value
+
+
+@dataclass
+class SamplesFold:
+    """Per ``policy_version_start``: ``[samples, reward sum, samples with reward > 0]`` of
+    the ``train_samples`` rows seen so far (rows with a null reward are skipped)."""
+
+    versions: dict[int, list] = field(default_factory=dict)
+
+    def add(self, table) -> None:
+        """Fold a ``train_samples`` table."""
+        for v, r in zip(table.column("policy_version_start").to_pylist(),
+                        table.column("reward").to_pylist()):
+            if r is None:
+                continue
+            acc = self.versions.setdefault(v, [0, 0.0, 0])
+            acc[0] += 1
+            acc[1] += r
+            acc[2] += r > 0
+
+
+# --- reading the bus ---------------------------------------------------------------
+
+
+@dataclass
+class Reading:
+    """Everything one :meth:`RunReader.read` saw.
+
+    Attributes:
+        run: run name. ts: wall time of the read (seconds since epoch).
+        watermarks: ``{topic: {partition: high watermark}}`` of the run's topics, their
+            error topics and the topics its consumer groups committed on.
+        committed: ``{group: {topic: {partition: committed offset}}}`` for groups ``<run>.*``.
+        rows / bytes: ``{topic: rows / message bytes read}`` since the reader started
+            (cumulative; rates come from two readings).
+        metrics / samples: aggregates of the metrics and train_samples rows read so far.
+    """
+
+    run: str
+    ts: float
+    watermarks: dict[str, dict[int, int]]
+    committed: dict[str, dict[str, dict[int, int]]]
+    rows: dict[str, int]
+    bytes: dict[str, int]
+    metrics: MetricsFold
+    samples: SamplesFold
+
+
+class RunReader:
+    """Reads a run's state from the bus incrementally (see the module docstring).
+
+    Args:
+        cfg: bus settings.
+        run: run name.
+        max_bytes_per_read: stop reading new messages after this many bytes in one
+            :meth:`read` (the rest comes next time), so refreshes stay short.
+        timeout_s: longest time one read spends fetching messages (seconds).
+    """
+
+    def __init__(self, cfg: BusConfig, run: str, max_bytes_per_read: int = 64 << 20,
+                 timeout_s: float = 10.0):
+        self.cfg, self.run = cfg, topic_names.check_name("run", run)
+        self.max_bytes, self.timeout_s = max_bytes_per_read, timeout_s
+        self.positions: dict[tuple[str, int], int] = {}
+        self.rows: dict[str, int] = {}
+        self.bytes: dict[str, int] = {}
+        self.metrics = MetricsFold()
+        self.samples = SamplesFold()
+        self._consumer = None
+        self._metrics_topic = topic_names.run_topic(run, topic_names.METRICS)
+        self._samples_topic = topic_names.run_topic(run, topic_names.TRAIN_SAMPLES)
+
+    def read(self) -> Reading:
+        """One look at the run (about 3 admin/fetch round trips plus the new messages).
+
+        Raises:
+            kafka.errors.KafkaError: the cluster cannot be reached.
+        """
+        from relax.streams.client import list_topics
+        from relax.streams.lag import group_offsets, high_watermarks, list_groups
+
+        existing = set(list_topics(self.cfg))
+        run_topics = sorted(t for t in existing if topic_names.run_of(t) == self.run)
+        groups = [g for g in list_groups(self.cfg) if g.startswith(self.run + ".")]
+        committed: dict[str, dict[str, dict[int, int]]] = {}
+        for g in groups:
+            per: dict[str, dict[int, int]] = {}
+            for (t, p), off in group_offsets(self.cfg, g).items():
+                per.setdefault(t, {})[p] = off
+            committed[g] = per
+        inputs = {t for per in committed.values() for t in per if t in existing}
+        inputs |= {topic_names.errors_topic(t) for t in inputs
+                   if topic_names.errors_topic(t) in existing}
+        watched = sorted(set(run_topics) | inputs)
+        hw: dict[str, dict[int, int]] = {}
+        for (t, p), end in (high_watermarks(self.cfg, watched) if watched else {}).items():
+            hw.setdefault(t, {})[p] = end
+        for t in run_topics:  # topics read for rates (others get no rows/s)
+            self.rows.setdefault(t, 0)
+            self.bytes.setdefault(t, 0)
+        # metrics first: once the trainer reports reward, train_samples is not re-read
+        self._read_new([t for t in run_topics if t == self._metrics_topic], hw)
+        self._read_new([t for t in run_topics if t != self._metrics_topic], hw)
+        return Reading(self.run, time.time(), hw, committed, dict(self.rows), dict(self.bytes),
+                       self.metrics, self.samples)
+
+    def _start(self, topic: str, end: int) -> int:
+        # metrics are read from the start (history of the curves), train_samples too
+        # unless the trainer already reports reward (then they are not needed); other
+        # topics only for rates, from where they are when first seen
+        if topic == self._metrics_topic:
+            return 0
+        if topic == self._samples_topic and not (self.metrics.reward or self.metrics.accuracy):
+            return 0
+        return end
+
+    def _read_new(self, topics: list[str], hw: dict[str, dict[int, int]]) -> None:
+        from kafka import KafkaConsumer, TopicPartition
+
+        from relax.streams.client import consumer_kwargs
+
+        todo = {}
+        for t in topics:
+            for p, end in hw.get(t, {}).items():
+                pos = self.positions.setdefault((t, p), self._start(t, end))
+                if end > pos:
+                    todo[TopicPartition(t, p)] = end
+        if not todo:
+            return
+        if self._consumer is None:
+            self._consumer = KafkaConsumer(**consumer_kwargs(
+                self.cfg, None, f"relax-monitor-{uuid.uuid4().hex[:6]}"))
+        c = self._consumer
+        c.assign(list(todo))
+        c.resume(*todo)  # kafka-python keeps the paused state when the assignment is unchanged
+        for tp in todo:
+            c.seek(tp, self.positions[(tp.topic, tp.partition)])
+        deadline, nbytes = time.monotonic() + self.timeout_s, 0
+        while todo and time.monotonic() < deadline and nbytes < self.max_bytes:
+            for tp, msgs in c.poll(timeout_ms=200).items():
+                end = todo.get(tp)
+                if end is None:
+                    continue
+                for m in msgs:
+                    if m.offset >= end:
+                        break
+                    nbytes += len(m.value)
+                    self._fold(m)
+                    self.positions[(tp.topic, tp.partition)] = m.offset + 1
+                if c.position(tp) >= end:
+                    self.positions[(tp.topic, tp.partition)] = max(
+                        self.positions[(tp.topic, tp.partition)], min(c.position(tp), end))
+                    todo.pop(tp)
+                    c.pause(tp)
+
+    def _fold(self, m) -> None:
+        from relax.streams.codec import DecodeError, decode
+
+        t = m.topic
+        self.bytes[t] = self.bytes.get(t, 0) + len(m.value)
+        name = topic_names.schema_for_topic(t)
+        try:
+            table = decode(m.value, name)
+        except (DecodeError, ValueError):
+            return  # routed to <topic>.errors by whoever consumes it
+        self.rows[t] = self.rows.get(t, 0) + table.num_rows
+        if t == self._metrics_topic:
+            self.metrics.add(table.to_pylist())
+        elif t == self._samples_topic:
+            self.samples.add(table)
+
+    def close(self) -> None:
+        """Close the Kafka client."""
+        if self._consumer is not None:
+            self._consumer.close(autocommit=False)
+            self._consumer = None

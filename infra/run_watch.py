@@ -1,0 +1,220 @@
+"""Follow a running run until its trainer's last step: print a line per optimizer step,
+restart stalled stages, and fail with a report when a stage fails past its restarts,
+no step comes for ``step_timeout_s``, the broker stops answering or loses its state.
+
+Used by :func:`relax.infra.launch.train` between starting the stages and finishing.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+
+from relax.infra.controller import Controller, StageFailed
+from relax.infra.recipe import Recipe
+from relax.infra.report import stall_report, step_rows
+from relax.infra.watch import broker_state_lost
+from relax.schemas import metric_names as M
+from relax.schemas import topics
+from relax.streams.client import BusConfig
+
+WATCH_EVERY_S = 5.0
+"""Seconds between the controller's stall checks (heartbeats, consumer-group offsets)
+and the broker check."""
+BROKER_GONE_S = 120.0
+"""A run whose broker does not answer for this long fails (seconds)."""
+
+log = logging.getLogger(__name__)
+
+
+class RunFailed(RuntimeError):
+    """A run that cannot go on; the message says why and reports every stage."""
+
+
+class RunTimeout(RunFailed, TimeoutError):
+    """A run that did not finish within the caller's ``timeout_s``."""
+
+
+class MetricsFollower:
+    """Reads ``<run>.metrics`` from the start, incrementally (group-less)."""
+
+    def __init__(self, bus: BusConfig, run: str):
+        from kafka import KafkaConsumer, TopicPartition
+
+        from relax.streams.client import consumer_kwargs
+
+        self.tp = TopicPartition(topics.run_topic(run, topics.METRICS), 0)
+        self.c = KafkaConsumer(**consumer_kwargs(bus, None, f"relax-train-{uuid.uuid4().hex[:6]}"))
+        self.c.assign([self.tp])
+        self.c.seek(self.tp, 0)
+        self.rows: list[dict] = []
+
+    def poll(self, timeout_s: float = 1.0) -> list[dict]:
+        """New metric rows since the last call."""
+        from relax.schemas.validate import SchemaError
+        from relax.streams.codec import DecodeError, decode
+
+        new = []
+        for m in self.c.poll(timeout_ms=int(timeout_s * 1000)).get(self.tp, []):
+            try:
+                new.extend(decode(m.value, "metrics").to_pylist())
+            except (DecodeError, SchemaError) as e:  # not a metrics batch: not ours to stop on
+                log.warning("skipping %s@%d: %s", self.tp.topic, m.offset, e)
+        self.rows.extend(new)
+        return new
+
+    def close(self) -> None:
+        self.c.close(autocommit=False)
+
+
+def step_line(s: dict, total: int) -> str:
+    """One printed line per optimizer step."""
+    wait = s.get(M.DATA_WAIT_S, 0.0) / max(s.get(M.STEP_S, 1e-9), 1e-9)
+    return (f"step {int(s['step']):>3}/{total} policy_version={int(s['step'])} "
+            f"reward={s.get(M.REWARD_MEAN, float('nan')):.3f} "
+            f"acc={s.get(M.ACCURACY, float('nan')):.3f} "
+            f"staleness={s.get(M.STALENESS_MEAN, 0):.2f}/{int(s.get(M.STALENESS_MAX, 0))} "
+            f"samples/s={s.get(M.SAMPLES_PER_S, 0):.2f} wait={100 * wait:.0f}% "
+            f"step_s={s.get(M.STEP_S, 0):.1f} train_s={s.get(M.TRAIN_S, 0):.1f} "
+            f"publish_s={s.get(M.PUBLISH_S, 0):.2f}")
+
+
+class RunWatch:
+    """The watch loop of one run (module docstring).
+
+    Args:
+        recipe, bus, run_dir: the run.
+        controller: its started stages.
+        follower: its metrics.
+        say: where progress lines go.
+        on_step: called with each step's metrics and the run folder.
+    """
+
+    def __init__(self, recipe: Recipe, bus: BusConfig, run_dir: Path, controller: Controller,
+                 follower: MetricsFollower, say: Callable[[str], None],
+                 on_step: Callable[[dict, Path], None] | None = None):
+        self.recipe, self.bus, self.run_dir = recipe, bus, run_dir
+        self.controller, self.follower, self.say, self.on_step = controller, follower, say, on_step
+        self.printed: set[int] = set()
+        self.last_step = self.watched = time.monotonic()
+        self.seen_records: int | None = None
+        self.unreachable_since: float | None = None
+
+    def failed(self, cls: type[RunFailed], why: str) -> RunFailed:
+        """``cls`` with ``why``, the step reached, every stage and the latest metrics."""
+        self.follower.poll(0.5)
+        return cls(f"run {self.recipe.run} {why}, at step {len(self.printed)} of "
+                   f"{self.recipe.trainer.steps}.\nstages:\n{self.controller.describe()}\n"
+                   f"latest metrics:\n"
+                   + (stall_report(self.follower.rows, int(time.time() * 1000))
+                      or "(none written yet)"))
+
+    def until_done(self, stopping: Callable[[], bool], deadline: float | None = None) -> None:
+        """Watch until the trainer is done or ``stopping()``.
+
+        Raises:
+            RunTimeout: ``time.time()`` passed ``deadline``.
+            RunFailed: a stage failed past its restarts, no step for ``step_timeout_s``,
+                or the broker is gone or lost its state.
+        """
+        step_timeout = self.recipe.step_timeout_s
+        done = False
+        while not done and not stopping():
+            if deadline is not None and time.time() > deadline:
+                raise self.failed(RunTimeout, "did not finish in time")
+            if step_timeout and time.monotonic() - self.last_step > step_timeout:
+                raise self.failed(RunFailed, f"made no optimizer step for {step_timeout:.0f}s")
+            try:
+                finished = self.controller.check(0.2)
+                if time.monotonic() - self.watched > WATCH_EVERY_S:
+                    self.watched = time.monotonic()
+                    if not self._broker_answers():
+                        continue
+                    for line in self.controller.watch():
+                        self.say(f"restarted {line}")
+            except StageFailed as e:
+                raise self.failed(RunFailed, f"failed: {e}") from None
+            rows = self.follower.poll(0.5)
+            self._print_steps()
+            done = "trainer" in finished or any(
+                r["component"] == "trainer" and r["name"] == "done" for r in rows)
+
+    def _print_steps(self) -> None:
+        for s in step_rows(self.follower.rows):
+            if s["step"] not in self.printed:
+                self.printed.add(s["step"])
+                self.last_step = time.monotonic()
+                self.say(step_line(s, self.recipe.trainer.steps))
+                if self.on_step is not None:
+                    self.on_step(s, self.run_dir)
+
+    def _broker_answers(self) -> bool:
+        """Check the broker: False while it does not answer (for under BROKER_GONE_S).
+
+        Raises:
+            RunFailed: it has not answered for BROKER_GONE_S, or lost its topics.
+        """
+        from kafka.errors import KafkaError
+
+        bootstrap = self.bus.bootstrap_servers
+        try:
+            records = _metrics_records(self.bus, topics.run_topic(self.recipe.run, topics.METRICS))
+        except (KafkaError, TimeoutError) as e:
+            self.unreachable_since = self.unreachable_since or time.monotonic()
+            if time.monotonic() - self.unreachable_since > BROKER_GONE_S:
+                raise self.failed(RunFailed, f"lost its broker: {bootstrap} has not "
+                                  f"answered for {BROKER_GONE_S:.0f}s ({e})") from None
+            return False
+        self.unreachable_since = None
+        if broker_state_lost(self.seen_records, records):
+            raise self.failed(RunFailed, broker_lost_text(
+                self.recipe, self.run_dir, bootstrap, self.seen_records, records))
+        self.seen_records = max(self.seen_records or 0, records or 0)
+        return True
+
+
+def _metrics_records(bus: BusConfig, topic: str) -> int | None:
+    """Records in the run's metrics topic, None when the topic does not exist.
+
+    Raises:
+        kafka.errors.KafkaError, TimeoutError: the broker does not answer.
+    """
+    from relax.streams.client import topic_partitions
+    from relax.streams.lag import high_watermarks
+
+    if topic not in topic_partitions(bus, [topic]):
+        return None
+    return high_watermarks(bus, [topic], timeout_s=5.0).get((topic, 0), 0)
+
+
+def broker_lost_text(recipe: Recipe, run_dir: Path, bootstrap: str, seen: int,
+                      now: int | None) -> str:
+    """Why the run stops after its broker lost the topics, what was lost, how to go on;
+    the newest checkpoint gets the tokenizer so it loads as a model."""
+    from relax.trainer import checkpoint
+
+    now_txt = "is gone" if now is None else f"holds {now} records"
+    ckpt = checkpoint.latest(run_dir)
+    if ckpt is not None:
+        save_tokenizer(recipe.model, ckpt)
+        kept = (f"Kept: the trainer's checkpoint {ckpt} (policy_version "
+                f"{int(ckpt.name.split('_')[-1])}, loads as a model). To go on, either "
+                f"start a fresh run from those weights: relax train RECIPE model={ckpt} "
+                f"run=NEW (prompts are published again), or replay an archive made "
+                f"before the restart: relax replay ARCHIVE --run NEW.")
+    else:
+        kept = "No trainer checkpoint was written yet: start the run again."
+    return (f"lost its broker's state: {bootstrap} was restarted (the metrics topic had "
+            f"{seen} records and now {now_txt}; the local broker keeps topics in memory "
+            f"only). Lost: every prompt, rollout, reward and train sample on the bus, the "
+            f"aggregator's partial groups and the consumer offsets. {kept}")
+
+
+def save_tokenizer(model: str, folder: Path) -> None:
+    from relax.trainer.models import load_tokenizer
+
+    if not (folder / "tokenizer_config.json").exists():
+        load_tokenizer(model).save_pretrained(folder)

@@ -1,0 +1,117 @@
+"""Recipe sections made of the stages' own configs (docs/architecture.md, "Recipe").
+
+Each stage owns one frozen pydantic config with its defaults (``RolloutConfig``,
+``RewardStageConfig``, ``ReferenceConfig``, ``AggregateConfig``,
+``TrainerConfig``/``TrainerStageConfig``). Its recipe section is that config minus the
+*wiring* (what the launcher fills: bus, run, ids, partitions, the shared model), made
+by :func:`section_of`, so every option of every stage is a recipe key and a
+``key=value`` override, with the stage's own default (``tests/infra/test_recipe.py``).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, create_model, model_validator
+
+from relax.consumers.aggregate import AggregateConfig
+from relax.consumers.reference import ReferenceConfig
+from relax.consumers.reward.stage import RewardStageConfig
+from relax.consumers.rollout import RolloutConfig
+from relax.streams.client import BusConfig
+from relax.trainer.config import TrainerConfig
+from relax.trainer.loop import TrainerStageConfig
+
+
+class StrictModel(BaseModel):
+    """A frozen model that rejects unknown keys (every recipe section)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+def section_of(config: type[BaseModel], title: str, wiring: frozenset[str], doc: str,
+               base: type[BaseModel] = StrictModel, /, **extra) -> type[BaseModel]:
+    """A recipe section made of a stage's own config: every field of ``config`` except
+    ``wiring`` (what the launcher fills: bus, run, ids, ...), with the stage's types,
+    defaults and descriptions, plus ``extra`` fields (``name=(type, Field(...))``).
+
+    The stage's own validators run when :func:`relax.infra.stages.stage_specs` builds
+    the config (:func:`load_recipe` does so, so a bad value fails at load time).
+    """
+    fields = {n: (f.annotation, f) for n, f in config.model_fields.items() if n not in wiring}
+    fields.update(extra)
+    return create_model(title, __base__=base, __doc__=doc, **fields)
+
+
+ROLLOUT_WIRING = frozenset({"bus", "run", "dataset", "model", "engine_id", "instance_index",
+                            "num_instances", "rollouts_partitions", "busy_dir"})
+REWARD_WIRING = frozenset({"bus", "run", "reward", "name"})
+REFERENCE_WIRING = frozenset({"bus", "run", "model"})
+AGGREGATE_WIRING = frozenset({"run", "partitions", "advantage"})
+TRAINER_WIRING = frozenset({"run", "run_dir", "trainer", "busy_dir", "max_threads"})
+BUS_WIRING = frozenset({"bootstrap_servers", "max_message_bytes", "blob_store"})
+"""Per stage, the fields of its config the launcher fills (from the recipe's top level,
+``data``, ``advantage``, ``resources`` and the process's place in the run); every other
+field is a key of the stage's recipe section (``tests/infra/test_recipe.py`` checks it)."""
+
+RolloutSection = section_of(
+    RolloutConfig, "RolloutSection", ROLLOUT_WIRING,
+    "Sampling: every option of ``RolloutConfig`` (``consumers/rollout``) plus ``instances``.",
+    instances=(int, Field(1, ge=1, description="rollout processes (consumer group members)")))
+
+RewardSpec = section_of(
+    RewardStageConfig, "RewardSpec", REWARD_WIRING,
+    "One reward consumer: ``fn`` (a REWARD_FNS name or ``module:function``) scored under "
+    "``name``; ``weight`` counts it in the final reward (0 = recorded only); every other "
+    "option of ``RewardStageConfig`` (``consumers/reward/stage.py``).",
+    name=(str, Field(description="reward_name on the rows; the name every other key uses")),
+    fn=(str, Field(description="a REWARD_FNS name or module:function")),
+    weight=(float, Field(1.0, description="weight in the final reward (0 = recorded only)")))
+
+ReferenceSection = section_of(
+    ReferenceConfig, "ReferenceSection", REFERENCE_WIRING,
+    "Reference log-probs (on whenever the KL penalty is): ``ReferenceConfig``'s options.",
+    enabled=(bool, Field(False, description="run the reference stage")))
+
+AggregateSection = section_of(
+    AggregateConfig, "AggregateSection", AGGREGATE_WIRING,
+    "Join of rollouts, rewards and reference log-probs: ``AggregateConfig``'s options "
+    "(its advantage settings are the recipe's ``advantage`` section).")
+
+TrainerSection = section_of(
+    TrainerStageConfig, "TrainerSection", TRAINER_WIRING,
+    "The trainer: ``TrainerConfig`` plus the trainer stage's own options "
+    "(``TrainerStageConfig``: weight rendezvous address, Prometheus port).",
+    TrainerConfig)
+BusSection = section_of(
+    BusConfig, "BusSection", BUS_WIRING,
+    "Client and topic settings of the run's bus (``BusConfig``): replication factor, "
+    "min.insync.replicas, retention, compression, consumer-group timeouts. The cluster "
+    "and the message size are the top-level ``bootstrap_servers`` / ``max_message_bytes``; "
+    "the blob store is ``<run folder>/blobs``.")
+
+TRAINER_STAGE_KEYS = frozenset(TrainerSection.model_fields) - frozenset(TrainerConfig.model_fields)
+
+
+class KLSection(StrictModel):
+    """The KL penalty to the reference policy, set in one place.
+
+    ``in: loss`` adds ``coef * KL`` to the loss (``trainer.loss.kl_*``; the aggregator
+    joins ``ref_logprobs`` onto the train samples); ``in: reward`` subtracts it from the
+    reward (``advantage.kl_in_reward_coef``). Either turns the reference stage on.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True,
+                              serialize_by_alias=True)
+    coef: float = Field(0.0, ge=0, description="beta, weight of the KL (0 = off)")
+    in_: Literal["loss", "reward"] | None = Field(None, alias="in")
+    estimator: str | None = Field(None, description="k1 | k2 | k3 (| low_var_kl in the loss); "
+                                  "None = the stage's default")
+
+    @model_validator(mode="after")
+    def _check(self):
+        if self.coef and self.in_ is None:
+            raise ValueError("kl.coef > 0 needs kl.in: loss or reward")
+        return self
+
+

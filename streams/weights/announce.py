@@ -1,0 +1,98 @@
+"""Announcements of the weight channel on ``<run>.weights`` (WEIGHTS schema).
+
+Weights never go through Kafka; only their announcements do.
+
+Delivery: announcements are at-least-once records on a 1-partition topic (ordered);
+subscribers read it group-less from the beginning (no commits).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pyarrow as pa
+
+from relax.schemas import topics as topic_names
+from relax.schemas.validate import validate
+from relax.streams.client import BusConfig, ensure_topics
+
+log = logging.getLogger(__name__)
+
+
+def weights_topic(run: str) -> str:
+    """``<run>.weights``."""
+    return topic_names.run_topic(run, topic_names.WEIGHTS)
+
+
+def ensure_weights_topic(cfg: BusConfig, run: str) -> str:
+    """Create ``<run>.weights`` with one partition (announcements stay ordered)."""
+    t = weights_topic(run)
+    ensure_topics(cfg, {t: 1})
+    return t
+
+
+def _newest_live(rows: list[dict]) -> list[dict]:
+    """``rows`` with only the last broadcast announcement among them (checkpoints kept):
+    the publisher announces v+1 only after v's broadcast ended, and a restarted trainer
+    announces from a new rendezvous, so every earlier one is history (joining a dead
+    publisher's store would only time out)."""
+    live = [i for i, r in enumerate(rows) if r["transport"] != "checkpoint"]
+    last = live[-1] if live else None
+    return [r for i, r in enumerate(rows) if r["transport"] == "checkpoint" or i == last]
+
+
+class AnnouncementReader:
+    """Reads ``<run>.weights`` announcements group-less from the beginning (no commits).
+
+    Used by subscribers and by the rollout stage to learn the trainer's policy_version.
+    Fetches wait at most ``relax.streams.client.FETCH_WAIT_MS`` on the broker (the
+    publisher's broadcast waits for subscribers to see its announcement, so its latency
+    matters, but so does the CPU an idle reader burns). Records that are not a WEIGHTS
+    batch (a null or empty value, a ``relax-schema`` header naming another schema, bytes
+    that do not decode or fail validation) are logged with their ``topic[partition]@offset``
+    and skipped, never raised (announcements are written by relax only).
+    """
+
+    def __init__(self, cfg: BusConfig, run: str):
+        from kafka import KafkaConsumer, TopicPartition
+
+        from relax.streams.client import consumer_kwargs
+
+        self.topic = ensure_weights_topic(cfg, run)
+        self._kc = KafkaConsumer(**consumer_kwargs(cfg, None))
+        tp = TopicPartition(self.topic, 0)
+        self._kc.assign([tp])
+        self._kc.seek_to_beginning(tp)
+        self.latest_version: int | None = None
+
+    def poll(self, timeout_s: float = 0.0) -> list[dict]:
+        """New announcement rows (dicts with the WEIGHTS fields), oldest first."""
+        from relax.streams.codec import DecodeError, decode
+
+        rows: list[dict] = []
+        for msgs in self._kc.poll(timeout_ms=int(timeout_s * 1000)).values():
+            for m in msgs:
+                header = dict(m.headers or []).get("relax-schema")
+                try:
+                    if not m.value:  # decode(None) would raise TypeError and kill the reader
+                        raise DecodeError("null value (a tombstone)" if m.value is None
+                                          else "empty value")
+                    if header and header != b"weights":
+                        raise DecodeError(f"relax-schema header {header!r} is not 'weights'")
+                    table = decode(m.value, "weights")
+                    table.validate(full=True)
+                    validate(table, "weights")
+                except (DecodeError, ValueError, pa.ArrowException) as e:
+                    log.warning("skipping unusable announcement at %s[%d]@%d: %s; expected a "
+                                "'weights' batch", self.topic, m.partition, m.offset, e)
+                    continue
+                rows.extend(table.to_pylist())
+        for r in rows:
+            v = r["policy_version"]
+            if self.latest_version is None or v > self.latest_version:
+                self.latest_version = v
+        return rows
+
+    def close(self) -> None:
+        """Close the Kafka client."""
+        self._kc.close(autocommit=False)

@@ -1,0 +1,417 @@
+"""An engine's (or reference model's) side of the weight channel: :class:`WeightSubscriber`.
+
+Subscribers (:class:`WeightSubscriber`, one background thread each) register in the
+rendezvous store (``+id`` / ``-id`` lines appended to one log, replayed in
+order); at the next version boundary the publisher forms a new group that
+includes them (membership changes only at version boundaries). For each announcement
+they belong to, they receive every bucket into a *receive buffer* (never into live
+weights), verify the checksum, and hand the tensors to the engine's
+``update_weights`` (which stages them in its own second buffer and swaps at a safe
+point between generation steps) or keep them for :meth:`WeightSubscriber.apply`.
+A subscriber that starts late first loads the newest ``checkpoint`` announcement's
+safetensors, then joins the broadcast at the next version.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+
+from relax.streams.client import BusConfig
+from relax.streams.weights.announce import AnnouncementReader, _newest_live
+from relax.streams.weights.files import read_safetensors_flat
+from relax.streams.weights.layout import (
+    TensorEntry,
+    checksum,
+    manifest_from_rows,
+    plan_buckets,
+    views,
+)
+from relax.streams.weights.rendezvous import (
+    CONNECT_S,
+    MEMBERSHIP_KEY,
+    _broadcast,
+    _make_group,
+    _members,
+    local_ip_towards,
+    parse_rendezvous,
+)
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class SubscriberStats:
+    """Counters of one subscriber: versions received by broadcast / loaded from a
+    checkpoint, bytes received, seconds receiving, checksum failures, versions skipped."""
+
+    received: int = 0
+    from_checkpoint: int = 0
+    bytes: int = 0
+    receive_s: float = 0.0
+    checksum_failures: int = 0
+    skipped: int = 0
+    history: list[tuple[int, str]] = field(default_factory=list)
+
+
+class ChecksumError(RuntimeError):
+    """Received bytes do not match the announced checksum."""
+
+
+class WeightSubscriber:
+    """An engine's (or reference model's) side of the weight channel.
+
+    Args:
+        cfg: bus settings.
+        run: run name.
+        member_id: unique id of this subscriber in the group (e.g. ``rollout-0``).
+        target: an engine (has ``update_weights(named_tensors, policy_version)``): every
+            verified version is staged into it from the background thread, and it swaps
+            at its own safe point. None: keep the newest version for :meth:`apply`.
+        device: where the receive buffer lives (``cpu`` -> gloo, ``cuda`` -> nccl).
+        catch_up: load the newest checkpoint on start (late joiner), and any newer
+            checkpoint announced while this subscriber is in no group.
+        rendezvous: ``tcp://host:port`` of the publisher, to register before the first
+            announcement (default: learnt from the first announcement, which then is
+            missed unless a checkpoint of it exists).
+        join_timeout_s: how long to wait to form a group (seconds).
+
+    The background thread starts with :meth:`start` (or ``with``); :meth:`close`
+    leaves the group at the next version boundary.
+    """
+
+    def __init__(
+        self,
+        cfg: BusConfig,
+        run: str,
+        *,
+        member_id: str,
+        target=None,
+        device: str | torch.device = "cpu",
+        catch_up: bool = True,
+        rendezvous: str | None = None,
+        join_timeout_s: float = 60.0,
+    ):
+        if "\n" in member_id or not member_id:
+            raise ValueError(f"member_id must be a non-empty single line, got {member_id!r}")
+        self.cfg, self.run, self.member_id = cfg, run, member_id
+        self.target, self.device = target, torch.device(device)
+        self.catch_up, self.join_timeout_s = catch_up, join_timeout_s
+        self._initial_rendezvous = rendezvous
+        if rendezvous is not None:
+            parse_rendezvous(rendezvous)
+        self.stats = SubscriberStats()
+        self.version: int | None = None
+        self._reader = AnnouncementReader(cfg, run)
+        self._store = None
+        self._rendezvous: str | None = None
+        self._group: str | None = None
+        self._pg = None
+        self._flat: torch.Tensor | None = None
+        self._manifest: list[TensorEntry] | None = None
+        # the version whose verified bytes _flat holds; None while it is being written and
+        # after a receive failed partway (then it holds no version's bytes)
+        self._flat_version: int | None = None
+        self._buf_lock = threading.Lock()
+        self._applied: int | None = None
+        self._events: queue.Queue = queue.Queue()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.error: BaseException | None = None
+
+    # --- public
+    def start(self) -> WeightSubscriber:
+        """Start the background thread (idempotent)."""
+        if self._thread is None:
+            self._thread = threading.Thread(
+                target=self._main, name=f"relax-weights-{self.member_id}", daemon=True
+            )
+            self._thread.start()
+        return self
+
+    def __enter__(self):
+        return self.start()
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def poll(self, timeout_s: float = 0.0) -> int | None:
+        """Wait up to ``timeout_s`` for a newly verified version; returns it (the newest
+        one if several arrived) or None.
+
+        Raises:
+            RuntimeError: the background thread died (its exception is chained).
+        """
+        self._raise_if_dead()
+        got = None
+        try:
+            got = (
+                self._events.get(timeout=timeout_s) if timeout_s > 0 else self._events.get_nowait()
+            )
+            while True:
+                got = self._events.get_nowait()
+        except queue.Empty:
+            pass
+        self._raise_if_dead()
+        return got
+
+    def wait_for(self, policy_version: int, timeout_s: float = 60.0) -> int:
+        """Block until a version >= ``policy_version`` is verified; returns it.
+
+        Raises:
+            TimeoutError: not within ``timeout_s``.
+        """
+        deadline = time.monotonic() + timeout_s
+        while self.version is None or self.version < policy_version:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(
+                    f"{self.member_id}: policy_version {policy_version} not received "
+                    f"in {timeout_s}s (have {self.version})"
+                )
+            self.poll(min(left, 0.5))
+        return self.version
+
+    def latest(self) -> tuple[int, dict[str, torch.Tensor]] | None:
+        """``(policy_version, {name: tensor})`` of the newest verified weights (copies,
+        safe to keep), or None before any and after a receive that failed partway (the
+        receive buffer then holds no whole version)."""
+        with self._buf_lock:
+            if self._flat_version is None:
+                return None
+            return self._flat_version, {
+                k: v.clone() for k, v in views(self._flat, self._manifest).items()
+            }
+
+    def apply(self, target) -> int | None:
+        """Install the newest verified weights into ``target`` now (call it at a safe
+        point): an engine gets ``update_weights`` (it swaps at its next safe point); a
+        ``torch.nn.Module`` gets its parameters/buffers copied in place.
+
+        Returns:
+            the version applied, or None if there was nothing newer than the last apply
+            (or the receive buffer holds no whole version: a receive failed partway).
+
+        Raises:
+            KeyError: a received name the module does not have (nothing is copied).
+            ValueError: a received shape differs from the module's (nothing is copied).
+        """
+        with self._buf_lock:
+            version = self._flat_version
+            if version is None or version == self._applied:
+                return None
+            self._install(target, views(self._flat, self._manifest), version)
+            self._applied = version
+            return version
+
+    def close(self) -> None:
+        """Leave the group (effective at the next version boundary), stop the thread."""
+        self._stop.set()
+        if self._store is not None:
+            self._store.append(MEMBERSHIP_KEY, f"-{self.member_id}\n")
+        if self._thread is not None:
+            self._thread.join(timeout=self.join_timeout_s + 5)
+        self._reader.close()
+        self._pg = None
+
+    # --- background
+    def _raise_if_dead(self) -> None:
+        if self.error is not None:
+            raise RuntimeError(f"weight subscriber {self.member_id} stopped") from self.error
+
+    @staticmethod
+    def _install(target, named: dict[str, torch.Tensor], version: int) -> None:
+        """Hand ``named`` to an engine, or copy it into a module's parameters/buffers in
+        place once every name and shape is checked (a bad update changes nothing).
+
+        Raises:
+            KeyError: a name the module does not have. ValueError: a shape that differs.
+        """
+        if hasattr(target, "update_weights"):
+            target.update_weights(named, version)
+            return
+        own = dict(target.named_parameters(remove_duplicate=False))
+        own.update(dict(target.named_buffers(remove_duplicate=False)))
+        for name, t in named.items():
+            if name not in own:
+                raise KeyError(f"{name!r} is not a parameter or buffer of the model")
+            if t.shape != own[name].shape:
+                raise ValueError(f"{name}: received shape {tuple(t.shape)}, "
+                                 f"the model's is {tuple(own[name].shape)}")
+        with torch.no_grad():
+            for name, t in named.items():
+                own[name].copy_(t)
+
+    def _main(self) -> None:
+        try:
+            self._run()
+        except BaseException as e:  # surfaced by poll()/wait_for() in the caller's thread
+            self.error = e
+            log.exception("weight subscriber %s failed", self.member_id)
+
+    def _connect(self, rendezvous: str) -> None:
+        import torch.distributed as dist
+
+        if self._rendezvous == rendezvous:
+            return
+        host, port = parse_rendezvous(rendezvous)
+        self._store = dist.TCPStore(  # a dead publisher is given up on after CONNECT_S
+            host,
+            port,
+            is_master=False,
+            wait_for_workers=False,
+            timeout=timedelta(seconds=min(CONNECT_S, self.join_timeout_s)),
+            use_libuv=True,
+        )
+        self._store.set_timeout(timedelta(seconds=self.join_timeout_s))
+        self._rendezvous, self._group, self._pg = rendezvous, None, None
+        self._gloo_host = local_ip_towards(host, port)
+        self._store.append(MEMBERSHIP_KEY, f"+{self.member_id}\n")
+
+    def _run(self) -> None:
+        if self._initial_rendezvous is not None:
+            self._connect(self._initial_rendezvous)
+        rows = self._reader.poll(2.0)
+        while not rows and not self._stop.is_set() and self._reader.latest_version is None:
+            # nothing published yet: register at the first announcement's rendezvous
+            rows = self._reader.poll(0.5)
+        live = [r for r in rows if r["transport"] != "checkpoint"]
+        if live:  # register first, so the next version's group includes us
+            self._connect(live[-1]["rendezvous"])
+        if self.catch_up:
+            self._catch_up(rows)
+        while True:
+            for r in _newest_live(rows):
+                if self._stop.is_set():
+                    return
+                try:
+                    self._handle(r)
+                except torch.distributed.DistNetworkError as e:
+                    self._publisher_gone(r, e)
+            if self._stop.is_set():
+                return
+            rows = self._reader.poll(0.5)
+
+    def _publisher_gone(self, row: dict, error: Exception) -> None:
+        """The rendezvous store of ``row``'s publisher cannot be reached (the trainer died
+        or restarted): forget it and wait for the next announcement, which carries the
+        new trainer's rendezvous. The engine keeps the weights it has."""
+        log.warning("%s: the publisher of v%d at %s is gone (%s); waiting for the next "
+                    "announcement", self.member_id, row["policy_version"], row["rendezvous"],
+                    error)
+        self._rendezvous = self._store = self._group = self._pg = None
+        self.stats.skipped += 1
+
+    def _catch_up(self, rows: list[dict]) -> None:
+        ckpts = [r for r in rows if r["transport"] == "checkpoint" and r["checkpoint_uri"]]
+        if not ckpts:
+            return
+        newest = max(ckpts, key=lambda r: r["policy_version"])
+        if self.version is not None and newest["policy_version"] <= self.version:
+            return
+        self.load_checkpoint(newest)
+
+    def load_checkpoint(self, row: dict) -> int:
+        """Load the safetensors of a ``checkpoint`` announcement into the receive buffer,
+        verify its checksum, and deliver it like a broadcast.
+
+        Raises:
+            ChecksumError: the file's bytes do not match the announcement.
+            ValueError: the file's tensors differ from the announced manifest.
+            Either leaves the weights received before as they were.
+        """
+        path = Path(row["checkpoint_uri"].removeprefix("file://")) / "model.safetensors"
+        flat, manifest = read_safetensors_flat(path)
+        if checksum(flat) != row["checksum"]:
+            self.stats.checksum_failures += 1
+            raise ChecksumError(f"{path}: checksum differs from the announcement {row['checksum']}")
+        if manifest != manifest_from_rows(row["manifest"]):
+            raise ValueError(f"{path}: its tensors differ from the announced manifest")
+        with self._buf_lock:
+            self._flat, self._manifest = flat.to(self.device), manifest
+            self._flat_version = row["policy_version"]
+        self.stats.from_checkpoint += 1
+        self._deliver(row["policy_version"], "checkpoint")
+        return row["policy_version"]
+
+    def _handle(self, row: dict) -> None:
+        if row["transport"] == "checkpoint":
+            newer = self.version is None or row["policy_version"] > self.version
+            if self.catch_up and newer and self._group is None and row["checkpoint_uri"]:
+                self.load_checkpoint(row)
+            return
+        self._connect(row["rendezvous"])
+        version, group = row["policy_version"], row["group_name"]
+        key = f"{group}/members"
+        if not self._store.check([key]):
+            self._store.wait([key], timedelta(seconds=self.join_timeout_s))
+        members = _members(self._store.get(key))
+        over = self._store.check([f"{group}/done/{version}"])  # history, or a failed group
+        if self.member_id not in members or (over and group != self._group):
+            self._group, self._pg = None, None
+            if self.version is None or version > self.version:
+                self.stats.skipped += 1
+            return
+        self._receive(row, group, members)  # a member always takes part, or the group waits
+
+    def _receive(self, row: dict, group: str, members: list[str]) -> None:
+        t0 = time.perf_counter()
+        manifest = manifest_from_rows(row["manifest"])
+        size = row["total_bytes"]
+        with self._buf_lock:
+            self._flat_version = None  # overwritten from here on: no whole version until verified
+            if self._flat is None or self._flat.numel() != size or self._flat.device != self.device:
+                self._flat = torch.empty(size, dtype=torch.uint8, device=self.device)
+            self._manifest = manifest
+            if group != self._group:
+                self._store.set(f"{group}/ready/{self.member_id}", "1")
+                self._pg = _make_group(
+                    self._store,
+                    group,
+                    members.index(self.member_id) + 1,
+                    len(members) + 1,
+                    self.device,
+                    self._gloo_host,
+                    self.join_timeout_s,
+                )
+                self._group = group
+            try:
+                for a, b, _ in plan_buckets(manifest, row["bucket_bytes"]):
+                    _broadcast(self._pg, self._flat[a:b])
+            except RuntimeError:
+                self._group, self._pg = None, None  # the publisher forms a new group
+                self.stats.skipped += 1
+                log.warning(
+                    "%s: broadcast of v%d failed; waiting for the next version",
+                    self.member_id,
+                    row["policy_version"],
+                )
+                self._store.append(MEMBERSHIP_KEY, f"+{self.member_id}\n")
+                return
+            if checksum(self._flat) != row["checksum"]:
+                self.stats.checksum_failures += 1
+                raise ChecksumError(
+                    f"{self.member_id}: v{row['policy_version']} received bytes "
+                    f"do not match checksum {row['checksum']}"
+                )
+            self._flat_version = row["policy_version"]
+        self.stats.received += 1
+        self.stats.bytes += size
+        self.stats.receive_s += time.perf_counter() - t0
+        self._deliver(row["policy_version"], "broadcast")
+
+    def _deliver(self, version: int, how: str) -> None:
+        if self.target is not None:
+            with self._buf_lock:
+                self._install(self.target, views(self._flat, self._manifest), version)
+                self._applied = version
+        self.version = version
+        self.stats.history.append((version, how))
+        self._events.put(version)

@@ -1,0 +1,194 @@
+"""A recipe reaches every stage option (infra/recipe.py, infra/stages.py); shared keys,
+the kl: block and reward names are set once."""
+
+from __future__ import annotations
+
+import typing
+from pathlib import Path
+
+import pytest
+from testdata import RECIPES
+
+from relax.consumers.aggregate import AggregateConfig
+from relax.consumers.reference import ReferenceConfig
+from relax.consumers.reward.stage import RewardStageConfig
+from relax.consumers.rollout import RolloutConfig
+from relax.infra.recipe import RecipeError, load_recipe
+from relax.infra.sections import (
+    AGGREGATE_WIRING,
+    REFERENCE_WIRING,
+    REWARD_WIRING,
+    ROLLOUT_WIRING,
+    TRAINER_WIRING,
+)
+from relax.infra.stages import run_bus, stage_specs
+from relax.streams.client import BusConfig
+from relax.trainer.config import TrainerConfig
+from relax.trainer.loop import TrainerStageConfig
+
+# stage kind -> (config class, recipe path of its section, wiring the launcher fills)
+STAGES = {
+    "rollout": (RolloutConfig, "rollout", ROLLOUT_WIRING),
+    "reward": (RewardStageConfig, "rewards.0", REWARD_WIRING),
+    "reference": (ReferenceConfig, "reference", REFERENCE_WIRING),
+    "aggregate": (AggregateConfig, "aggregate", AGGREGATE_WIRING),
+    "trainer": (TrainerStageConfig, "trainer", TRAINER_WIRING),
+}
+
+SPECIAL = {  # options whose other value must come with another key, or has a rule
+    ("rollout", "engine"): ("sglang", ["rollout.sglang_url=http://127.0.0.1:30000"]),
+    ("rollout", "max_staleness"): (3, []),  # shared with the trainer: moves both
+    ("rollout", "batch_groups"): (5, ["trainer.batch_groups=5"]),
+    ("rollout", "prompt_template"): ("Q: {prompt}", []),
+    ("rollout", "stop"): (["END"], []),
+    ("rollout", "weights_rendezvous"): ("tcp://127.0.0.1:1234", []),
+    ("rollout", "environment"): ("testdata:parity_env", []),
+    ("rollout", "device"): ("cpu", []),
+    ("rollout", "top_p"): (0.9, []),
+    ("reference", "device"): ("cpu", []),
+    ("reference", "weights_rendezvous"): ("tcp://127.0.0.1:1234", []),
+    ("reward", "options"): ({"mode": "strict"}, []),
+    ("reward", "memory_limit_bytes"): (1 << 30, []),
+    ("trainer", "weights_host"): ("10.0.0.1", []),
+}
+
+
+def _other_value(field, default):
+    """A valid value different from ``default`` for a plain field."""
+    ann = field.annotation
+    args = [a for a in typing.get_args(ann) if a is not type(None)]
+    if typing.get_origin(ann) is typing.Literal:
+        return next(v for v in typing.get_args(ann) if v != default)
+    base = args[0] if args else ann
+    if base is bool:
+        return not default
+    if base is int:
+        return (default or 1) + 1
+    if base is float:
+        return (default or 1.0) * 2 + 0.5
+    if base is str:
+        return "other"
+    raise AssertionError(f"no test value for {field}")
+
+
+def _recipe(*overrides):
+    return load_recipe(RECIPES / "tiny_ci.yaml", ["reference.enabled=true", *overrides])
+
+
+def _spec(recipe, kind):
+    specs = stage_specs(recipe, BusConfig(bootstrap_servers="127.0.0.1:9"), Path("runs/x"))
+    return next(s for s in specs if s.kind == kind)
+
+
+@pytest.mark.parametrize("kind", list(STAGES))
+def test_every_stage_option_is_reachable_from_a_recipe(kind):
+    """Each field of each stage's config is either filled by the launcher (the wiring) or
+    set by ``<section>.<field>=value`` and arrives in the process's config."""
+    config, section, wiring = STAGES[kind]
+    options = [n for n in config.model_fields if n not in wiring]
+    assert options, kind
+    for name in options:
+        field = config.model_fields[name]
+        value, extra = SPECIAL.get((kind, name), (None, []))
+        if value is None:
+            value = _other_value(field, field.default)
+        override = f"{section}.{name}={value!r}" if not isinstance(value, (dict, list)) \
+            else f"{section}.{name}={value}"
+        spec = _spec(_recipe(override, *extra), kind)
+        got = spec.config[name]
+        assert got == (list(value) if isinstance(value, tuple) else value), (kind, name, got)
+
+
+def test_the_trainer_section_is_the_trainer_config():
+    for name, field in TrainerConfig.model_fields.items():
+        if field.annotation in (int, float, bool) and name not in ("max_staleness", "batch_groups"):
+            value = _other_value(field, field.default)
+            spec = _spec(_recipe(f"trainer.{name}={value}"), "trainer")
+            assert spec.config["trainer"][name] == value, name
+
+
+def test_wiring_names_only_real_fields():
+    for kind, (config, _, wiring) in STAGES.items():
+        assert wiring <= set(config.model_fields), (kind, wiring - set(config.model_fields))
+
+
+def test_shared_keys_fill_both_stages_and_conflicts_raise():
+    r = _recipe("max_staleness=2", "trainer.batch_groups=3")
+    assert (r.trainer.max_staleness, r.rollout.max_staleness) == (2, 2)
+    assert _spec(r, "rollout").config["batch_groups"] == 3
+    assert _spec(r, "trainer").config["trainer"]["batch_groups"] == 3
+    r = _recipe("trainer.max_staleness=4")  # one place is enough: it fills the other
+    assert r.rollout.max_staleness == 4 and r.max_staleness == 4
+    with pytest.raises(RecipeError, match=r"max_staleness is set differently.*rollout\.max_staleness"):
+        _recipe("trainer.max_staleness=2", "rollout.max_staleness=3")
+    with pytest.raises(RecipeError, match="mode 'sync' needs max_staleness 0"):
+        _recipe("mode=sync", "max_staleness=2")
+    assert _recipe("mode=sync").rollout.max_staleness == 0
+
+
+def test_one_default_for_batch_groups():
+    """Before: the trainer's default batch_groups was 2 and the rollout's 8."""
+    r = load_recipe(tree={"data": {"dataset": "d"}, "rewards": [{"name": "c", "fn": "gsm8k"}]})
+    assert r.rollout.batch_groups == r.trainer.batch_groups == TrainerConfig().batch_groups
+
+
+def test_kl_block_in_loss_turns_on_reference_and_the_join():
+    r = load_recipe(RECIPES / "tiny_ci.yaml", ["kl={coef: 0.05, in: loss, estimator: k2}"])
+    assert (r.trainer.loss.kl_coef, r.trainer.loss.kl_in, r.trainer.loss.kl_estimator) == \
+        (0.05, "loss", "k2")
+    assert r.reference.enabled and r.advantage.needs_ref  # the aggregator joins ref_logprobs
+    assert r.advantage.kl_in_reward_coef == 0
+    kinds = {s.kind for s in stage_specs(r, BusConfig(bootstrap_servers="x:1"), Path("r"))}
+    assert "reference" in kinds
+
+
+def test_kl_block_in_reward():
+    r = load_recipe(RECIPES / "tiny_ci.yaml", ["kl={coef: 0.1, in: reward}"])
+    assert r.advantage.kl_in_reward_coef == 0.1 and r.trainer.loss.kl_coef == 0
+    assert r.reference.enabled
+
+
+@pytest.mark.parametrize("overrides,match", [
+    (["trainer.loss.kl_coef=0.1", "trainer.loss.kl_in=loss"], "kl_coef: 0.1 conflicts with 0.0 from the kl: block"),
+    (["advantage.kl_in_reward_coef=0.1"], "kl_in_reward_coef: 0.1 conflicts"),
+    (["kl={coef: 0.1, in: loss}", "reference.enabled=false"], "reference.enabled: False conflicts"),
+    (["kl={coef: 0.1}"], "kl: .*needs kl.in"),
+])
+def test_kl_is_set_only_in_the_kl_block(overrides, match):
+    with pytest.raises(RecipeError, match=match):
+        load_recipe(RECIPES / "tiny_ci.yaml", overrides)
+
+
+def test_a_loss_option_of_another_policy_loss_is_an_error():
+    with pytest.raises(RecipeError, match="dual_clip_c applies to policy_loss ppo_clip only, not 'gspo'"):
+        load_recipe(RECIPES / "tiny_ci.yaml", ["trainer.loss.policy_loss=gspo",
+                                               "trainer.loss.dual_clip_c=3.0"])
+
+
+def test_a_stage_rule_fails_at_load_naming_the_stage():
+    with pytest.raises(RecipeError, match=r"(?s)stage rollout-0 \(rollout\).*sglang_url"):
+        load_recipe(RECIPES / "tiny_ci.yaml", ["rollout.engine=sglang"])
+
+
+def test_a_dumped_recipe_loads_again_unchanged():
+    r = load_recipe(RECIPES / "arith_grpo_smollm2.yaml", ["kl={coef: 0.01, in: loss}"])
+    again = load_recipe(tree=r.model_dump(mode="json"))
+    assert again == r
+
+
+def test_bus_settings_are_recipe_keys():
+    """Replication, retention and client settings reach the run's BusConfig (and with
+    it every stage's config)."""
+    from relax.infra.sections import BUS_WIRING
+
+    r = _recipe("bus.replication_factor=3", "bus.min_insync_replicas=2",
+                "bus.retention_ms=86400000", "bus.compression=lz4", "max_message_bytes=4194304")
+    bus = run_bus(r, "k1:9092,k2:9092,k3:9092", Path("runs/x"))
+    assert (bus.replication_factor, bus.min_insync_replicas, bus.retention_ms, bus.compression,
+            bus.max_message_bytes) == (3, 2, 86400000, "lz4", 4194304)
+    assert bus.blob_store == str(Path("runs/x/blobs"))
+    specs = stage_specs(r, bus, Path("runs/x"))
+    assert all(s.config["bus"]["retention_ms"] == 86400000 for s in specs if "bus" in s.config)
+    assert set(BusConfig.model_fields) - BUS_WIRING == set(type(r.bus).model_fields)
+    with pytest.raises(RecipeError, match="min_insync_replicas 3 exceeds replication_factor 2"):
+        run_bus(_recipe("bus.replication_factor=2", "bus.min_insync_replicas=3"), "k:1", Path("r"))
