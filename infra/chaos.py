@@ -26,6 +26,7 @@ import random
 import signal
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -119,13 +120,21 @@ def _killer(kills: list[Kill], result: ChaosResult):
     return on_step, timers
 
 
-def chaos_run(recipe: Recipe, kills: list[Kill], timeout_s: float = 600.0) -> ChaosResult:
+def chaos_run(recipe: Recipe, kills: list[Kill], timeout_s: float = 600.0,
+              also: Callable[[dict, Path], None] | None = None) -> ChaosResult:
     """Run ``recipe`` with ``kills``; never raises for a run that fails (the error is in
-    the result)."""
+    the result). ``also(step_row, run_dir)`` is called after each step's kills are
+    planned (a fault that is not a stage kill: a broker node killed or restarted)."""
     from relax.infra.launch import RunFailed, train
 
     result = ChaosResult(recipe.run, kills)
-    on_step, timers = _killer(kills, result)
+    kill_on_step, timers = _killer(kills, result)
+
+    def on_step(s: dict, run_dir: Path) -> None:
+        kill_on_step(s, run_dir)
+        if also is not None:
+            also(s, run_dir)
+
     t0 = time.monotonic()
     try:
         s = train(recipe, say=lambda _: None, on_step=on_step, timeout_s=timeout_s)

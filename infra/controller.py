@@ -190,6 +190,8 @@ class Controller:
                 continue
             except ray.exceptions.RayTaskError as e:  # the stage raised
                 why = f"raised {str(e).strip().splitlines()[-1][:300]}"
+                with open(self.run_dir / "logs" / f"{name}.log", "a") as f:
+                    f.write(f"stage {name} raised (restart {r.restarts}):\n{e}\n")
             except ray.exceptions.RayError as e:  # died, killed, lost: any other Ray fault
                 why = f"process died ({type(e).__name__})"
             self._restart(name, why)

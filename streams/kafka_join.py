@@ -14,8 +14,19 @@ every partition (measured: 13 of 19 two-member rebalances on Tansu did not settl
 :func:`apply` wraps ``join_group_async`` so that a task which finished successfully is
 completed the way the library completes one it awaited (state STABLE, heartbeat on,
 ``_on_join_complete``); every other case goes to the library unchanged. A failed task
-still goes to the library, which retries it. Applied by :func:`relax.streams.client.
-consumer_kwargs`, so every relax consumer has it; only kafka-python 3.0.x is patched.
+still goes to the library, which retries it.
+
+It also makes a join task in flight or finished a reason to rejoin
+(``BaseCoordinator.need_rejoin``), so the next poll collects it. Without that, a
+leader's rejoin caused by new partition metadata is lost when it finishes between two
+polls: the leader's assignment stores the metadata it used (``_assignment_snapshot``),
+so ``ConsumerCoordinator.need_rejoin`` turns False, no poll awaits the task again, and
+the member keeps no partitions for good (measured: the restarted trainer of
+``test_seeded_chaos_run[kafka-11]`` waited 300 s for data with every partition of
+``train_samples`` unowned; ``test_a_leader_join_started_by_new_metadata_is_kept``).
+
+Applied by :func:`relax.streams.client.consumer_kwargs`, so every relax consumer has
+it; only kafka-python 3.0.x is patched.
 """
 
 from __future__ import annotations
@@ -24,8 +35,9 @@ _applied = False
 
 
 def apply() -> None:
-    """Patch ``kafka.coordinator.base.BaseCoordinator.join_group_async`` once per process
-    (idempotent; a no-op on kafka-python versions other than 3.0.x)."""
+    """Patch ``kafka.coordinator.base.BaseCoordinator.join_group_async`` and
+    ``need_rejoin`` once per process (idempotent; a no-op on kafka-python versions
+    other than 3.0.x)."""
     global _applied
     if _applied:
         return
@@ -52,4 +64,8 @@ def apply() -> None:
                                            self._generation.protocol, task.value)
         return True
 
+    def need_rejoin(self):
+        return self.rejoin_needed or self._join_task is not None
+
     BaseCoordinator.join_group_async = join_group_async
+    BaseCoordinator.need_rejoin = need_rejoin

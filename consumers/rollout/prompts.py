@@ -25,6 +25,23 @@ class _Item:
     epoch: int
 
 
+def _read_to_end(kc, tp) -> bool:
+    """Whether assigned partition ``tp`` was fetched up to its high watermark; False when
+    it was revoked meanwhile. ``KafkaConsumer.position`` talks to the group coordinator
+    before it reads the position, so a rebalance in that round trip (a broker restart
+    makes one) takes ``tp`` away and kafka-python 3.0 raises KeyError or
+    IllegalStateError for it."""
+    from kafka.errors import IllegalStateError
+
+    hw = kc.highwater(tp)
+    if hw is None:
+        return False
+    try:
+        return kc.position(tp) >= hw
+    except (KeyError, IllegalStateError):
+        return False
+
+
 def message_key(d) -> tuple:
     """``(topic, partition, offset)`` of a delivery (one prompt message)."""
     return (d.topic, d.partition, d.offset)
@@ -109,8 +126,7 @@ class PromptQueue:
 
         kc = consumer.kafka
         for tp in kc.assignment():
-            hw = kc.highwater(tp)
-            if hw is None or kc.position(tp) < hw or tp in self.exhausted_partitions:
+            if tp in self.exhausted_partitions or not _read_to_end(kc, tp):
                 continue
             if any(k[0] == tp.topic and k[1] == tp.partition for k in self.remaining):
                 continue
@@ -119,6 +135,8 @@ class PromptQueue:
                 self.exhausted_partitions.add(tp)
                 continue
             consumer.commit()
+            if tp not in kc.assignment():  # revoked during the commit's round trip
+                continue
             # the new epoch is durable before any offset of it is committed: a restart
             # never samples an epoch's group_ids twice (at worst, killed between the two
             # writes, it skips that epoch)

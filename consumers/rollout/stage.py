@@ -111,7 +111,9 @@ class RolloutStage:
     def _idle(self, consumer, wait: Callable[[], object]) -> None:
         """Wait without taking prompts: pause the assigned partitions, poll (the group
         stays alive; partitions assigned by a rebalance just now may still deliver: those
-        are queued), run ``wait``, resume."""
+        are queued), run ``wait``, resume those still assigned (a rebalance during the
+        poll, after a broker restart for one, may have revoked some: kafka-python raises
+        KeyError when resuming a partition it no longer holds; new ones are not paused)."""
         kc = consumer.kafka
         assigned = list(kc.assignment())
         kc.pause(*assigned)
@@ -119,7 +121,8 @@ class RolloutStage:
             self._prompts.enqueue(consumer, consumer.poll(0))
             wait()
         finally:
-            kc.resume(*assigned)
+            held = kc.assignment()
+            kc.resume(*[tp for tp in assigned if tp in held])
 
     def weights_needed(self) -> int | None:
         """The oldest policy_version a group started now may be sampled with: it will be

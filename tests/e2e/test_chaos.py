@@ -1,7 +1,7 @@
 """Seeded chaos runs: stage processes SIGKILLed (or frozen with SIGSTOP) at random
-moments of the tiny run, through the real broker. Every run must finish with every
-sampled rollout in exactly one ledger bucket and none trained twice
-(``benchmarks/chaos.py`` runs many more of the same)."""
+moments of the tiny run; the kills on each broker (Tansu and Apache Kafka:
+``any_broker``). Every run must finish with every sampled rollout in exactly one ledger
+bucket and none trained twice (``benchmarks/chaos.py`` runs many more of the same)."""
 
 from __future__ import annotations
 
@@ -27,27 +27,27 @@ def _assert_whole(r):
     assert r.trained + r.stale + r.filtered + r.errors == r.sampled > 0, detail
 
 
-def test_chaos_reward_and_aggregator_killed(broker, tmp_path):
+def test_chaos_reward_and_aggregator_killed(any_broker, tmp_path):
     """The run of the 2026-12-01 CI failure (shared/evidence/chaos-hang-2026-12-01)."""
-    recipe = tiny_recipe(broker, tmp_path, "chaos" + uuid.uuid4().hex[:6], "trainer.steps=5")
+    recipe = tiny_recipe(any_broker, tmp_path, "chaos" + uuid.uuid4().hex[:6], "trainer.steps=5")
     r = chaos_run(recipe, [Kill("reward.parity", 1, 0.0), Kill("aggregate", 3, 0.0)], 500)
     assert len(r.killed) == 2, r.killed
     _assert_whole(r)
 
 
-def test_rollout_killed_while_its_groups_wait_samples_nothing_extra(broker, tmp_path):
+def test_rollout_killed_while_its_groups_wait_samples_nothing_extra(any_broker, tmp_path):
     """The kill of chaos run 23 (seed 0), which left 8 rollouts sampled and never decided
     before the successor counted its predecessor's groups in flight."""
-    recipe = tiny_recipe(broker, tmp_path, "chaosro" + uuid.uuid4().hex[:4], "trainer.steps=5")
+    recipe = tiny_recipe(any_broker, tmp_path, "chaosro" + uuid.uuid4().hex[:4], "trainer.steps=5")
     r = chaos_run(recipe, [Kill("rollout-0", 1, 0.39)], 500)
     assert r.killed, r
     _assert_whole(r)
 
 
 @pytest.mark.parametrize("seed", [3, 11])
-def test_seeded_chaos_run(broker, tmp_path, seed):
+def test_seeded_chaos_run(any_broker, tmp_path, seed):
     kills = plan_kills(random.Random(seed), 5)
-    recipe = tiny_recipe(broker, tmp_path, f"chaos{seed}" + uuid.uuid4().hex[:4],
+    recipe = tiny_recipe(any_broker, tmp_path, f"chaos{seed}" + uuid.uuid4().hex[:4],
                          "trainer.steps=5")
     r = chaos_run(recipe, kills, 500)
     assert r.killed, kills

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import time
 
-from relax.streams.client import consumer_kwargs, ensure_topics
+import pytest
+
+from relax.streams.client import BusConfig, consumer_kwargs, ensure_topics
 
 
 def test_a_join_that_finishes_between_polls_is_kept(any_bus, unique):
@@ -53,3 +55,40 @@ def test_two_members_polling_in_turn_settle(bus, unique):
         finally:
             a.close()
             b.close()
+
+
+@pytest.mark.kafka
+def test_a_leader_join_started_by_new_metadata_is_kept(kafka_broker, tmp_path, unique):
+    """The leader's rejoin after new partition metadata (its first assignment found no
+    partitions: the topic came later) finishes while no poll waits. The leader's
+    assignment records the metadata it used, so kafka-python 3.0 alone sees no more
+    reason to rejoin, never collects the finished join and keeps no partitions (the
+    restarted trainer of ``test_seeded_chaos_run[kafka-11]`` waited 300 s for data).
+    Kafka only: Tansu creates a topic when a consumer asks for its metadata."""
+    from kafka import KafkaConsumer
+    from kafka.coordinator.base import MemberState
+
+    bus = BusConfig(bootstrap_servers=kafka_broker, blob_store=str(tmp_path / "blobs"))
+    topic = unique + ".train_samples"
+    c = KafkaConsumer(**consumer_kwargs(bus, unique + ".g"))
+    c.subscribe([topic])  # before the topic exists: the first join assigns nothing
+    try:
+        coordinator = c._coordinator
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and not coordinator.stable():
+            c.poll(timeout_ms=100)
+        assert coordinator.state is MemberState.STABLE and c.assignment() == set()
+        ensure_topics(bus, {topic: 2})
+        c._client.cluster.request_update()
+        deadline = time.monotonic() + 20  # poll without waiting until the rejoin starts
+        while time.monotonic() < deadline and coordinator._join_task is None:
+            c.poll(timeout_ms=0)
+            time.sleep(0.01)
+        assert coordinator._join_task is not None, "the new partitions started no rejoin"
+        time.sleep(5.0)  # JoinGroup and the leader's SyncGroup finish while no poll waits
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and len(c.assignment()) < 2:
+            c.poll(timeout_ms=100)
+        assert {tp.partition for tp in c.assignment()} == {0, 1}
+    finally:
+        c.close()
