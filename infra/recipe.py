@@ -92,6 +92,10 @@ class Resources(StrictModel):
     max_torch_threads: int | None = Field(
         None, ge=1, description="trainer only: threads while no rollout engine of the run "
         "generates (co-located stages, trainer/cores.py); None = torch_threads always")
+    processes: int = Field(
+        1, ge=1, description="trainer only: data-parallel ranks on the trainer's host "
+        "(trainer/ranks.py; gloo on CPU, nccl on GPU); more rollout processes come from "
+        "rollout.instances")
 
     @model_validator(mode="after")
     def _check_threads(self):
@@ -159,6 +163,12 @@ class Recipe(StrictModel):
         if elastic:
             raise ValueError(f"resources: max_torch_threads is for the trainer only, set for "
                              f"{sorted(elastic)}")
+        multi = [s for s, r in self.resources.items() if r.processes > 1 and s != "trainer"]
+        if multi:
+            raise ValueError(f"resources: processes is for the trainer only (use "
+                             f"rollout.instances for rollouts), set for {sorted(multi)}")
+        if self.resources_of("trainer").processes > 1 and self.trainer.backend != "torch":
+            raise ValueError("resources.trainer.processes > 1 needs trainer.backend 'torch'")
         ms = self.trainer.max_staleness
         if self.mode == "sync" and ms != 0:
             raise ValueError(f"mode 'sync' needs max_staleness 0, got {ms}")

@@ -48,7 +48,8 @@ ROLLOUT_WIRING = frozenset({"bus", "run", "dataset", "model", "engine_id", "inst
 REWARD_WIRING = frozenset({"bus", "run", "reward", "name"})
 REFERENCE_WIRING = frozenset({"bus", "run", "model"})
 AGGREGATE_WIRING = frozenset({"run", "partitions", "advantage"})
-TRAINER_WIRING = frozenset({"run", "run_dir", "trainer", "busy_dir", "max_threads"})
+TRAINER_WIRING = frozenset({"run", "run_dir", "trainer", "busy_dir", "max_threads",
+                            "processes"})
 BUS_WIRING = frozenset({"bootstrap_servers", "max_message_bytes", "blob_store"})
 """Per stage, the fields of its config the launcher fills (from the recipe's top level,
 ``data``, ``advantage``, ``resources`` and the process's place in the run); every other

@@ -96,7 +96,7 @@ def stage_specs(recipe: Recipe, bus: BusConfig, run_dir: Path) -> list[StageSpec
     stage = recipe.trainer.model_dump(include=TRAINER_STAGE_KEYS)
     config = _checked("stage trainer (trainer)", TrainerStageConfig, dict(
         stage, run=run, run_dir=str(run_dir), trainer=trainer, busy_dir=busy_dir,
-        max_threads=max_threads))
+        max_threads=max_threads, processes=recipe.resources_of("trainer").processes))
     specs.append(StageSpec("trainer", "trainer", config, recipe.resources_of("trainer")))
     return specs
 

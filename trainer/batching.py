@@ -212,3 +212,26 @@ def informative_rows(groups: list[pa.Table]) -> list[pa.Table]:
         if len(keep):
             out.append(g if len(keep) == g.num_rows else g.take(pa.array(keep)))
     return out
+
+
+def split_groups(groups: list[pa.Table], n: int) -> list[list[pa.Table]]:
+    """Deal the groups of a global batch to ``n`` data-parallel ranks, whole groups only,
+    so that the ranks' token counts (prompt + response tokens of every row) are close:
+    longest first, each to the rank with the fewest tokens so far (LPT greedy, within
+    4/3 of the best split). Deterministic; each rank keeps the groups' original order.
+    A rank gets no group when there are fewer groups than ranks.
+
+    Raises:
+        ValueError: ``n < 1``.
+    """
+    if n < 1:
+        raise ValueError(f"split_groups needs n >= 1 ranks, got {n}")
+    cost = [int(pc.sum(pc.list_value_length(g.column("prompt_ids"))).as_py() or 0)
+            + int(pc.sum(pc.list_value_length(g.column("response_ids"))).as_py() or 0)
+            for g in groups]
+    load, share = [0] * n, [[] for _ in range(n)]
+    for i in sorted(range(len(groups)), key=lambda i: (-cost[i], i)):
+        r = min(range(n), key=lambda r: (load[r], r))
+        load[r] += cost[i]
+        share[r].append(i)
+    return [[groups[i] for i in sorted(s)] for s in share]

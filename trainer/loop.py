@@ -24,7 +24,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
 from relax.schemas import metric_names as M
 from relax.streams.client import BusConfig
@@ -32,7 +32,7 @@ from relax.streams.metrics import MetricsWriter
 from relax.streams.producer import BatchProducer
 from relax.trainer import checkpoint
 from relax.trainer.backends import build_backend
-from relax.trainer.batching import informative_rows, loss_counts, micro_batches
+from relax.trainer.batching import informative_rows, loss_counts, micro_batches, split_groups
 from relax.trainer.config import TrainerConfig
 from relax.trainer.ledger import Ledger
 from relax.trainer.source import Batch, SampleSource
@@ -47,22 +47,27 @@ class TrainerStageConfig(BaseModel):
         run: run name.
         run_dir: run folder (checkpoints, final model, TensorBoard events).
         trainer: the trainer settings.
-        weights_host: address subscribers reach the weight rendezvous at.
+        weights_host: address subscribers reach the weight rendezvous at (announced with
+            every version); None = this node's address as Ray knows it
+            (:func:`node_address`; 127.0.0.1 outside Ray and in single-host runs).
         weights_port: rendezvous port (0 = free).
         prometheus_port: serve Prometheus metrics on this port (None = off, 0 = free).
         busy_dir / max_threads: take up to ``max_threads`` torch threads while no rollout
             engine flags ``busy_dir`` (co-located stages, ``relax.trainer.cores``); None = off.
+        processes: data-parallel ranks on this host (``relax.trainer.ranks``); this
+            process is rank 0.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
     run: str
     run_dir: str
     trainer: TrainerConfig
-    weights_host: str = "127.0.0.1"
+    weights_host: str | None = None
     weights_port: int = 0
     prometheus_port: int | None = None
     busy_dir: str | None = None
     max_threads: int | None = None
+    processes: int = Field(1, ge=1)
 
 
 def batch_metrics(batch: Batch, accuracy_reward: str | None, threshold: float) -> dict[str, float]:
@@ -94,6 +99,14 @@ def batch_metrics(batch: Batch, accuracy_reward: str | None, threshold: float) -
     return out
 
 
+def node_address() -> str:
+    """The address other hosts reach this process at: the Ray node's IP when this process
+    is a Ray worker (the address the cluster's nodes registered with), else 127.0.0.1."""
+    import ray
+
+    return ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1"
+
+
 class TrainerStage:
     """The trainer as a process: ``TrainerStage(cfg, bus).run(should_stop)``."""
 
@@ -108,6 +121,12 @@ class TrainerStage:
             torch.set_num_threads(t.num_threads)
         self.cfg, self.bus = cfg, bus
         self.run_dir = Path(cfg.run_dir)
+        self.ranks = None
+        if cfg.processes > 1:  # before the back end: DDP is built on the process group
+            from relax.trainer.ranks import Ranks
+
+            self.ranks = Ranks(cfg.processes, t, self.run_dir / "logs",
+                               torch_threads=torch.get_num_threads())
         self.backend = build_backend(t)
         self.ledger = Ledger()
         state = checkpoint.TrainerState(policy_version=0)
@@ -115,6 +134,8 @@ class TrainerStage:
         if ckpt is not None:
             state, self.ledger = checkpoint.load(ckpt, self.backend)
             log.info("resumed from %s at policy_version %d", ckpt, state.policy_version)
+        if self.ranks is not None:
+            self.backend.broadcast_state()
         self.version = state.policy_version
         self.counters = Counter(state.counters)
         self.producer = BatchProducer(bus, producer_id=f"{cfg.run}-trainer")
@@ -125,7 +146,7 @@ class TrainerStage:
         self._progress_producer = BatchProducer(bus, producer_id=f"{cfg.run}-trainer-progress")
         self._progress_metrics = MetricsWriter(self._progress_producer, cfg.run, "trainer")
         self.publisher = WeightPublisher(
-            bus, cfg.run, host=cfg.weights_host, port=cfg.weights_port,
+            bus, cfg.run, host=cfg.weights_host or node_address(), port=cfg.weights_port,
             checkpoint_dir=self.run_dir / "weights", checkpoint_every=t.weights_snapshot_every,
             bucket_bytes=t.publish_bucket_bytes, producer=self.producer)
         self.source = SampleSource(bus, cfg.run, self.ledger, batch_groups=t.batch_groups,
@@ -173,8 +194,12 @@ class TrainerStage:
         if batch is None:
             return None
         groups = informative_rows(batch.groups) if self._skip_zero else batch.groups
+        counts = loss_counts(batch.groups)
+        if self.ranks is not None:
+            groups, counts = self.ranks.scatter(split_groups(groups, self.ranks.world_size),
+                                                counts)
         stats = self.backend.train_step(micro_batches(groups, t.max_tokens_per_microbatch),
-                                        counts=loss_counts(batch.groups))
+                                        counts=counts)
         self.source.trained(batch, self.version)
         out = {**stats, **batch_metrics(batch, t.accuracy_reward, t.accuracy_threshold)}
         self.version += 1
@@ -216,7 +241,10 @@ class TrainerStage:
             self.close()
 
     def close(self) -> None:
-        """Stop publishing and close the bus clients (no offset commit)."""
+        """Stop publishing, stop the other data-parallel ranks, close the bus clients (no
+        offset commit)."""
+        if self.ranks is not None:
+            self.ranks.close()
         self.publisher.close()
         self.source.close()
         self.telemetry.close()

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from relax.streams.codec import group_by_key
-from relax.trainer.batching import collate, micro_batches, pack_groups
+from relax.trainer.batching import collate, micro_batches, pack_groups, split_groups
 
 from testdata import train_sample_table
 
@@ -67,3 +67,31 @@ def test_micro_batches_keep_groups_together():
             assert sum(rid.startswith(g + "/") for rid in mb.rollout_ids) == 3
         seen += mb.rollout_ids
     assert sorted(seen) == sorted(t.column("rollout_id").to_pylist())
+
+
+def _tokens(g: pa.Table) -> int:
+    return sum(len(x) for x in g.column("prompt_ids").to_pylist()) + \
+        sum(len(x) for x in g.column("response_ids").to_pylist())
+
+
+@settings(max_examples=40, deadline=None)
+@given(n_groups=st.integers(0, 9), n=st.integers(1, 4), seed=st.integers(0, 1000))
+def test_split_groups_deals_every_group_once_balanced(n_groups, n, seed):
+    t = train_sample_table(n_groups, group_size=2, seed=seed, response_len=(1, 30))
+    groups = [g for _, g in group_by_key(t, "group_id")] if n_groups else []
+    shares = split_groups(groups, n)
+    assert len(shares) == n
+    ids = [g.column("group_id")[0].as_py() for s in shares for g in s]
+    assert sorted(ids) == sorted(g.column("group_id")[0].as_py() for g in groups)
+    for s in shares:  # each rank keeps the batch's order
+        order = [groups.index(g) for g in s]
+        assert order == sorted(order)
+    loads = [sum(map(_tokens, s)) for s in shares]
+    # greedy bound: the heaviest rank exceeds the lightest by at most one group
+    assert max(loads) - min(loads) <= max(map(_tokens, groups), default=0)
+    assert split_groups(groups, n) == shares  # deterministic
+
+
+def test_split_groups_rejects_no_ranks():
+    with pytest.raises(ValueError, match="n >= 1"):
+        split_groups([], 0)

@@ -12,10 +12,22 @@ Each micro-batch loss is normalised by the global token/sequence counts of the
 step, so gradients are summed over micro-batches (no division by the number of
 accumulation steps, public case C06); with DDP (which averages) the loss is
 multiplied by the world size to keep the sum.
+
+Data parallelism (``torch.distributed`` initialised, see
+:mod:`relax.trainer.distributed`): each rank trains on its own rows of the global
+batch. The differentiable forward goes through a ``DistributedDataParallel``
+wrapper of :class:`ResponseLogits` (DDP only all-reduces after a backward whose
+forward it ran), inside ``no_sync()`` for every micro-batch but the last, so the
+gradients are all-reduced once per optimizer step. Ranks may hold different numbers
+of micro-batches (or none): they first agree on the largest count and a rank that
+runs out does zero-weight passes on a one-token :func:`idle_batch` (loss mask 0:
+exact zero gradient), so every rank takes part in the same collectives. Metrics are
+summed over the ranks, so every rank reports the figures of the whole batch.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from pathlib import Path
@@ -61,12 +73,46 @@ def response_logits(model, mb: MicroBatch) -> torch.Tensor:
     return model.get_output_embeddings()(h)
 
 
+class ResponseLogits(torch.nn.Module):
+    """:func:`response_logits` as a module, so that a ``DistributedDataParallel`` wrapper
+    runs it: ``forward(mb)`` -> ``[B, R, V]`` float logits of the response tokens."""
+
+    def __init__(self, model: torch.nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, mb: MicroBatch) -> torch.Tensor:
+        return response_logits(self.model, mb)
+
+
+def idle_batch(temperature: float = 1.0) -> MicroBatch:
+    """A one-row micro-batch (one prompt token, one response token) with loss mask 0: the
+    pass a rank runs when it has no micro-batch left, so that it takes part in the step's
+    collectives. Its loss is exactly 0 and so is its gradient (masked values are selected
+    out with ``torch.where``, never multiplied)."""
+    one = torch.ones((1, 1), dtype=torch.int64)
+    zero = torch.zeros((1, 1), dtype=torch.float32)
+    return MicroBatch(prompt_ids=one.clone(), prompt_mask=one.clone(),
+                      prompt_of_row=torch.zeros(1, dtype=torch.int64),
+                      response_ids=one.clone(), response_mask=one.clone(),
+                      loss_mask=zero.clone(), advantages=zero.clone(),
+                      rollout_logprobs=zero.clone(), ref_logprobs=zero.clone(),
+                      temperature=temperature, rollout_ids=[])
+
+
 class TorchBackend:
     """Holds the model and optimizer of the trainer.
 
+    With a ``torch.distributed`` process group initialised before it is built
+    (:func:`relax.trainer.distributed.init_data_parallel`), the back end is one
+    data-parallel rank: DDP broadcasts rank 0's weights at construction, every rank
+    must call :meth:`train_step` for every step (with its own micro-batches, possibly
+    none) and ends the step with the same weights; only rank 0 should :meth:`save`.
+
     Args:
         cfg: trainer configuration.
-        device: torch device (default: cuda if available, else cpu).
+        device: torch device (default: cuda if available, else cpu); with nccl, the
+            rank's GPU (what ``init_data_parallel`` returns).
         model: an already loaded model (tests); default: ``load_model(cfg.model)``.
     """
 
@@ -82,11 +128,13 @@ class TorchBackend:
             raise ValueError(f"{cfg.model}: final logit soft-capping is not supported by "
                              f"response_logits")
         self.world_size = dist.get_world_size() if dist.is_initialized() else 1
-        self.module = self.model
+        self.rank = dist.get_rank() if dist.is_initialized() else 0
+        self.module: torch.nn.Module = ResponseLogits(self.model)
         if self.world_size > 1:
             from torch.nn.parallel import DistributedDataParallel
 
-            self.module = DistributedDataParallel(self.model)
+            # buffers (rotary inv_freq) are deterministic: no broadcast at every forward
+            self.module = DistributedDataParallel(self.module, broadcast_buffers=False)
         o = cfg.optim
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=o.lr, betas=o.betas,
                                            eps=o.eps, weight_decay=o.weight_decay)
@@ -99,8 +147,9 @@ class TorchBackend:
 
     def logprobs(self, mb: MicroBatch, with_entropy: bool = False):
         """``([B, R] log-probs, [B, R] entropy or None)`` of the response tokens under the
-        current weights (differentiable)."""
-        logits = response_logits(self.model, _to(mb, self.device))
+        current weights (differentiable; float32 for a float32 model). With DDP, a
+        forward with grad enabled must be followed by a backward on every rank."""
+        logits = self.module(_to(mb, self.device))
         lp = token_logprobs(logits, mb.targets.to(self.device), mb.temperature)
         ent = token_entropy(logits, temperature=mb.temperature) if with_entropy else None
         return lp, ent
@@ -110,24 +159,33 @@ class TorchBackend:
         """One optimizer step over the micro-batches of a global batch.
 
         Args:
-            mbs: the micro-batches to run forward/backward on (may be empty).
-            counts: ``(global tokens, global sequences)`` the loss is normalised by;
-                default: those of ``mbs``. Given when rows that cannot contribute were
-                left out (:func:`relax.trainer.batching.informative_rows`).
+            mbs: this rank's micro-batches to run forward/backward on (may be empty).
+            counts: ``(tokens, sequences)`` of this rank's rows the loss is normalised by
+                (summed over ranks: the global counts); default: those of ``mbs``. Given
+                when rows that cannot contribute were left out
+                (:func:`relax.trainer.batching.informative_rows`).
 
         Returns:
-            metrics: ``loss``, ``grad_norm``, ``lr``, ``train_s``, ``tokens_trained`` and the
-            loss metrics (``policy_loss``, ``ppo_kl``, ``clip_frac_*``, ``entropy``, ...).
+            metrics: ``loss``, ``grad_norm``, ``lr``, ``train_s``, ``tokens_trained``,
+            ``rows_computed`` and the loss metrics (``policy_loss``, ``ppo_kl``,
+            ``clip_frac_*``, ``entropy``, ...), of the whole global batch (summed over
+            ranks; ``train_s`` is this rank's).
         """
         t0 = time.perf_counter()
         if counts is None:
             per_mb = [mask_counts(mb.loss_mask) for mb in mbs]
             counts = (sum(c[0] for c in per_mb), sum(c[1] for c in per_mb))
         tokens, seqs = counts
-        if self.world_size > 1:
-            t = torch.tensor([tokens, seqs], dtype=torch.float64, device=self.device)
-            dist.all_reduce(t)
-            tokens, seqs = int(t[0]), int(t[1])
+        rows = sum(mb.response_ids.shape[0] for mb in mbs)
+        passes = len(mbs)
+        if self.world_size > 1:  # one collective: global counts and the longest rank
+            mine = torch.tensor([tokens, seqs, rows, passes], dtype=torch.float64,
+                                device=self.device)
+            every = [torch.empty_like(mine) for _ in range(self.world_size)]
+            dist.all_gather(every, mine)
+            every = torch.stack(every)
+            tokens, seqs, rows = (int(x) for x in every[:, :3].sum(0))
+            passes = int(every[:, 3].max())
         lr = self._lr()
         for g in self.optimizer.param_groups:
             g["lr"] = lr
@@ -138,34 +196,42 @@ class TorchBackend:
         self.optimizer.zero_grad(set_to_none=True)
         sums: dict[str, float] = {"loss": 0.0, "policy_loss": 0.0}
         want_entropy = self.cfg.loss.entropy_coef != 0
-        for i, mb in enumerate(mbs):
-            dmb = _to(mb, self.device)
-            lp, ent = self.logprobs(dmb, with_entropy=want_entropy)
-            if old is not None:
-                old_lp = old[i]
-            elif self.cfg.old_logprobs == "rollout":
-                old_lp = dmb.rollout_logprobs
-            else:
-                old_lp = lp.detach()
-            loss, metrics = compute_policy_loss(
-                self.cfg.loss, lp, old_lp, dmb.advantages, dmb.loss_mask,
-                rollout_logprobs=dmb.rollout_logprobs, ref_logprobs=dmb.ref_logprobs,
-                entropy=ent, global_tokens=max(tokens, 1), global_seqs=max(seqs, 1))
-            (loss * self.world_size).backward()
+        for i in range(passes):
+            dmb = _to(mbs[i] if i < len(mbs) else idle_batch(), self.device)
+            last = i == passes - 1  # DDP all-reduces in the last backward only
+            sync = self.module.no_sync() if self.world_size > 1 and not last else \
+                contextlib.nullcontext()
+            with sync:
+                lp, ent = self.logprobs(dmb, with_entropy=want_entropy)
+                if old is not None and i < len(old):
+                    old_lp = old[i]
+                elif self.cfg.old_logprobs == "rollout":
+                    old_lp = dmb.rollout_logprobs
+                else:
+                    old_lp = lp.detach()
+                loss, metrics = compute_policy_loss(
+                    self.cfg.loss, lp, old_lp, dmb.advantages, dmb.loss_mask,
+                    rollout_logprobs=dmb.rollout_logprobs, ref_logprobs=dmb.ref_logprobs,
+                    entropy=ent, global_tokens=max(tokens, 1), global_seqs=max(seqs, 1))
+                (loss * self.world_size).backward()
             sums["loss"] += float(loss.detach())
             for k, v in metrics.items():
                 sums[k] = sums.get(k, 0.0) + float(v)
+        if self.world_size > 1:  # same keys on every rank: same config, same pass count
+            keys = sorted(sums)
+            t = torch.tensor([sums[k] for k in keys], dtype=torch.float64, device=self.device)
+            dist.all_reduce(t)
+            sums = dict(zip(keys, t.tolist()))
         for p in self.model.parameters():  # rows left out contribute exact zeros
             if p.grad is None and p.requires_grad:
                 p.grad = torch.zeros_like(p)
-        clip = self.cfg.optim.grad_clip
+        clip = self.cfg.optim.grad_clip  # of the global (all-reduced) gradient
         norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(),
                                               clip if clip > 0 else math.inf)
         self.optimizer.step()
         self.steps_done += 1
         sums.update(grad_norm=float(norm), lr=lr, tokens_trained=float(tokens),
-                    rows_computed=float(sum(mb.response_ids.shape[0] for mb in mbs)),
-                    train_s=time.perf_counter() - t0)
+                    rows_computed=float(rows), train_s=time.perf_counter() - t0)
         return sums
 
     def named_tensors(self) -> dict[str, torch.Tensor]:
@@ -179,6 +245,21 @@ class TorchBackend:
         self.model.save_pretrained(folder, safe_serialization=True)
         torch.save({"optimizer": self.optimizer.state_dict(), "steps_done": self.steps_done},
                    folder / "optimizer.pt")
+
+    def broadcast_state(self, src: int = 0) -> None:
+        """Give every data-parallel rank rank ``src``'s weights, optimizer state and step
+        count (after ``src`` alone restored a checkpoint). A collective: every rank calls
+        it; a no-op without a process group of more than one rank."""
+        if self.world_size == 1:
+            return
+        with torch.no_grad():
+            for t in [*self.model.parameters(), *self.model.buffers()]:
+                dist.broadcast(t.data, src)
+        state = [{"optimizer": self.optimizer.state_dict(), "steps_done": self.steps_done}]
+        dist.broadcast_object_list(state, src, device=self.device)
+        if self.rank != src:
+            self.optimizer.load_state_dict(state[0]["optimizer"])
+            self.steps_done = int(state[0]["steps_done"])
 
     def load(self, folder: Path) -> None:
         """Restore model weights and optimizer state saved by :meth:`save`."""

@@ -1,0 +1,65 @@
+"""The data-parallel trainer in a real run: ``resources.trainer.processes=2`` (rank 0 is
+the trainer stage, rank 1 its child process, gloo on loopback), the tiny recipe through
+the broker; then the same with rank 1 SIGKILLed mid-run, which must fail the trainer
+stage, restart it from its checkpoint with a new rank 1, and still account for every
+rollout with none trained twice."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import uuid
+from pathlib import Path
+
+import pytest
+from testdata import tiny_recipe
+
+from relax.infra.launch import train
+
+pytestmark = pytest.mark.e2e
+
+
+def _child_ranks(pid: int) -> list[int]:
+    """Pids of the trainer ranks a trainer stage process started (any of its threads)."""
+    out = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        out += [int(c) for c in (task / "children").read_text().split()]
+    return [c for c in out if b"relax.trainer.ranks" in Path(f"/proc/{c}/cmdline").read_bytes()]
+
+
+def _whole(s: dict) -> None:
+    assert s["balanced"], s
+    assert s["trained"] + s["stale"] + s["filtered"] + s["errors"] == s["sampled"] > 0, s
+
+
+def test_two_rank_trainer_run(broker, tmp_path):
+    recipe = tiny_recipe(broker, tmp_path, "dp" + uuid.uuid4().hex[:6],
+                         "resources.trainer.processes=2")
+    s = train(recipe, say=lambda _: None, timeout_s=500)
+    assert s["steps"] == 3, s
+    _whole(s)
+    logs = Path(s["run_dir"]) / "logs"
+    assert "rank 1 done after 3 steps" in (logs / "trainer-rank1.log").read_text()
+    assert "data-parallel trainer: 2 ranks" in (logs / "trainer.log").read_text()
+
+
+def test_a_killed_rank_restarts_the_trainer_and_loses_nothing(broker, tmp_path):
+    recipe = tiny_recipe(broker, tmp_path, "dpkill" + uuid.uuid4().hex[:4],
+                         "resources.trainer.processes=2", "trainer.steps=4",
+                         "trainer.checkpoint_every=1")
+    killed = []
+
+    def on_step(step: dict, run_dir: Path) -> None:
+        if int(step["step"]) == 2 and not killed:
+            pid = json.loads((run_dir / "stages.json").read_text())["trainer"]["pid"]
+            children = _child_ranks(pid)
+            assert len(children) == 1, children
+            os.kill(children[0], signal.SIGKILL)
+            killed.append(children[0])
+
+    s = train(recipe, say=lambda _: None, on_step=on_step, timeout_s=500)
+    assert killed and s["steps"] == 4, (killed, s)
+    _whole(s)
+    stages = json.loads((Path(s["run_dir"]) / "stages.json").read_text())
+    assert stages["trainer"]["restarts"] >= 1, stages["trainer"]

@@ -1,0 +1,91 @@
+"""The process group of the trainer's data-parallel ranks.
+
+``resources.trainer.processes: N`` runs N trainer processes; each one calls
+:func:`init_data_parallel` with its rank before it builds its back end, so that
+:class:`relax.trainer.backends.torch_backend.TorchBackend` finds an initialised
+default process group and wraps its forward in DDP. The collective back end is
+``nccl`` when CUDA is available (one GPU per rank, ``cuda:<local rank>``), else
+``gloo`` on the CPU. Rank 0 is the one that saves checkpoints and publishes
+weights; every rank holds the same weights after each step.
+
+Rendezvous is TCP on ``master_addr:master_port`` (rank 0 listens there): every rank
+must be given the same address and port. :func:`free_port` picks one on loopback
+for single-host runs and tests.
+"""
+
+from __future__ import annotations
+
+import socket
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+
+def default_backend() -> str:
+    """``"nccl"`` when a CUDA device is visible, else ``"gloo"``."""
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that was free on ``host`` a moment ago (bind to port 0; another
+    process may take it before rank 0 listens, which is fine for tests)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def init_data_parallel(rank: int, world_size: int, master_addr: str = "127.0.0.1",
+                       master_port: int = 29500, *, backend: str | None = None,
+                       local_rank: int | None = None, timeout_s: float = 600.0) -> str:
+    """Join the default process group as ``rank`` of ``world_size`` trainer ranks.
+
+    Blocks until all ``world_size`` ranks have joined (or ``timeout_s``). On ``nccl``
+    the rank's GPU becomes the current CUDA device (``local_rank``, default
+    ``rank % device_count``), so tensors on ``"cuda"`` land on it.
+
+    Args:
+        rank: this process's rank, ``0 <= rank < world_size``.
+        world_size: number of trainer processes (>= 1).
+        master_addr, master_port: TCP rendezvous of rank 0, the same on every rank.
+        backend: ``"gloo"`` or ``"nccl"`` (default: :func:`default_backend`).
+        local_rank: GPU index on this host (nccl only).
+        timeout_s: rendezvous and collective timeout (seconds).
+
+    Returns:
+        the torch device string for the back end: ``"cuda:<local_rank>"`` or ``"cpu"``.
+
+    Raises:
+        ValueError: a bad rank / world size, or nccl without CUDA.
+        RuntimeError: a process group is already initialised in this process.
+    """
+    if world_size < 1 or not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} of world_size {world_size}: need 0 <= rank < world_size")
+    if dist.is_initialized():
+        raise RuntimeError("a torch.distributed process group is already initialised "
+                           "(call destroy_data_parallel() first)")
+    backend = backend or default_backend()
+    device = "cpu"
+    if backend == "nccl":
+        if not torch.cuda.is_available():
+            raise ValueError("backend 'nccl' needs a CUDA device; use 'gloo' on the CPU")
+        local = rank % torch.cuda.device_count() if local_rank is None else local_rank
+        torch.cuda.set_device(local)
+        device = f"cuda:{local}"
+    dist.init_process_group(backend, init_method=f"tcp://{master_addr}:{master_port}",
+                            rank=rank, world_size=world_size,
+                            timeout=timedelta(seconds=timeout_s))
+    return device
+
+
+def destroy_data_parallel() -> None:
+    """Leave and destroy the default process group (no-op when there is none)."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def rank_and_world() -> tuple[int, int]:
+    """``(rank, world_size)`` of this process: ``(0, 1)`` without a process group."""
+    if dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
