@@ -17,8 +17,9 @@ actor's ``run`` and watches the results:
 * :meth:`Controller.stop` asks every stage to stop, waits, then kills what is left
   and shuts Ray down, so no process of the run survives it.
 
-The pids and restart counts are written to ``<run_dir>/stages.json`` (what an
-operator, or a chaos test, needs to find a stage's process).
+The pids, Ray node addresses and restart counts are written to
+``<run_dir>/stages.json`` (what an operator, or a chaos test, needs to find a stage's
+process).
 """
 
 from __future__ import annotations
@@ -54,6 +55,9 @@ def _actor_class():
         def pid(self) -> int:
             return os.getpid()
 
+        def node_ip(self) -> str:
+            return ray.util.get_node_ip_address()
+
         def heartbeat(self) -> dict:
             age = None if self._beat is None else time.monotonic() - self._beat
             return {"pid": os.getpid(), "ts": time.time(), "up_s": time.time() - self._started,
@@ -84,6 +88,7 @@ class _Running:
     ref: object
     pid: int
     restarts: int = 0
+    node: str | None = None
     finished: bool = False
     history: list[str] = field(default_factory=list)
     answered: float = field(default_factory=time.monotonic)  # heartbeat last answered
@@ -128,7 +133,9 @@ class Controller:
             # preempt a stage's torch threads at will, and one preempted OpenMP thread
             # stalls the whole parallel region (measured: trainer step 10 % slower)
             os.environ.setdefault("RAY_worker_niceness", "0")
-            ray.init(num_cpus=max(os.cpu_count() or 1, int(want + 0.999)),
+            # address "local": a new Ray of our own, even where `ray start` left a cluster
+            # (or its stale address file) on this machine
+            ray.init(address="local", num_cpus=max(os.cpu_count() or 1, int(want + 0.999)),
                      num_gpus=None, include_dashboard=False, log_to_driver=False,
                      _node_ip_address="127.0.0.1", object_store_memory=128 << 20,
                      configure_logging=False)
@@ -138,13 +145,14 @@ class Controller:
         import ray
 
         cls = _actor_class()
+        place = {f"host:{spec.resources.host}": 0.001} if spec.resources.host else None
         actor = cls.options(name=None, num_cpus=spec.resources.num_cpus,
-                            num_gpus=spec.resources.num_gpus).remote(
+                            num_gpus=spec.resources.num_gpus, resources=place).remote(
             {"name": spec.name, "kind": spec.kind, "config": spec.config,
              "resources": spec.resources.model_dump()},
             self.bus.model_dump(), str(self.run_dir / "logs" / f"{spec.name}.log"))
-        pid = ray.get(actor.pid.remote(), timeout=120)
-        r = _Running(spec, actor, actor.run.remote(), pid, restarts)
+        pid, node = ray.get([actor.pid.remote(), actor.node_ip.remote()], timeout=120)
+        r = _Running(spec, actor, actor.run.remote(), pid, restarts, node)
         log.info("started %s (pid %d, restart %d)", spec.name, pid, restarts)
         return r
 
@@ -156,7 +164,8 @@ class Controller:
         self._write_state()
 
     def _write_state(self) -> None:
-        state = {n: {"pid": r.pid, "restarts": r.restarts, "finished": r.finished,
+        state = {n: {"pid": r.pid, "node": r.node, "restarts": r.restarts,
+                     "finished": r.finished,
                      "kind": r.spec.kind, "history": r.history}
                  for n, r in self.stages.items()}
         tmp = self.run_dir / ".stages.json.tmp"

@@ -92,6 +92,10 @@ class Resources(StrictModel):
     max_torch_threads: int | None = Field(
         None, ge=1, description="trainer only: threads while no rollout engine of the run "
         "generates (co-located stages, trainer/cores.py); None = torch_threads always")
+    host: str | None = Field(
+        None, pattern=r"^[A-Za-z0-9_.-]+$",
+        description="run on the Ray node that offers the custom resource 'host:<host>' "
+        "(`ray start --resources '{\"host:<host>\": 1000}'`); None = wherever Ray places it")
     processes: int = Field(
         1, ge=1, description="trainer only: data-parallel ranks on the trainer's host "
         "(trainer/ranks.py; gloo on CPU, nccl on GPU); more rollout processes come from "
@@ -167,6 +171,10 @@ class Recipe(StrictModel):
         if multi:
             raise ValueError(f"resources: processes is for the trainer only (use "
                              f"rollout.instances for rollouts), set for {sorted(multi)}")
+        placed = sorted(s for s, r in self.resources.items() if r.host)
+        if placed and not self.ray_address:
+            raise ValueError(f"resources.<stage>.host (set for {placed}) needs ray_address: a "
+                             f"Ray cluster whose nodes offer the resources host:<name>")
         if self.resources_of("trainer").processes > 1 and self.trainer.backend != "torch":
             raise ValueError("resources.trainer.processes > 1 needs trainer.backend 'torch'")
         ms = self.trainer.max_staleness

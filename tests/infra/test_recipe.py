@@ -192,3 +192,21 @@ def test_bus_settings_are_recipe_keys():
     assert set(BusConfig.model_fields) - BUS_WIRING == set(type(r.bus).model_fields)
     with pytest.raises(RecipeError, match="min_insync_replicas 3 exceeds replication_factor 2"):
         run_bus(_recipe("bus.replication_factor=2", "bus.min_insync_replicas=3"), "k:1", Path("r"))
+
+
+@pytest.mark.parametrize(("overrides", "match"), [
+    (["resources.rollout.processes=2"], r"processes is for the trainer only.*\['rollout'\]"),
+    (["resources.trainer.processes=2", "trainer.backend=megatron"], "needs trainer.backend 'torch'"),
+    (["resources.rollout.host=b"], r"host \(set for \['rollout'\]\) needs ray_address"),
+    (["resources.rollout.host=b c"], "resources.rollout.host"),
+])
+def test_placement_and_processes_are_checked(overrides, match):
+    with pytest.raises(RecipeError, match=match):
+        load_recipe(RECIPES / "tiny_ci.yaml", overrides)
+
+
+def test_trainer_processes_and_hosts_reach_the_stages():
+    r = _recipe("resources.trainer.processes=2", "ray_address=10.0.0.1:6379",
+                "resources.rollout.host=b")
+    assert _spec(r, "trainer").config["processes"] == 2
+    assert _spec(r, "rollout").resources.host == "b"
