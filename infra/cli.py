@@ -270,6 +270,23 @@ def replay_cmd(archive_dir: str = typer.Argument(..., help="folder written by re
     typer.echo(r.summary())
 
 
+@app.command("scale")
+def scale_cmd(run: str = typer.Argument(..., help="run name (its folder: RUN_ROOT/RUN)"),
+              instances: int = typer.Option(..., help="rollout instances wanted"),
+              run_root: str = typer.Option("runs", help="folder the run writes under"),
+              wait: bool = typer.Option(True, help="follow the operation to its end"),
+              timeout_s: float = typer.Option(300.0, help="give up waiting after this long")) -> None:
+    """Scale a live run's rollout instances through its control API (token from
+    $RELAX_API_TOKEN or the run folder)."""
+    from pathlib import Path
+
+    from relax.infra.scale_client import scale_to
+
+    op = scale_to(Path(run_root) / run, instances, wait, timeout_s, say=typer.echo)
+    if op["state"] != "ACTIVE":
+        raise typer.Exit(1)
+
+
 @app.command("monitor")
 def monitor_cmd(run: str = typer.Option(..., "--run", help="run to watch"),
                 interval: float = typer.Option(2.0, help="seconds between refreshes"),

@@ -227,6 +227,47 @@ class Controller:
         self.stages[name] = new
         self._write_state()
 
+    def replace_stages(self, kind: str, specs: list[StageSpec], stop_s: float = 30.0) -> list[str]:
+        """Make the stages of ``kind`` exactly ``specs`` in a live run: stop (gracefully,
+        then killed after ``stop_s``) those not in ``specs``, restart those whose config
+        changed, start the new ones (in an order that never leaves the stages' consumer
+        group empty). Returns the names started or restarted.
+
+        Raises:
+            ValueError: a spec of another kind.
+        """
+        if any(s.kind != kind for s in specs):
+            raise ValueError(f"replace_stages({kind!r}) got specs of kinds "
+                             f"{sorted({s.kind for s in specs})}")
+        wanted = {s.name: s for s in specs}
+        gone = [n for n, r in self.stages.items() if r.spec.kind == kind and n not in wanted]
+        new = [n for n in wanted if n not in self.stages]
+        changed = [n for n, s in wanted.items()
+                   if n in self.stages and self.stages[n].spec.config != s.config]
+        # new ones first, removed ones last, restarts one at a time in between: the
+        # consumer group is never empty (Tansu can wedge a group that every member left
+        # and one rejoins: SyncGroup answers REBALANCE_IN_PROGRESS for good)
+        for n in new:
+            self.stages[n] = self._start(wanted[n])
+        for n in changed:
+            self._stop(n, stop_s)
+            self.stages[n] = self._start(wanted[n])
+        for n in gone:
+            self._stop(n, stop_s)
+        self.specs = [s for s in self.specs if s.kind != kind] + specs
+        self._write_state()
+        return new + changed
+
+    def _stop(self, name: str, stop_s: float) -> None:
+        """Stop stage ``name`` gracefully (killed after ``stop_s``) and forget it."""
+        import ray
+
+        r = self.stages.pop(name)
+        r.actor.stop.remote()
+        ray.wait([r.ref], timeout=stop_s)
+        ray.kill(r.actor, no_restart=True)
+        log.info("stopped %s (scaling)", name)
+
     def watch(self) -> list[str]:
         """Restart the stages that are alive but stuck (see :mod:`relax.infra.watch`):
         a loop inside one call, or a heartbeat unanswered, for ``stall_timeout_s``; or

@@ -136,8 +136,15 @@ def train(recipe: Recipe, *, say: Callable[[str], None] = print,
         summary["train_started_at"] = t_train = time.time()  # step times are relative to it
         controller.start()
         say(f"stages: {', '.join(controller.stages)} (pids in {run_dir / 'stages.json'})")
-        RunWatch(recipe, bus, run_dir, controller, follower, say, on_step).until_done(
-            stopping, None if timeout_s is None else t_start + timeout_s)  # watch
+        watch = RunWatch(recipe, bus, run_dir, controller, follower, say, on_step)
+        if recipe.api.enabled:
+            from relax.infra.scale_api import serve_run_api
+
+            api = serve_run_api(recipe, bus, run_dir, controller, watch)
+            stack.callback(api.close)
+            say(f"api: {api.url} (token: {run_dir / 'api.json'}; relax scale {recipe.run} "
+                f"--instances N)")
+        watch.until_done(stopping, None if timeout_s is None else t_start + timeout_s)
         summary["train_s"] = round(time.time() - t_train, 1)
         controller.stop()  # finish: accounting, eval after, run folder
         _finish(recipe, bus, run_dir, follower, eval_rows, summary, say)

@@ -109,6 +109,14 @@ class Resources(StrictModel):
         return self
 
 
+class ApiSection(StrictModel):
+    """The run's control API (``relax.infra.scale_api``): scale rollout instances live."""
+
+    enabled: bool = True
+    host: str = Field("127.0.0.1", description="address to listen on")
+    port: int = Field(0, ge=0, le=65535, description="TCP port (0 = a free one)")
+
+
 class Recipe(StrictModel):
     """A whole run.
 
@@ -125,6 +133,7 @@ class Recipe(StrictModel):
             docstring); None here = taken from those sections or their defaults.
         kl: the KL penalty (:class:`KLSection`).
         ray_address: Ray cluster address; None = a local Ray on 127.0.0.1.
+        api: the control API served while the run trains (:class:`ApiSection`).
         max_restarts: restarts allowed per stage process before the run fails.
         stall_timeout_s: a stage alive but stuck this long (seconds; its loop inside one
             call, or input waiting and nothing committed) is restarted, counting against
@@ -154,6 +163,7 @@ class Recipe(StrictModel):
     trainer: TrainerSection = Field(default_factory=TrainerSection)
     resources: dict[str, Resources] = Field(default_factory=dict)
     ray_address: str | None = None
+    api: ApiSection = Field(default_factory=ApiSection)
     max_restarts: int = Field(3, ge=0)
     stall_timeout_s: float = Field(300.0, gt=0)
     step_timeout_s: float | None = Field(1800.0, gt=0)

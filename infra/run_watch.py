@@ -102,6 +102,9 @@ class RunWatch:
         self.last_step = self.watched = time.monotonic()
         self.seen_records: int | None = None
         self.unreachable_since: float | None = None
+        self.scaler = None  # a relax.infra.scaling.RolloutScaler when the API is on
+        self.snapshot: dict = {"status": {}, "engines": []}  # what the API reads
+        self._snapshot_at = 0.0
 
     def failed(self, cls: type[RunFailed], why: str) -> RunFailed:
         """``cls`` with ``why``, the step reached, every stage and the latest metrics."""
@@ -139,8 +142,35 @@ class RunWatch:
                 raise self.failed(RunFailed, f"failed: {e}") from None
             rows = self.follower.poll(0.5)
             self._print_steps()
+            self.control()
             done = "trainer" in finished or any(
                 r["component"] == "trainer" and r["name"] == "done" for r in rows)
+
+    def control(self) -> None:
+        """Move the scaling operation on and refresh the API's snapshot: at every turn
+        while an operation runs, else every 2 s."""
+        from relax.infra.scaling import DONE
+
+        sc = self.scaler
+        if sc is None:
+            return
+        busy = sc.current is not None and sc.current.state not in DONE
+        if not busy and time.monotonic() - self._snapshot_at < 2.0:
+            return
+        self._snapshot_at = time.monotonic()
+        beats = self.controller.status()
+        version = next((r["policy_version"] for r in reversed(self.follower.rows)
+                        if r["component"] == "trainer" and r["policy_version"] is not None), None)
+        sc.advance(beats, self.follower.rows, version)
+        stages = {n: {"pid": r.pid, "node": r.node, "restarts": r.restarts,
+                      "finished": r.finished} for n, r in self.controller.stages.items()}
+        self.snapshot = {
+            "status": {"run": self.recipe.run, "policy_version": version,
+                       "steps": self.recipe.trainer.steps, "rollout_instances": sc.instances,
+                       "operation": sc.current.public() if sc.current else None,
+                       "stages": {n: {**st, "loop_age_s": (beats.get(n) or {}).get("loop_age_s")}
+                                  for n, st in stages.items()}},
+            "engines": sc.engines(beats, stages)}
 
     def _print_steps(self) -> None:
         for s in step_rows(self.follower.rows):

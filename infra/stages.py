@@ -94,6 +94,8 @@ def stage_specs(recipe: Recipe, bus: BusConfig, run_dir: Path) -> list[StageSpec
             advantage=recipe.advantage.model_dump())), recipe.resources_of("aggregate")))
     trainer = recipe.trainer.model_dump(exclude=TRAINER_STAGE_KEYS)
     stage = recipe.trainer.model_dump(include=TRAINER_STAGE_KEYS)
+    if stage["weights_host"] is None and not recipe.ray_address:
+        stage["weights_host"] = "127.0.0.1"  # one host: loopback (else the Ray node's address)
     config = _checked("stage trainer (trainer)", TrainerStageConfig, dict(
         stage, run=run, run_dir=str(run_dir), trainer=trainer, busy_dir=busy_dir,
         max_threads=max_threads, processes=recipe.resources_of("trainer").processes))

@@ -141,13 +141,14 @@ def inherited_in_flight(
     instance_index: int = 0,
     num_instances: int = 1,
 ) -> int:
-    """Groups a (re)started instance counts as started when it starts: what its
-    predecessors (same ``engine_id``) started in all (``started_total``, from
-    ``<run>.rollout_state``) less its :func:`share` of the groups the trainer had
-    decided then (``consumed_at_start``), never below 0. They hold credit as if this
-    instance had started them (exact for one instance)."""
-    mine = share(consumed_at_start, instance_index, num_instances)
-    return max(0, started_total - mine)
+    """Groups a (re)started instance counts as started when it starts: its
+    :func:`share` of what every instance of the run started in all (``started_total``,
+    from ``<run>.rollout_state``) less the groups the trainer had decided then
+    (``consumed_at_start``), never below 0. They hold credit as if this instance had
+    started them: exact for one instance; with several, the instances together count
+    at least the groups really in flight (the others count their own as well), so an
+    instance removed by a scale-in leaves no group uncounted."""
+    return share(max(0, started_total - consumed_at_start), instance_index, num_instances)
 
 
 def oldest_usable_version(

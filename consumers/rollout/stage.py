@@ -321,8 +321,11 @@ class RolloutStage:
         self._saved = saved_state(cfg.bus, self._state_topic)
         self._prompts.saved_epochs = self._saved.epochs
         self._started_total = self._saved.started.get(cfg.engine_id, 0)
-        # the groups of prompts that will come again were produced already: not again
-        self._started_ids.update(self._saved.pending.get(cfg.engine_id, []))
+        # the groups of prompts that will come again were produced already: not again.
+        # Every engine's: after a scale-in or a rebalance, another instance's pending
+        # prompts come here
+        for pending in self._saved.pending.values():
+            self._started_ids.update(pending)
         self._prompts.producer = producer = BatchProducer(
             cfg.bus, producer_id=f"{cfg.run}-{cfg.engine_id}")
         consumer = BatchConsumer(
@@ -352,10 +355,13 @@ class RolloutStage:
             self.base_version = self.trainer_version or 0
             self.trainer_version = self.base_version
             self._consumed0 = self._progress.consumed or 0
-            # what a predecessor started and the trainer has not decided is in flight: it
-            # holds credit as if this instance had started it (exact for one instance)
+            # what every instance so far started and the trainer has not decided is in
+            # flight: this instance holds its share of it as if it had started it (exact
+            # for one instance; with several, never less than the truth: a removed
+            # instance's groups in flight are counted, so none is sampled beyond need)
             self.groups_started = credit.inherited_in_flight(
-                self._started_total, self._consumed0, cfg.instance_index, cfg.num_instances)
+                sum(self._saved.started.values()), self._consumed0, cfg.instance_index,
+                cfg.num_instances)
             last_metrics, last_tokens, last_t = time.monotonic(), 0, time.monotonic()
             while not should_stop():
                 if self._subscriber is not None:

@@ -130,9 +130,13 @@ def test_a_restarted_instance_counts_its_predecessors_groups_in_flight():
     # a predecessor that started fewer than were decided leaves nothing in flight
     assert inherited_in_flight(2, 5) == 0
     assert inherited_in_flight(0, 0) == 0
-    # several instances: each subtracts its share of what was decided
-    assert inherited_in_flight(10, 7, 0, 2) == 6  # share(7, 0, 2) = 4
-    assert inherited_in_flight(10, 7, 1, 2) == 7  # share(7, 1, 2) = 3
+    # several instances: each takes its share of the run's groups in flight (10 - 7)
+    assert inherited_in_flight(10, 7, 0, 2) == 2
+    assert inherited_in_flight(10, 7, 1, 2) == 1
+    # scale-in 2 -> 1: rollout-0 started 30, the removed rollout-1 10, 36 decided: the
+    # survivor counts all 4 in flight (its own 30 - 36 would count none and let it
+    # sample 4 groups beyond what the run needs)
+    assert inherited_in_flight(30 + 10, 36, 0, 1) == 4
 
 
 def test_several_instances_split_one_global_credit():

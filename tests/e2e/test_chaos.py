@@ -86,8 +86,11 @@ def test_frozen_stage_is_noticed_and_restarted(broker, tmp_path):
 def test_frozen_stage_past_its_restarts_fails_the_run_with_a_report(broker, tmp_path):
     from relax.infra.launch import RunFailed, train
 
+    # 8 steps (16 groups): when step 1 is seen, the credit has let at most
+    # consumed + (max_staleness + 1) x batch_groups groups start, so the run cannot end
+    # without the frozen aggregator (with 3 steps it could: a CI flake, 2026-12-02)
     recipe = tiny_recipe(broker, tmp_path, "frozenx" + uuid.uuid4().hex[:6],
-                         "stall_timeout_s=20", FAST_PARITY, "max_restarts=0")
+                         "stall_timeout_s=20", FAST_PARITY, "max_restarts=0", "trainer.steps=8")
     frozen: dict = {}
     with pytest.raises(RunFailed) as e:
         train(recipe, say=lambda _: None, on_step=_freeze_on(1, "aggregate", frozen),

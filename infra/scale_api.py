@@ -1,0 +1,163 @@
+"""The run's control API over HTTP (FastAPI, served by ``relax train`` beside the run).
+
+Every route needs ``Authorization: Bearer <token>`` (401 without it, 403 with another
+token). The token is ``$RELAX_API_TOKEN`` when set, else a random one written to
+``<run_dir>/api_token`` (mode 600); ``<run_dir>/api.json`` says where the API listens.
+The OpenAPI schema is at ``/openapi.json`` (no token needed, like ``/docs``).
+
+    GET  /status                        run, trainer policy_version, stages
+    GET  /rollout/engines               the rollout instances and their state
+    POST /rollout/scale_out {"instances": n}   n more rollout instances
+    POST /rollout/scale_in  {"instances": n}   n fewer
+    GET  /rollout/operations/{id}       one operation (states: relax.infra.scaling)
+    POST /rollout/operations/{id}/cancel
+
+A scale request answers 202 with its operation at once; the operation then moves on
+in the run's watching loop. ``{"engine_urls": [...]}`` (external SGLang servers) is
+refused with 422: relax's SGLang engine is driven by a rollout instance it starts.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import threading
+from collections.abc import Callable
+from pathlib import Path
+
+from fastapi import Depends, FastAPI, HTTPException, status
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from pydantic import BaseModel, ConfigDict, Field
+
+from relax.infra.scaling import RolloutScaler, ScaleConflict, ScaleError
+
+
+class ScaleRequest(BaseModel):
+    """How many rollout instances to add (scale_out) or remove (scale_in)."""
+
+    model_config = ConfigDict(extra="forbid")
+    instances: int | None = Field(None, ge=1, description="instances to add or remove")
+    engine_urls: list[str] | None = Field(None, description="external engines (refused)")
+
+
+def api_token(run_dir: Path) -> str:
+    """``$RELAX_API_TOKEN``, else a new random token saved to ``<run_dir>/api_token``."""
+    token = os.environ.get("RELAX_API_TOKEN")
+    if token:
+        return token
+    token = secrets.token_urlsafe(24)
+    path = run_dir / "api_token"
+    path.write_text(token)
+    path.chmod(0o600)
+    return token
+
+
+def build_app(scaler: RolloutScaler, token: str, status_of: Callable[[], dict],
+              engines_of: Callable[[], list[dict]]) -> FastAPI:
+    """The API over ``scaler``; ``status_of()`` / ``engines_of()`` give the run's state
+    (read from the watching loop's latest snapshot, never from Ray in a request)."""
+    app = FastAPI(title="relax run control", version="1",
+                  description="Scale a live run's rollout instances; see relax.infra.scaling.")
+    bearer = HTTPBearer(auto_error=False)
+
+    def authorised(cred: HTTPAuthorizationCredentials | None = Depends(bearer)) -> None:
+        if cred is None:
+            raise HTTPException(status.HTTP_401_UNAUTHORIZED, "missing bearer token",
+                                headers={"WWW-Authenticate": "Bearer"})
+        if not secrets.compare_digest(cred.credentials, token):
+            raise HTTPException(status.HTTP_403_FORBIDDEN, "wrong token")
+
+    def scale(req: ScaleRequest, sign: int) -> dict:
+        if req.engine_urls:
+            raise HTTPException(422, "engine_urls: external engines are not supported; "
+                                     "ask for instances")
+        if req.instances is None:
+            raise HTTPException(422, "instances: required (how many to add or remove)")
+        try:
+            return scaler.request(scaler.base() + sign * req.instances).public()
+        except ScaleError as e:
+            raise HTTPException(422, str(e)) from None
+        except ScaleConflict as e:
+            raise HTTPException(409, str(e)) from None
+
+    deps = [Depends(authorised)]
+
+    @app.get("/status", dependencies=deps)
+    def get_status() -> dict:
+        return status_of()
+
+    @app.get("/rollout/engines", dependencies=deps)
+    def get_engines() -> list[dict]:
+        return engines_of()
+
+    @app.post("/rollout/scale_out", dependencies=deps, status_code=202)
+    def scale_out(req: ScaleRequest) -> dict:
+        return scale(req, +1)
+
+    @app.post("/rollout/scale_in", dependencies=deps, status_code=202)
+    def scale_in(req: ScaleRequest) -> dict:
+        return scale(req, -1)
+
+    @app.get("/rollout/operations/{op_id}", dependencies=deps)
+    def get_operation(op_id: str) -> dict:
+        op = scaler.ops.get(op_id)
+        if op is None:
+            raise HTTPException(404, f"no operation {op_id}")
+        return op.public()
+
+    @app.post("/rollout/operations/{op_id}/cancel", dependencies=deps)
+    def cancel(op_id: str) -> dict:
+        if op_id not in scaler.ops:
+            raise HTTPException(404, f"no operation {op_id}")
+        try:
+            return scaler.cancel(op_id).public()
+        except ScaleConflict as e:
+            raise HTTPException(409, str(e)) from None
+
+    return app
+
+
+class ApiServer:
+    """``app`` served by uvicorn in a daemon thread on ``host:port`` (0 = a free port);
+    :attr:`url` once started. Writes ``<run_dir>/api.json``."""
+
+    def __init__(self, app: FastAPI, run_dir: Path, host: str = "127.0.0.1", port: int = 0):
+        import socket
+
+        import uvicorn
+
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        self.url = f"http://{host}:{sock.getsockname()[1]}"
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]},
+                                       daemon=True, name="relax-api")
+        self.thread.start()
+        (run_dir / "api.json").write_text(json.dumps(
+            {"url": self.url, "token_file": None if os.environ.get("RELAX_API_TOKEN")
+             else str(run_dir / "api_token")}))
+
+    def close(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=5)
+
+
+def serve_run_api(recipe, bus, run_dir: Path, controller, watch) -> ApiServer:
+    """Serve the control API of a live run: a :class:`RolloutScaler` over ``controller``
+    that ``watch`` (the run's :class:`relax.infra.run_watch.RunWatch`) drives, on
+    ``recipe.api``'s address. The caller closes the server."""
+    from relax.infra.stages import stage_specs
+
+    def apply(n: int) -> list[str]:
+        scaled = recipe.model_copy(update={"rollout": recipe.rollout.model_copy(
+            update={"instances": n})})
+        specs = [s for s in stage_specs(scaled, bus, run_dir) if s.kind == "rollout"]
+        return controller.replace_stages("rollout", specs)
+
+    watch.scaler = RolloutScaler(recipe.rollout.instances, recipe.data.partitions, apply)
+    watch.control()  # the first snapshot, before the API answers
+    app = build_app(watch.scaler, api_token(run_dir), lambda: watch.snapshot["status"],
+                    lambda: watch.snapshot["engines"])
+    return ApiServer(app, run_dir, recipe.api.host, recipe.api.port)

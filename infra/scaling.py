@@ -1,0 +1,213 @@
+"""Scaling a live run's rollout instances: one operation at a time, each with a state.
+
+An operation asks for a number of rollout instances. It goes
+
+    PENDING -> STARTING -> HEALTH_CHECKING -> WEIGHT_SYNCING -> ACTIVE
+    (or FAILED with the reason; CANCELLED while still PENDING)
+
+* STARTING: the controller starts the new instances and stops the removed ones
+  (:meth:`relax.infra.controller.Controller.replace_stages`). Every instance's credit
+  share depends on the number of instances (:func:`relax.consumers.rollout.credit.share`),
+  so the instances that stay are restarted with the new count; a restarted instance
+  inherits its predecessor's groups in flight (as after a crash) and Kafka moves the
+  prompt partitions, so no group in flight is lost.
+* HEALTH_CHECKING: until the stage loop of every instance of the new set turns
+  (its heartbeat reports a loop age).
+* WEIGHT_SYNCING: until every instance of the new set has reported, after the
+  operation started, a ``policy_version`` at least the trainer's at that moment (its
+  engine holds current weights).
+* ACTIVE: done.
+
+Requests are idempotent: asking for the count the run has (or is going to) returns
+that operation; asking for another count while one is in progress is refused
+(:class:`ScaleConflict`). :class:`RolloutScaler` is driven by the loop that watches the
+run (:meth:`RolloutScaler.advance`); the HTTP API (:mod:`relax.infra.scale_api`) only
+files requests and reads states, under a lock.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+
+STATES = ("PENDING", "STARTING", "HEALTH_CHECKING", "WEIGHT_SYNCING", "ACTIVE", "FAILED",
+          "CANCELLED")
+DONE = ("ACTIVE", "FAILED", "CANCELLED")
+
+
+def _ms(ts) -> float:
+    """A metric row's ``ts`` in ms since the epoch (decoded rows hold a datetime)."""
+    return ts.timestamp() * 1000 if hasattr(ts, "timestamp") else float(ts)
+
+
+class ScaleConflict(RuntimeError):
+    """Another operation is in progress (its id is in the message)."""
+
+
+class ScaleError(ValueError):
+    """A request that cannot be met (the message says which field and why)."""
+
+
+@dataclass
+class Operation:
+    """One scaling request and where it is."""
+
+    id: str
+    instances: int
+    state: str = "PENDING"
+    error: str | None = None
+    from_instances: int = 0
+    created: float = field(default_factory=time.time)
+    updated: float = field(default_factory=time.time)
+    history: list[str] = field(default_factory=list)
+    policy_version: int | None = None  # the trainer's when it started
+    started_mono: float = 0.0
+
+    def to(self, state: str, note: str = "") -> None:
+        self.state, self.updated = state, time.time()
+        self.history.append(f"{time.strftime('%H:%M:%S')} {state}{': ' + note if note else ''}")
+
+    def public(self) -> dict:
+        """The operation as JSON-ready data (what the API returns)."""
+        d = asdict(self)
+        d.pop("started_mono")
+        return d
+
+
+class RolloutScaler:
+    """The run's rollout instances and the operations that change their number.
+
+    Args:
+        instances: the number the run started with.
+        max_instances: the most that can sample (the prompt topic's partitions: an
+            instance beyond them would hold no partition).
+        apply: ``apply(n)`` makes the controller run ``n`` instances (start, stop,
+            restart); called from :meth:`advance`'s thread.
+        timeout_s: an operation not ACTIVE after this long is FAILED.
+    """
+
+    def __init__(self, instances: int, max_instances: int, apply: Callable[[int], list[str]],
+                 timeout_s: float = 300.0):
+        self.instances, self.max_instances = instances, max_instances
+        self.apply, self.timeout_s = apply, timeout_s
+        self.ops: dict[str, Operation] = {}
+        self.current: Operation | None = None
+        self.lock = threading.Lock()
+
+    def base(self) -> int:
+        """The count a relative request (``+n`` / ``-n``) starts from: the one before the
+        operation in progress, if any (so that a retried request names the same
+        target), else the current count."""
+        with self.lock:
+            op = self.current
+            return op.from_instances if op is not None and op.state not in DONE else self.instances
+
+    def request(self, instances: int) -> Operation:
+        """File a request for ``instances`` rollout instances (any thread).
+
+        Raises:
+            ScaleError: ``instances`` outside ``1..max_instances``.
+            ScaleConflict: an operation for another count is in progress.
+        """
+        if not 1 <= instances <= self.max_instances:
+            raise ScaleError(f"instances: {instances} is outside 1..{self.max_instances} (an "
+                             f"instance beyond the prompt topic's {self.max_instances} "
+                             f"partitions would hold none)")
+        with self.lock:
+            op = self.current
+            if op is not None and op.state not in DONE:
+                if op.instances == instances:
+                    return op
+                raise ScaleConflict(f"operation {op.id} (to {op.instances} instances) is "
+                                    f"{op.state}; wait for it or cancel it")
+            if instances == self.instances and op is not None and op.instances == instances:
+                return op  # already there: the same operation, nothing to do
+            op = Operation(uuid.uuid4().hex[:12], instances, from_instances=self.instances)
+            op.to("PENDING")
+            if instances == self.instances:
+                op.to("ACTIVE", "already at this count")
+            self.ops[op.id] = op
+            self.current = op
+            return op
+
+    def cancel(self, op_id: str) -> Operation:
+        """Cancel operation ``op_id`` if it has not started (any thread).
+
+        Raises:
+            KeyError: no such operation.
+            ScaleConflict: it has started already (or is done).
+        """
+        with self.lock:
+            op = self.ops[op_id]
+            if op.state != "PENDING":
+                raise ScaleConflict(f"operation {op_id} is {op.state}: only a PENDING one "
+                                    f"can be cancelled")
+            op.to("CANCELLED")
+            return op
+
+    def advance(self, beats: dict[str, dict], metric_rows: list[dict],
+                trainer_version: int | None) -> None:
+        """Move the current operation on (the watching loop's thread).
+
+        Args:
+            beats: the controller's heartbeats (:meth:`Controller.status`).
+            metric_rows: the run's metric rows so far (``component``, ``policy_version``,
+                ``ts``: a datetime, or ms since the epoch).
+            trainer_version: the trainer's latest policy_version (None: none yet).
+        """
+        with self.lock:
+            op = self.current
+            if op is None or op.state in DONE:
+                return
+            names = [f"rollout-{i}" for i in range(op.instances)]
+            if op.state == "PENDING":
+                op.policy_version = trainer_version or 0
+                op.started_mono = time.monotonic()
+                op.to("STARTING", f"{self.instances} -> {op.instances} instances")
+                import ray
+
+                from relax.infra.controller import StageFailed
+
+                try:
+                    changed = self.apply(op.instances)
+                except (StageFailed, ray.exceptions.RayError) as e:  # the op fails, not the run
+                    op.error = f"{type(e).__name__}: {e}"
+                    op.to("FAILED", op.error)
+                    return
+                self.instances = op.instances
+                op.to("HEALTH_CHECKING", "started or restarted: " + ", ".join(changed))
+                return
+            if time.monotonic() - op.started_mono > self.timeout_s:
+                op.error = f"not ACTIVE after {self.timeout_s:.0f}s (was {op.state})"
+                op.to("FAILED", op.error)
+                return
+            if op.state == "HEALTH_CHECKING":
+                if all(beats.get(n, {}).get("loop_age_s") is not None for n in names):
+                    op.to("WEIGHT_SYNCING")
+                return
+            since_ms = op.created * 1000
+            synced = {r["component"] for r in metric_rows
+                      if r["component"] in names and _ms(r["ts"]) >= since_ms
+                      and r.get("policy_version") is not None
+                      and r["policy_version"] >= op.policy_version}
+            if synced == set(names):
+                op.to("ACTIVE", f"every instance at policy_version >= {op.policy_version}")
+
+    def engines(self, beats: dict[str, dict], stages: dict[str, dict]) -> list[dict]:
+        """The rollout instances: name, pid, node, restarts, and ``state`` (the current
+        operation's while it runs, else ``ACTIVE``)."""
+        with self.lock:
+            busy = self.current if self.current and self.current.state not in DONE else None
+        out = []
+        for i in range(self.instances):
+            name = f"rollout-{i}"
+            s = stages.get(name, {})
+            beat = beats.get(name)
+            out.append({"name": name, "pid": s.get("pid"), "node": s.get("node"),
+                        "restarts": s.get("restarts"),
+                        "loop_age_s": beat.get("loop_age_s") if beat else None,
+                        "state": busy.state if busy else "ACTIVE"})
+        return out

@@ -1,0 +1,89 @@
+"""The control API of a live run (``relax train`` in a subprocess, the tiny recipe on the
+test broker): requests without the token are refused, then the rollout instances go
+1 -> 2 -> 1 through ``relax scale``'s client while the run trains, and the run still
+accounts for every rollout with none trained twice. On Apache Kafka (see the test)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+import uuid
+
+import httpx
+import pytest
+from testdata import PARITY_REWARD, RECIPES
+
+from relax.infra.scale_client import ApiClient, scale_to
+
+pytestmark = [pytest.mark.e2e, pytest.mark.kafka]
+
+
+def _wait_for(path, proc, log, timeout_s=180.0):
+    deadline = time.monotonic() + timeout_s
+    while not path.exists():
+        assert proc.poll() is None, f"relax train exited {proc.returncode}:\n{log.read_text()[-3000:]}"
+        assert time.monotonic() < deadline, f"no {path.name} after {timeout_s:.0f}s"
+        time.sleep(0.5)
+
+
+def test_scale_rollouts_1_2_1_in_a_live_run(kafka_broker, tmp_path):
+    """On Apache Kafka: Tansu's group coordinator can wedge the rollout group when a
+    member's JoinGroup completes after its LeaveGroup (seen here: SyncGroup answered
+    REBALANCE_IN_PROGRESS for 8 minutes), which scaling makes likely."""
+    broker = kafka_broker
+    run = "scale" + uuid.uuid4().hex[:6]
+    run_dir = tmp_path / run
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        filter(None, [str(RECIPES.parent / "tests"), os.environ.get("PYTHONPATH")])))
+    env.pop("RELAX_API_TOKEN", None)
+    log = tmp_path / "train.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "relax.infra.cli", "train", str(RECIPES / "tiny_ci.yaml"),
+             f"run={run}", f"run_root={tmp_path}", PARITY_REWARD, "trainer.steps=40",
+             "--bootstrap", broker, "--timeout-s", "600"],
+            env=env, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        _wait_for(run_dir / "api.json", proc, log)
+        url = json.loads((run_dir / "api.json").read_text())["url"]
+        assert httpx.get(f"{url}/status").status_code == 401
+        assert httpx.get(f"{url}/status", headers={"Authorization": "Bearer nope"}).status_code == 403
+        assert "/rollout/scale_out" in httpx.get(f"{url}/openapi.json").json()["paths"]
+        api = ApiClient(run_dir)
+        assert [e["name"] for e in api.get("/rollout/engines")] == ["rollout-0"]
+        with pytest.raises(httpx.HTTPStatusError, match="422"):  # 2 prompt partitions
+            api.post("/rollout/scale_out", {"instances": 2})
+
+        op = scale_to(run_dir, 2, timeout_s=240, say=lambda _: None)
+        assert op["state"] == "ACTIVE", op
+        assert [h.split(" ", 1)[1].split(":")[0] for h in op["history"]] == \
+            ["PENDING", "STARTING", "HEALTH_CHECKING", "WEIGHT_SYNCING", "ACTIVE"]
+        engines = api.get("/rollout/engines")
+        assert [e["name"] for e in engines] == ["rollout-0", "rollout-1"], engines
+        status = api.get("/status")
+        assert status["rollout_instances"] == 2 and status["policy_version"] is not None
+
+        op = scale_to(run_dir, 1, timeout_s=240, say=lambda _: None)
+        assert op["state"] == "ACTIVE", op
+        assert [e["name"] for e in api.get("/rollout/engines")] == ["rollout-0"]
+        assert proc.poll() is None, "the run ended before the scaling was done: more steps"
+        proc.wait(timeout=500)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    text = log.read_text()
+    assert proc.returncode == 0, text[-4000:]
+    f = dict(kv.split("=") for kv in text.strip().splitlines()[-1].split())
+    assert f["steps"] == "40"
+    assert int(f["trained"]) + int(f["stale"]) + int(f["filtered"]) + int(f["errors"]) \
+        == int(f["sampled"]) > 0, f
+    from relax.streams.client import BusConfig
+    from relax.streams.read import read_table
+
+    engines = set(read_table(BusConfig(bootstrap_servers=broker),
+                             f"{run}.rollouts").column("engine_id").to_pylist())
+    assert engines == {"rollout-0", "rollout-1"}, engines
