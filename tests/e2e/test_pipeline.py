@@ -109,20 +109,3 @@ def test_tiny_async_run_on_kafka_accounts_for_every_rollout(kafka_broker, tmp_pa
     assert sorted(set(versions)) == [0, 1, 2, 3]
     assert len(_ledger(s["run_dir"]).ids("trained")) == s["trained"]
 
-
-def test_two_rollout_instances_share_the_run(broker, tmp_path):
-    """``rollout.instances=2``: two rollout processes in one consumer group, each sampling
-    its share; every rollout accounted once, none sampled twice."""
-    from relax.streams.client import BusConfig
-    from relax.streams.read import read_table
-
-    recipe = tiny_recipe(broker, tmp_path, "ro2" + uuid.uuid4().hex[:6],
-                         "rollout.instances=2", "trainer.steps=4")
-    s, _ = _train(recipe, on_step=None)
-    assert s["steps"] == 4 and s["balanced"], json.dumps(s, default=str)
-    assert s["trained"] + s["stale"] + s["filtered"] + s["errors"] == s["sampled"] > 0
-    rollouts = read_table(BusConfig(bootstrap_servers=broker), f"{recipe.run}.rollouts")
-    engines = rollouts.column("engine_id").to_pylist()
-    assert set(engines) == {"rollout-0", "rollout-1"}, sorted(set(engines))
-    ids = rollouts.column("rollout_id").to_pylist()
-    assert len(ids) == len(set(ids)) == s["sampled"]
