@@ -48,7 +48,8 @@ class Ranks:
 
     Raises:
         ValueError: ``world_size < 2``.
-        RuntimeError: a child exited before the process group formed (its log is named).
+        RuntimeError (torch.distributed): the process group did not form within the
+            rendezvous timeout (a child that exited first is logged with its log file).
     """
 
     def __init__(self, world_size: int, trainer: TrainerConfig, log_dir: Path,
@@ -67,16 +68,16 @@ class Ranks:
                 cmd += ["--threads", str(torch_threads)]
             with open(log_dir / f"trainer-rank{r}.log", "ab") as out:
                 self.procs.append(subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT))
-        self._watch = threading.Thread(target=self._fail_fast, daemon=True)
+        self._watch = threading.Thread(target=self._log_early_exit, daemon=True)
         self._watch.start()
         init_data_parallel(0, world_size, master_port=port)
         self._healthy = True
         log.info("data-parallel trainer: %d ranks (children %s)", world_size,
                  [p.pid for p in self.procs])
 
-    def _fail_fast(self) -> None:
+    def _log_early_exit(self) -> None:
         """Until the group forms, a child that exits makes rank 0's rendezvous wait in
-        vain: note it (its log says why) so the error names it."""
+        vain until its timeout: log which child and where its log is."""
         while not dist.is_initialized():
             for r, p in enumerate(self.procs, 1):
                 if p.poll() is not None:
