@@ -20,7 +20,7 @@ State and delivery contract (at-least-once, restart loses nothing):
   Input offsets are committed only after the changelog records and the train
   samples of a poll are flushed.
 * When the group assigns a partition, its state is rebuilt by reading the
-  changelog partition to its fetch high watermark (``streams/changelog.py``;
+  changelog partition to its fetch high watermark (``streams/read.py::read_partition``;
   faust tables were the plan, but their recovery reads to ``end_offsets``, which
   the local broker answers wrongly, so they would lose partial groups).
 * Duplicates (redelivered inputs) are dropped by rollout_id; rows of an already
@@ -43,12 +43,13 @@ from pydantic import BaseModel, ConfigDict, Field
 from relax.consumers.advantage.samples import AdvantageConfig, RewardCell, build_train_samples
 from relax.schemas import metric_names as M
 from relax.schemas import topics
-from relax.streams.changelog import read_partition
 from relax.streams.client import BusConfig, ensure_topics
 from relax.streams.codec import decode
 from relax.streams.consumer import BatchConsumer
 from relax.streams.metrics import MetricsWriter
 from relax.streams.producer import BatchProducer
+from relax.streams.read import read_partition
+from relax.streams.stage import Output, process_once, run_loop
 
 log = logging.getLogger(__name__)
 
@@ -201,6 +202,7 @@ class AggregateStage:
         self.emitted_groups = 0
         self.emitted_rows = 0
         self._metrics_at = 0.0
+        self._joined = False  # a delivery joined since the last metrics
         self.consumer = BatchConsumer(bus, topics.group(run, "aggregate"), self.inputs,
                                       stage="aggregate", error_producer=self.producer,
                                       on_assign=self._assign, on_revoke=self._revoke)
@@ -232,20 +234,32 @@ class AggregateStage:
         return state
 
     def step(self) -> int:
-        """One poll: join, emit ready groups, flush, commit. Returns deliveries handled."""
-        deliveries = self.consumer.poll(self.cfg.poll_timeout_s)
+        """One turn (:func:`relax.streams.stage.process_once`): join each delivery
+        (:meth:`_join`), emit the groups that are ready (:meth:`_emit`), flush, commit.
+        Returns deliveries handled."""
+        return process_once(self.consumer, self.producer, self._join, stage="aggregate",
+                            after=self._emit, poll_timeout_s=self.cfg.poll_timeout_s)
+
+    def _join(self, d) -> list[Output]:
+        """Add one delivery to its partition's join state; its accepted rows go to the
+        changelog partition that mirrors the input partition."""
+        self._joined = True
+        state = self.states.get(d.partition)
+        if state is None:
+            state = self.states[d.partition] = self._recover(d.partition)
+        schema = d.headers.get("relax-schema", b"").decode() or topics.schema_for_topic(d.topic)
+        changed = state.add(schema, d.table, d.timestamp_ms / 1000)
+        if changed is None:
+            return []
+        return [Output(self.changelog, changed, schema=schema, partition=d.partition)]
+
+    def _emit(self) -> None:
+        """Recover newly assigned partitions, then send every group that is complete or
+        timed out, and mark it emitted in the changelog once its samples are acknowledged."""
         for p in sorted(self._to_recover):
             if p not in self.states:
                 self.states[p] = self._recover(p)
         self._to_recover.clear()
-        for d in deliveries:
-            state = self.states.get(d.partition)
-            if state is None:
-                state = self.states[d.partition] = self._recover(d.partition)
-            schema = d.headers.get("relax-schema", b"").decode() or topics.schema_for_topic(d.topic)
-            changed = state.add(schema, d.table, d.timestamp_ms / 1000)
-            if changed is not None:
-                self.producer.send(self.changelog, changed, schema=schema, partition=d.partition)
         now = time.time()
         emitted: list[tuple[int, str]] = []
         for p, state in self.states.items():
@@ -267,23 +281,18 @@ class AggregateStage:
             for p, gid in emitted:
                 self.producer.send_value(self.changelog, b"", key=gid.encode(),
                                          headers=[("relax-op", EMITTED)], partition=p)
-        if deliveries or now - self._metrics_at >= HEARTBEAT_S:
-            self._metrics_at = now
+        if self._joined or now - self._metrics_at >= HEARTBEAT_S:
+            self._metrics_at, self._joined = now, False
             firsts = [g.first_seen_s for s in self.states.values() for g in s.groups.values()]
             self.metrics.add_many({M.GROUPS_EMITTED: self.emitted_groups,
                                    M.PARTIAL_GROUPS: len(firsts),
                                    M.OLDEST_PARTIAL_S: now - min(firsts) if firsts else 0.0})
             self.metrics.flush()
-        self.producer.flush()
-        self.consumer.done(deliveries)
-        self.consumer.commit()
-        return len(deliveries)
 
     def run(self, should_stop: Callable[[], bool]) -> None:
         """Run :meth:`step` until ``should_stop()``; then close."""
         try:
-            while not should_stop():
-                self.step()
+            run_loop(self.step, should_stop)
         finally:
             self.close()
 

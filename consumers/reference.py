@@ -19,7 +19,7 @@ The model is frozen (``ref_policy_version`` 0) unless ``follow_every`` = N > 0: 
 the stage subscribes to the weight broadcast and, between deliveries, installs the
 newest received version once it is at least N versions newer than the one in use.
 
-Delivery: :func:`relax.streams.stage.run_stage` (at-least-once; a rollout whose token
+Delivery: :func:`relax.streams.stage.process_once` (at-least-once; a rollout whose token
 ids fall outside the vocabulary goes to ``<run>.rollouts.errors``).
 """
 
@@ -244,7 +244,7 @@ class ReferenceStage:
         :class:`relax.streams.stage.StageStats`."""
         from relax.streams.consumer import BatchConsumer
         from relax.streams.producer import BatchProducer
-        from relax.streams.stage import StageStats, process_once
+        from relax.streams.stage import StageStats, process_once, run_loop
         from relax.streams.weights import WeightSubscriber
 
         cfg = self.cfg
@@ -268,16 +268,10 @@ class ReferenceStage:
             ).start()
         stats = StageStats()
         try:
-            while not should_stop():
-                self.maybe_follow()
-                process_once(
-                    consumer,
-                    producer,
-                    self.handle,
-                    stage=f"reference/{cfg.member_id}",
-                    poll_timeout_s=cfg.poll_timeout_s,
-                    stats=stats,
-                )
+            run_loop(lambda: process_once(consumer, producer, self.handle,
+                                          stage=f"reference/{cfg.member_id}",
+                                          poll_timeout_s=cfg.poll_timeout_s, stats=stats),
+                     should_stop, before=self.maybe_follow)
         finally:
             if self._subscriber is not None:
                 self._subscriber.close()

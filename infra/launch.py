@@ -51,6 +51,7 @@ def run_topics(recipe: Recipe) -> dict[str, int]:
              (topics.ROLLOUTS, topics.REWARDS, topics.REF_LOGPROBS, topics.TRAIN_SAMPLES)}
     parts[topics.run_topic(recipe.run, topics.WEIGHTS)] = 1
     parts[topics.run_topic(recipe.run, topics.METRICS)] = 1
+    parts[topics.run_topic(recipe.run, topics.PROGRESS)] = 1
     parts[topics.changelog_topic(recipe.run)] = p
     parts[topics.rollout_state_topic(recipe.run)] = 1
     for t in list(parts):

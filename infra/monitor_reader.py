@@ -7,14 +7,15 @@ offsets or joins a consumer group.
 
 from __future__ import annotations
 
+import logging
 import time
-import uuid
 from dataclasses import dataclass, field
 
 from relax.schemas import metric_names as mn
 from relax.schemas import topics as topic_names
 from relax.streams.client import BusConfig
 
+log = logging.getLogger(__name__)
 # --- folding rows into aggregates (pure, incremental) ---------------------------------
 
 
@@ -123,7 +124,8 @@ class RunReader:
         run: run name.
         max_bytes_per_read: stop reading new messages after this many bytes in one
             :meth:`read` (the rest comes next time), so refreshes stay short.
-        timeout_s: longest time one read spends fetching messages (seconds).
+        timeout_s: longest time one read waits for a message (seconds); what was read
+            by then is shown.
     """
 
     def __init__(self, cfg: BusConfig, run: str, max_bytes_per_read: int = 64 << 20,
@@ -135,7 +137,7 @@ class RunReader:
         self.bytes: dict[str, int] = {}
         self.metrics = MetricsFold()
         self.samples = SamplesFold()
-        self._consumer = None
+        self._reader = None
         self._metrics_topic = topic_names.run_topic(run, topic_names.METRICS)
         self._samples_topic = topic_names.run_topic(run, topic_names.TRAIN_SAMPLES)
 
@@ -184,53 +186,39 @@ class RunReader:
         return end
 
     def _read_new(self, topics: list[str], hw: dict[str, dict[int, int]]) -> None:
-        from kafka import KafkaConsumer, TopicPartition
-
-        from relax.streams.client import consumer_kwargs
+        from relax.streams.read import TopicReader
 
         todo = {}
         for t in topics:
             for p, end in hw.get(t, {}).items():
                 pos = self.positions.setdefault((t, p), self._start(t, end))
                 if end > pos:
-                    todo[TopicPartition(t, p)] = end
+                    todo[(t, p)] = (pos, end)
         if not todo:
             return
-        if self._consumer is None:
-            self._consumer = KafkaConsumer(**consumer_kwargs(
-                self.cfg, None, f"relax-monitor-{uuid.uuid4().hex[:6]}"))
-        c = self._consumer
-        c.assign(list(todo))
-        c.resume(*todo)  # kafka-python keeps the paused state when the assignment is unchanged
-        for tp in todo:
-            c.seek(tp, self.positions[(tp.topic, tp.partition)])
-        deadline, nbytes = time.monotonic() + self.timeout_s, 0
-        while todo and time.monotonic() < deadline and nbytes < self.max_bytes:
-            for tp, msgs in c.poll(timeout_ms=200).items():
-                end = todo.get(tp)
-                if end is None:
-                    continue
-                for m in msgs:
-                    if m.offset >= end:
-                        break
-                    nbytes += len(m.value)
-                    self._fold(m)
-                    self.positions[(tp.topic, tp.partition)] = m.offset + 1
-                if c.position(tp) >= end:
-                    self.positions[(tp.topic, tp.partition)] = max(
-                        self.positions[(tp.topic, tp.partition)], min(c.position(tp), end))
-                    todo.pop(tp)
-                    c.pause(tp)
+        if self._reader is None:
+            self._reader = TopicReader(self.cfg, "monitor")
+        nbytes = 0
+        try:
+            for m in self._reader.read_range(todo, self.timeout_s):
+                nbytes += len(m.value or b"")
+                self._fold(m)
+                self.positions[(m.topic, m.partition)] = m.offset + 1
+                if nbytes >= self.max_bytes:
+                    return  # the rest next time
+        except TimeoutError as e:  # a slow broker: show what was read, read on next time
+            log.warning("monitor: %s", e)
+            return
+        for key, (_, end) in todo.items():  # to the end, past gaps of compacted topics
+            self.positions[key] = end
 
     def _fold(self, m) -> None:
-        from relax.streams.codec import DecodeError, decode
+        from relax.streams.read import decoded
 
         t = m.topic
-        self.bytes[t] = self.bytes.get(t, 0) + len(m.value)
-        name = topic_names.schema_for_topic(t)
-        try:
-            table = decode(m.value, name)
-        except (DecodeError, ValueError):
+        self.bytes[t] = self.bytes.get(t, 0) + len(m.value or b"")
+        table = decoded(m, topic_names.schema_for_topic(t))
+        if table is None:
             return  # routed to <topic>.errors by whoever consumes it
         self.rows[t] = self.rows.get(t, 0) + table.num_rows
         if t == self._metrics_topic:
@@ -240,6 +228,6 @@ class RunReader:
 
     def close(self) -> None:
         """Close the Kafka client."""
-        if self._consumer is not None:
-            self._consumer.close(autocommit=False)
-            self._consumer = None
+        if self._reader is not None:
+            self._reader.close()
+            self._reader = None

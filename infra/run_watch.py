@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import logging
 import time
-import uuid
 from collections.abc import Callable
 from pathlib import Path
 
@@ -42,32 +41,24 @@ class MetricsFollower:
     """Reads ``<run>.metrics`` from the start, incrementally (group-less)."""
 
     def __init__(self, bus: BusConfig, run: str):
-        from kafka import KafkaConsumer, TopicPartition
+        from relax.streams.read import TopicReader
 
-        from relax.streams.client import consumer_kwargs
-
-        self.tp = TopicPartition(topics.run_topic(run, topics.METRICS), 0)
-        self.c = KafkaConsumer(**consumer_kwargs(bus, None, f"relax-train-{uuid.uuid4().hex[:6]}"))
-        self.c.assign([self.tp])
-        self.c.seek(self.tp, 0)
+        self.topic = topics.run_topic(run, topics.METRICS)
+        self.reader = TopicReader(bus, "train")
+        self.reader.follow(self.topic, 1)
         self.rows: list[dict] = []
 
     def poll(self, timeout_s: float = 1.0) -> list[dict]:
-        """New metric rows since the last call."""
-        from relax.schemas.validate import SchemaError
-        from relax.streams.codec import DecodeError, decode
+        """New metric rows since the last call (records that are not a metrics batch are
+        logged and skipped: not ours to stop on)."""
+        from relax.streams.read import decoded_rows
 
-        new = []
-        for m in self.c.poll(timeout_ms=int(timeout_s * 1000)).get(self.tp, []):
-            try:
-                new.extend(decode(m.value, "metrics").to_pylist())
-            except (DecodeError, SchemaError) as e:  # not a metrics batch: not ours to stop on
-                log.warning("skipping %s@%d: %s", self.tp.topic, m.offset, e)
+        new = [r for m in self.reader.poll(timeout_s) for r in decoded_rows(m, "metrics", log)]
         self.rows.extend(new)
         return new
 
     def close(self) -> None:
-        self.c.close(autocommit=False)
+        self.reader.close()
 
 
 def step_line(s: dict, total: int) -> str:

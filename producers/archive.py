@@ -284,41 +284,14 @@ def archive_topics(cfg: BusConfig, topics: list[str], out: Path | str, *, run: s
 def _read_into(cfg: BusConfig, topic: str, schema: str, todo: dict[int, tuple[int, int]],
                writer: _Writer, timeout_s: float) -> None:
     """Read ``{partition: (start, end)}`` of ``topic`` into ``writer`` in offset order."""
-    from kafka import KafkaConsumer, TopicPartition
+    from relax.streams.read import TopicReader, decoded
 
-    from relax.streams.client import consumer_kwargs
-    from relax.streams.codec import DecodeError, decode
-
-    c = KafkaConsumer(**consumer_kwargs(cfg, None, f"relax-archive-{uuid.uuid4().hex[:6]}"))
+    reader = TopicReader(cfg, "archive")
     try:
-        tps = {p: TopicPartition(topic, p) for p in todo}
-        c.assign(list(tps.values()))
-        for p, (start, _) in todo.items():
-            c.seek(tps[p], start)
-        left = dict(todo)
-        deadline = time.monotonic() + timeout_s
-        while left:
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"archiving {topic}: partitions {sorted(left)} gave no "
-                                   f"records for {timeout_s}s before their watermarks")
-            polled = c.poll(timeout_ms=200)
-            if polled:
-                deadline = time.monotonic() + timeout_s
-            for tp, msgs in polled.items():
-                end = todo[tp.partition][1]
-                for m in msgs:
-                    if m.offset >= end:
-                        break
-                    try:
-                        table = decode(m.value, schema)
-                    except (DecodeError, ValueError):
-                        table = None
-                    writer.add(m, table)
-                if c.position(tp) >= end:
-                    left.pop(tp.partition, None)
-                    c.pause(tp)
+        for m in reader.read_range({(topic, p): r for p, r in todo.items()}, timeout_s):
+            writer.add(m, decoded(m, schema))
     finally:
-        c.close(autocommit=False)
+        reader.close()
 
 
 def archive_run(cfg: BusConfig, run: str, out: Path | str, *, follow: bool = False,

@@ -20,8 +20,12 @@ REF_LOGPROBS = "ref_logprobs"
 TRAIN_SAMPLES = "train_samples"
 WEIGHTS = "weights"
 METRICS = "metrics"
+PROGRESS = "progress"
+"""``<run>.progress`` (compacted, one partition, key ``trainer``): the trainer's
+groups_consumed / groups_needed and policy_version, the input of the rollout stage's
+credit. Its own topic, so the run's correctness does not ride on the metrics."""
 
-RUN_TOPICS = (ROLLOUTS, REWARDS, REF_LOGPROBS, TRAIN_SAMPLES, WEIGHTS, METRICS)
+RUN_TOPICS = (ROLLOUTS, REWARDS, REF_LOGPROBS, TRAIN_SAMPLES, WEIGHTS, METRICS, PROGRESS)
 """Every per-run topic name (without the ``<run>.`` prefix)."""
 
 AGGREGATE_CHANGELOG = "aggregate_changelog"
@@ -34,7 +38,7 @@ epoch of each prompt partition, keyed ``<topic>:<partition>``, and per rollout i
 the groups it started and those not yet covered by a prompt commit, keyed
 ``started:<engine_id>``."""
 
-COMPACTED = (ROLLOUT_STATE,)
+COMPACTED = (ROLLOUT_STATE, PROGRESS)
 """Internal topics created with ``cleanup.policy=compact``: every record is keyed and the
 latest record of a key is that key's whole state, so the broker may drop older ones.
 Not ``aggregate_changelog``: its records are deltas (a group's rollouts, then its rewards,

@@ -202,6 +202,15 @@ METRICS = _schema("metrics", [
     _f("policy_version", pa.int64(), "policy_version the value refers to", nullable=True),
 ])
 
+PROGRESS = _schema("progress", [
+    _f("ts", TS, "when the trainer wrote it", unit="ms since epoch, UTC"),
+    _f("policy_version", pa.int64(), "the trainer's policy_version when it wrote this row"),
+    _f("groups_consumed", pa.int64(), "groups the trainer decided (trained, stale, filtered or "
+       "error) since the run began, as of its last checkpoint or later", unit="groups"),
+    _f("groups_needed", pa.int64(), "groups the remaining steps still need "
+       "((steps - policy_version) x batch_groups)", unit="groups"),
+])
+
 HEADER = pa.struct([pa.field("key", pa.string(), nullable=False), pa.field("value", pa.binary())])
 
 ERRORS = _schema("errors", [
@@ -225,6 +234,7 @@ SCHEMAS: dict[str, pa.Schema] = {
     "train_samples": TRAIN_SAMPLES,
     "weights": WEIGHTS,
     "metrics": METRICS,
+    "progress": PROGRESS,
     "errors": ERRORS,
 }
 """Every v1 schema by name (the value of the ``relax-schema`` Kafka header)."""

@@ -17,7 +17,7 @@ Tansu quirks, and how relax works around them in ways that are correct on every 
 
 - JoinGroup held for half the session timeout: ``BusConfig.session_timeout_ms`` 6000.
 - ListOffsets answers the last batch's base offset + 1: lag, record counts and state
-  recovery read the *fetch* high watermark (``streams/lag.py``, ``streams/changelog.py``).
+  recovery read the *fetch* high watermark (``streams/lag.py``, ``streams/read.py::read_partition``).
 - A fetch with ``fetch_max_wait_ms=0`` omits empty partitions: watermark reads wait 10 ms.
 - OffsetFetch drops commit metadata: the rollout epoch lives on ``<run>.rollout_state``.
 - A produce to a missing topic waits 60 s, then the topic appears with 4 partitions:

@@ -48,7 +48,7 @@ SCHEMA_HEADER = "relax-schema"
 
 _CHANGELOG_SCHEMAS = (topic_names.ROLLOUTS, topic_names.REWARDS, topic_names.REF_LOGPROBS)
 """Schemas of ``<run>.aggregate_changelog``: the aggregator's input rows (its ``emitted``
-markers are not Arrow: the changelog is read by ``streams/changelog.py``, not here)."""
+markers are not Arrow: the changelog is read by ``streams/read.py::read_partition``, not here)."""
 
 
 def topic_schemas(topic: str) -> tuple[str, ...] | None:

@@ -37,6 +37,7 @@ KEY_COLUMNS: dict[str, str | None] = {
     "ref_logprobs": "group_id",
     "train_samples": "group_id",
     "metrics": "component",
+    "progress": None,
     "weights": None,
     "errors": None,
 }

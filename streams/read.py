@@ -1,15 +1,20 @@
-"""Reading rows back from a topic for people: ``relax tail``, ``relax errors``, tests.
+"""Reading topics group-less (no consumer group, no commits): :class:`TopicReader`,
+the one group-less client of relax, and what is built on it: ``relax tail``,
+``relax errors``, changelog recovery (:func:`read_partition`), the followers of
+``<run>.weights``, ``<run>.progress`` and ``<run>.metrics``, the monitor, the archive.
 
-Group-less (no commits): partitions are assigned and read between an offset and
-the high watermark, so it works the same on every broker. Messages that do not
-decode (null values included) are skipped or shown as such, never raised.
+Bounded reads go between an offset and the fetch high watermark, so they work the
+same on every broker. Messages that do not decode (null values included) are
+skipped or shown as such, never raised.
 """
 
 from __future__ import annotations
 
 import datetime as dt
+import logging
 import time
 import uuid
+from collections.abc import Iterator
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -20,40 +25,141 @@ from relax.streams.codec import DecodeError, decode
 from relax.streams.lag import high_watermarks
 
 
+class TopicReader:
+    """One group-less Kafka client for reading relax topics (no group, no commits): a
+    bounded read of partition ranges (:meth:`read_range`), or following partitions as
+    they grow (:meth:`follow` then :meth:`poll`). The one place the stages, the
+    launcher, the monitor and the tools build a group-less consumer.
+
+    Args:
+        cfg: bus settings.
+        name: part of the client id (``relax-<name>-<random>``), for the broker's logs.
+    """
+
+    def __init__(self, cfg: BusConfig, name: str = "read"):
+        from kafka import KafkaConsumer
+
+        self.cfg = cfg
+        self._kc = KafkaConsumer(**consumer_kwargs(cfg, None, f"relax-{name}-{uuid.uuid4().hex[:6]}"))
+
+    def read_range(self, todo: dict[tuple[str, int], tuple[int, int]],
+                   timeout_s: float = 30.0) -> Iterator:
+        """Yield the records of each ``(topic, partition)`` from ``start`` up to ``end``
+        (exclusive; ``{(topic, partition): (start, end)}``), in offset order within a
+        partition.
+
+        Raises:
+            TimeoutError: no record arrived for ``timeout_s`` while some partition was
+                not yet read to its end (names them).
+        """
+        from kafka import TopicPartition
+
+        left = {TopicPartition(t, p): end for (t, p), (start, end) in todo.items() if end > start}
+        if not left:
+            return
+        c = self._kc
+        c.assign(list(left))
+        c.resume(*left)  # kafka-python keeps a paused state when the assignment is unchanged
+        for tp in left:
+            c.seek(tp, todo[(tp.topic, tp.partition)][0])
+        deadline = time.monotonic() + timeout_s
+        while left:
+            if time.monotonic() > deadline:
+                names = sorted(f"{tp.topic}[{tp.partition}]" for tp in left)
+                raise TimeoutError(f"reading {', '.join(names)}: no record for {timeout_s}s "
+                                   f"before the end")
+            polled = c.poll(timeout_ms=200)
+            if polled:
+                deadline = time.monotonic() + timeout_s
+            for tp, msgs in polled.items():
+                end = left.get(tp)
+                if end is None:
+                    continue
+                for m in msgs:
+                    if m.offset < end:
+                        yield m
+                if c.position(tp) >= end:
+                    left.pop(tp)
+                    c.pause(tp)
+
+    def follow(self, topic: str, partitions: int, from_beginning: bool = True) -> None:
+        """Read partitions ``0..partitions-1`` of ``topic`` from the start (or the end) on
+        every later :meth:`poll`."""
+        from kafka import TopicPartition
+
+        tps = [TopicPartition(topic, p) for p in range(partitions)]
+        self._kc.assign(tps)
+        if from_beginning:
+            self._kc.seek_to_beginning(*tps)
+        else:
+            self._kc.seek_to_end(*tps)
+
+    def poll(self, timeout_s: float = 0.0) -> list:
+        """The records that arrived on the followed partitions (waiting up to
+        ``timeout_s``), in offset order within a partition."""
+        return [m for msgs in self._kc.poll(timeout_ms=int(timeout_s * 1000)).values()
+                for m in msgs]
+
+    def close(self) -> None:
+        """Close the Kafka client."""
+        self._kc.close(autocommit=False)
+
+
 def read_messages(cfg: BusConfig, topic: str, start: dict[int, int] | None = None,
                   timeout_s: float = 30.0):
     """Every message of ``topic`` from ``start`` (``{partition: offset}``, default 0) up
     to the high watermark at call time, as kafka-python ConsumerRecords sorted by
-    (timestamp, partition, offset)."""
-    from kafka import KafkaConsumer, TopicPartition
+    (timestamp, partition, offset).
 
-    ends = {p: hw for (t, p), hw in high_watermarks(cfg, [topic]).items()}
+    Raises:
+        TimeoutError: see :meth:`TopicReader.read_range`.
+    """
     start = start or {}
-    todo = {p: hw for p, hw in ends.items() if hw > start.get(p, 0)}
-    if not todo:
-        return []
-    c = KafkaConsumer(**consumer_kwargs(cfg, None, f"relax-read-{uuid.uuid4().hex[:6]}"))
-    out = []
+    todo = {(t, p): (start.get(p, 0), hw) for (t, p), hw in high_watermarks(cfg, [topic]).items()}
+    reader = TopicReader(cfg)
     try:
-        tps = [TopicPartition(topic, p) for p in todo]
-        c.assign(tps)
-        for tp in tps:
-            c.seek(tp, start.get(tp.partition, 0))
-        deadline = time.monotonic() + timeout_s
-        while todo:
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"reading {topic}: partitions {sorted(todo)} not read to the end "
-                                   f"in {timeout_s}s")
-            for tp, msgs in c.poll(timeout_ms=200).items():
-                for m in msgs:
-                    if m.offset < ends[tp.partition]:
-                        out.append(m)
-                if c.position(tp) >= ends[tp.partition]:
-                    todo.pop(tp.partition, None)
+        out = list(reader.read_range(todo, timeout_s))
     finally:
-        c.close(autocommit=False)
+        reader.close()
     out.sort(key=lambda m: (m.timestamp, m.partition, m.offset))
     return out
+
+
+def read_partition(cfg: BusConfig, topic: str, partition: int, start: int = 0,
+                   timeout_s: float = 60.0) -> Iterator:
+    """Yield the records of ``topic[partition]`` from ``start`` up to the high watermark
+    at call time, in offset order: the recovery of partition-local state.
+
+    Stages with state (the aggregator) write every state change to a changelog topic
+    partition that mirrors their input partition, and rebuild the state of a partition
+    when the consumer group assigns it to them by reading that changelog partition from
+    the start to its high watermark. The end is the *fetch* high watermark, which is
+    right on every broker; faust's table recovery reads to ``end_offsets``
+    (ListOffsets), which Tansu answers with the last record batch's base offset + 1, so
+    it would stop early and lose state (measured: 7 records in one batch ->
+    end_offsets 1, fetch high watermark 7).
+
+    Raises:
+        TimeoutError: see :meth:`TopicReader.read_range`.
+    """
+    end = high_watermarks(cfg, [topic]).get((topic, partition), 0)
+    reader = TopicReader(cfg, "changelog")
+    try:
+        yield from reader.read_range({(topic, partition): (start, end)}, timeout_s)
+    finally:
+        reader.close()
+
+
+def decoded_rows(m, name: str, log_to: logging.Logger | None = None) -> list[dict]:
+    """The rows of message ``m`` (schema ``name``), or [] when it does not decode (see
+    :func:`decoded`); logged with its ``topic[partition]@offset`` when ``log_to`` is given."""
+    table = decoded(m, name)
+    if table is None:
+        if log_to is not None:
+            log_to.warning("skipping %s[%d]@%d: not a %r batch", m.topic, m.partition,
+                           m.offset, name)
+        return []
+    return table.to_pylist()
 
 
 def read_table(cfg: BusConfig, topic: str, schema: str | None = None) -> pa.Table:
@@ -62,7 +168,7 @@ def read_table(cfg: BusConfig, topic: str, schema: str | None = None) -> pa.Tabl
     name = schema or topic_names.schema_for_topic(topic)
     tables = []
     for m in read_messages(cfg, topic):
-        table = _decoded(m, name)
+        table = decoded(m, name)
         if table is not None:
             tables.append(table)
     if not tables:
@@ -80,7 +186,7 @@ def read_last_rows(cfg: BusConfig, topic: str, n: int) -> list[dict]:
     name = topic_names.schema_for_topic(topic)
     rows: list[dict] = []
     for m in read_messages(cfg, topic, start):
-        table = _decoded(m, name)
+        table = decoded(m, name)
         if table is not None:
             rows.extend(table.to_pylist())
         else:
@@ -110,7 +216,7 @@ def read_reward_errors(cfg: BusConfig, topic: str, n: int | None = None) -> tupl
     """
     rows: list[dict] = []
     for m in read_messages(cfg, topic):
-        table = _decoded(m, "rewards")
+        table = decoded(m, "rewards")
         if table is None:
             continue
         failed = pc.indices_nonzero(pc.is_valid(table.column("error"))).to_pylist()
@@ -129,7 +235,7 @@ def read_reward_errors(cfg: BusConfig, topic: str, n: int | None = None) -> tupl
     return (rows[-n:] if n else rows), total
 
 
-def _decoded(m, name: str) -> pa.Table | None:
+def decoded(m, name: str) -> pa.Table | None:
     """Message ``m`` as a table of schema ``name``, or None if it does not decode (null or
     empty value, a ``relax-schema`` header naming another schema, not Arrow, another
     schema): a message the stages route to ``<topic>.errors`` is no row here either."""

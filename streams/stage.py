@@ -1,4 +1,14 @@
-"""The stage loop every consumer stage uses: consume -> function -> produce -> commit.
+"""The stage loop every stage uses: :func:`run_loop` drives turns with the hooks that
+differ between stages (a readiness gate, what runs before each turn, periodic metrics,
+an idle exit); :func:`process_once` is the turn of a consuming stage: consume ->
+function -> produce -> flush -> commit.
+
+Who uses what: the reward stage (a batch function), the reference stage (a per-record
+function) and the aggregator (a per-record join plus an ``after`` hook that emits the
+groups that are ready) run :func:`process_once` turns; the rollout stage's turn is
+gated by its credit (its input is a prompt queue it fills only when it may start
+groups); the trainer's input thread runs :meth:`SampleSource._read_once` turns. All of
+them run under :func:`run_loop`.
 
 Delivery contract (at-least-once, docs/architecture.md, section 3):
 
@@ -23,6 +33,7 @@ import logging
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import pyarrow as pa
 
@@ -33,8 +44,19 @@ from relax.streams.producer import BatchProducer
 
 log = logging.getLogger(__name__)
 
-Output = tuple[str, pa.RecordBatch | pa.Table]
-StageFn = Callable[[Delivery], Iterable[Output]]
+class Output(NamedTuple):
+    """One output batch of a stage function: ``batch`` goes to ``topic`` (keyed by its
+    schema's key column), as schema ``schema`` (default: the topic's) and to
+    ``partition`` (default: by key). A plain ``(topic, batch)`` tuple also works."""
+
+    topic: str
+    batch: pa.RecordBatch | pa.Table
+    schema: str | None = None
+    partition: int | None = None
+
+
+StageFn = Callable[[Delivery], Iterable[tuple]]
+BatchFn = Callable[[list[Delivery]], Iterable[tuple]]
 
 
 class RecordError(ValueError):
@@ -60,51 +82,120 @@ class StageStats:
     busy_s: float = 0.0
 
 
-def process_once(consumer: BatchConsumer, producer: BatchProducer, fn: StageFn, *,
-                 stage: str, poll_timeout_s: float = 1.0, max_records: int | None = None,
-                 stats: StageStats | None = None) -> int:
-    """One turn of the loop: poll, run ``fn`` per delivery, produce, flush, commit.
+def process_once(consumer: BatchConsumer, producer: BatchProducer, fn: StageFn | None = None,
+                 *, stage: str, batch_fn: BatchFn | None = None,
+                 after: Callable[[], None] | None = None, poll_timeout_s: float = 1.0,
+                 max_records: int | None = None, stats: StageStats | None = None) -> int:
+    """One turn of a consuming stage: poll, run the function, produce, flush, commit.
+
+    Args:
+        consumer, producer: the stage's.
+        fn: per delivery -> outputs; a :class:`RecordError` routes that record to
+            ``<topic>.errors`` and the turn goes on.
+        stage: the stage's name in error rows.
+        batch_fn: instead of ``fn``, every delivery of the poll at once -> outputs (a
+            stage that scores a batch; its per-row failures are its own output rows).
+        after: run every turn, after the function and before the flush, polled
+            records or not (the aggregator emits the groups that are ready or timed out).
+        poll_timeout_s, max_records: of the poll.
+        stats: counters to add to.
 
     Returns:
         the number of deliveries processed (0 when the poll was empty).
+
+    Raises:
+        whatever ``fn``, ``batch_fn`` or ``after`` raise besides RecordError: nothing of
+        this poll is committed (the delivery contract, module docstring).
     """
+    if (fn is None) == (batch_fn is None):
+        raise ValueError("process_once takes exactly one of fn and batch_fn")
     stats = stats if stats is not None else StageStats()
     deliveries = consumer.poll(poll_timeout_s, max_records)
     stats.polls += 1
-    if not deliveries:
-        consumer.commit()  # errors routed during decode still move the offset
-        return 0
     t0 = time.perf_counter()
-    for d in deliveries:
-        stats.messages += 1
-        stats.rows_in += d.table.num_rows
-        try:
-            outputs = list(fn(d))
-        except RecordError as e:
-            stats.errors += 1
-            producer.send_errors(d.topic, [error_row(
-                source_topic=d.topic, source_partition=d.partition, source_offset=d.offset,
-                row=e.row, stage=stage, error=str(e), key=d.key, value=encode(d.table),
-                headers=list(d.headers.items()))])
-            continue
-        for topic, batch in outputs:
-            stats.rows_out += batch.num_rows
-            producer.send(topic, batch)
-    stats.busy_s += time.perf_counter() - t0
+    if deliveries:
+        if batch_fn is not None:
+            stats.messages += len(deliveries)
+            stats.rows_in += sum(d.table.num_rows for d in deliveries)
+            _send(producer, batch_fn(deliveries), stats)
+        for d in deliveries if fn is not None else ():
+            stats.messages += 1
+            stats.rows_in += d.table.num_rows
+            try:
+                outputs = list(fn(d))
+            except RecordError as e:
+                stats.errors += 1
+                producer.send_errors(d.topic, [error_row(
+                    source_topic=d.topic, source_partition=d.partition, source_offset=d.offset,
+                    row=e.row, stage=stage, error=str(e), key=d.key, value=encode(d.table),
+                    headers=list(d.headers.items()))])
+                continue
+            _send(producer, outputs, stats)
+    if after is not None:
+        after()
+    if deliveries:
+        stats.busy_s += time.perf_counter() - t0
     producer.flush()
     consumer.done(deliveries)
-    if consumer.commit():
+    if consumer.commit():  # errors routed during decode move the offset too
         stats.commits += 1
     return len(deliveries)
 
 
-def run_stage(consumer: BatchConsumer, producer: BatchProducer, fn: StageFn, *, stage: str,
-              should_stop: Callable[[], bool], poll_timeout_s: float = 1.0,
-              max_records: int | None = None, stats: StageStats | None = None) -> StageStats:
-    """Run :func:`process_once` until ``should_stop()`` is true; returns the counters.
-    See the module docstring for the delivery contract."""
-    stats = stats if stats is not None else StageStats()
+def _send(producer: BatchProducer, outputs: Iterable[tuple], stats: StageStats) -> None:
+    for out in outputs:
+        topic, batch, *rest = out
+        schema, partition = (list(rest) + [None, None])[:2]
+        stats.rows_out += batch.num_rows
+        producer.send(topic, batch, schema=schema, partition=partition)
+
+
+def run_loop(turn: Callable[[], int], should_stop: Callable[[], bool], *,
+             ready: Callable[[], bool] | None = None, wait: Callable[[], None] | None = None,
+             before: Callable[[], None] | None = None,
+             periodic: Callable[[], None] | None = None, every_s: float = 10.0,
+             exit_when_idle_s: float | None = None,
+             idle_counts: Callable[[], bool] | None = None,
+             done: Callable[[], bool] | None = None) -> None:
+    """Run a stage's turns until ``should_stop()`` (or ``done()``, or idle too long).
+
+    Each round: ``before()`` (e.g. follow new weights, surface a helper thread's error);
+    then, if ``ready()`` is false (the readiness gate: no credit, weights behind),
+    ``wait()`` (which must keep the consumer's group membership alive), else ``turn()``;
+    then ``periodic()`` when ``every_s`` seconds passed since its last call; then
+    ``done()`` (e.g. the prompts are exhausted) ends the loop.
+
+    Args:
+        turn: one turn; returns the work done (deliveries, groups), 0 when idle.
+        should_stop: checked before every round.
+        ready, wait: the readiness gate and what to do while it is closed.
+        before, periodic, every_s: hooks (``every_s`` in seconds).
+        exit_when_idle_s: end after this many seconds of turns that did no work (None
+            or 0: never).
+        idle_counts: whether a turn without work counts as idle now (default: always;
+            the reward stage counts only while it owns partitions).
+        done: ends the loop when true after a round.
+    """
+    idle_since: float | None = None
+    last_periodic = time.monotonic()
     while not should_stop():
-        process_once(consumer, producer, fn, stage=stage, poll_timeout_s=poll_timeout_s,
-                     max_records=max_records, stats=stats)
-    return stats
+        if before is not None:
+            before()
+        if ready is not None and not ready():
+            if wait is not None:
+                wait()
+            n = 0
+        else:
+            n = turn()
+        now = time.monotonic()
+        if periodic is not None and now - last_periodic >= every_s:
+            periodic()
+            last_periodic = now
+        if n or (idle_counts is not None and not idle_counts()):
+            idle_since = None
+        elif idle_since is None:
+            idle_since = now
+        elif exit_when_idle_s and now - idle_since >= exit_when_idle_s:
+            return
+        if done is not None and done():
+            return

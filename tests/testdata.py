@@ -102,7 +102,7 @@ def produce_run(cfg, run: str, steps: int = 3, groups_per_step: int = 2, group_s
     def send(name: str, rows: list[dict]) -> None:
         batch = pa.RecordBatch.from_pylist(rows, schema=SCHEMAS[name])
         validate(batch, name)
-        p.send(names[name], batch)
+        p.send(names[name], batch, key=b"trainer" if name == "progress" else None)
         written[names[name]] = written.get(names[name], 0) + len(rows)
 
     for step in range(steps):
@@ -121,6 +121,9 @@ def produce_run(cfg, run: str, steps: int = 3, groups_per_step: int = 2, group_s
         send("metrics", trainer_metric_rows(step + 1, reward_mean=0.2 + 0.1 * step,
                                             accuracy=acc, staleness_counts={0: 6, 1: 2 + step},
                                             ts_ms=1_700_000_000_000 + step * 1000))
+        send("progress", [dict(ts=1_700_000_000_000 + step * 1000, policy_version=step + 1,
+                               groups_consumed=(step + 1) * groups_per_step,
+                               groups_needed=(steps - step - 1) * groups_per_step)])
     p.send_errors(names["rollouts"], [error_row(
         source_topic=names["rollouts"], source_partition=0, source_offset=0, stage="test/decode",
         error="DecodeError: synthetic", key=b"s0-g0000", value=b"\x00garbage")])

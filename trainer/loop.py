@@ -27,7 +27,9 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
 from relax.schemas import metric_names as M
-from relax.streams.client import BusConfig
+from relax.schemas import topics
+from relax.streams.client import BusConfig, ensure_topics
+from relax.streams.progress import PROGRESS_KEY, progress_row
 from relax.streams.metrics import MetricsWriter
 from relax.streams.producer import BatchProducer
 from relax.trainer import checkpoint
@@ -140,9 +142,12 @@ class TrainerStage:
         self.counters = Counter(state.counters)
         self.producer = BatchProducer(bus, producer_id=f"{cfg.run}-trainer")
         self.metrics = MetricsWriter(self.producer, cfg.run, "trainer")
-        # progress (the rollout stage's credit) is written from the input thread too:
-        # its own producer and writer, under a lock, flushed at once
+        # progress (the rollout stage's credit, on <run>.progress; a copy on the metrics
+        # for people) is written from the input thread too: its own producer and
+        # writer, under a lock, flushed at once
         self._progress_lock = threading.Lock()
+        self._progress_topic = topics.run_topic(cfg.run, topics.PROGRESS)
+        ensure_topics(bus, {self._progress_topic: 1})
         self._progress_producer = BatchProducer(bus, producer_id=f"{cfg.run}-trainer-progress")
         self._progress_metrics = MetricsWriter(self._progress_producer, cfg.run, "trainer")
         self.publisher = WeightPublisher(
@@ -172,9 +177,13 @@ class TrainerStage:
         t = self.cfg.trainer
         with self._progress_lock:
             self.counters["groups_consumed"] += consumed_delta
+            consumed = self.counters["groups_consumed"]
+            needed = max(0, t.steps - self.version) * t.batch_groups
+            self._progress_producer.send(self._progress_topic, progress_row(
+                consumed, needed, self.version), key=PROGRESS_KEY)
             w = self._progress_metrics
-            w.add(M.GROUPS_CONSUMED, self.counters["groups_consumed"], self.version)
-            w.add(M.GROUPS_NEEDED, max(0, t.steps - self.version) * t.batch_groups, self.version)
+            w.add(M.GROUPS_CONSUMED, consumed, self.version)
+            w.add(M.GROUPS_NEEDED, needed, self.version)
             w.flush()
             self._progress_producer.flush()
 

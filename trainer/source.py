@@ -29,6 +29,7 @@ from relax.schemas.versions import admit
 from relax.streams.client import BusConfig
 from relax.streams.codec import group_by_key
 from relax.streams.consumer import BatchConsumer, Delivery
+from relax.streams.stage import run_loop
 from relax.trainer.ledger import Ledger, outcome_of
 
 
@@ -118,15 +119,17 @@ class SampleSource:
 
     # ------------------------------------------------------------ reading thread
     def _read_ahead(self) -> None:
-        while not self._closed.is_set():
-            try:
-                dropped = self._read_once()
-            except BaseException as e:  # surfaced to the trainer by next_batch
-                with self._arrived:
-                    self._error = e
-                    self._arrived.notify_all()
-                return
-            self._report_drop(dropped)
+        try:
+            run_loop(self._read_turn, self._closed.is_set)
+        except BaseException as e:  # surfaced to the trainer by next_batch
+            with self._arrived:
+                self._error = e
+                self._arrived.notify_all()
+
+    def _read_turn(self) -> int:
+        dropped = self._read_once()
+        self._report_drop(dropped)
+        return dropped
 
     def _read_once(self) -> int:
         """One poll: decide dropped rows, queue the rest; returns whole groups dropped."""

@@ -17,7 +17,11 @@ Order of operations (each optional step off by default):
 3. KL in the reward (when ``kl_in == "reward"``): reward -= kl_coef x sum over
    loss tokens of the per-token KL estimate between rollout and reference
    log-probs (a sequence-level penalty, since outcome estimators take one
-   reward per sample);
+   reward per sample). The per-token estimates are the loss's own
+   (``relax.trainer.losses.KL_ESTIMATORS``, verl's formulas and clamps); summed over
+   the response this is verl's KL-in-reward for an outcome estimator (its
+   ``apply_kl_penalty`` subtracts per token, and ``compute_grpo_outcome_advantage``
+   sums the token rewards);
 4. advantages by the configured estimator over the kept rollouts of the group;
 5. DAPO dynamic sampling: a kept group with zero reward variance is dropped
    (``filtered_zero_variance``);
@@ -28,8 +32,6 @@ Order of operations (each optional step off by default):
 from __future__ import annotations
 
 import json
-from typing import Literal
-
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -40,6 +42,8 @@ from relax.consumers.advantage import ADVANTAGE_ESTIMATORS, compute_advantages
 from relax.consumers.advantage.filters import (TRUNCATED_REASONS, keep_groups_with_variance,
                                                soft_overlong_penalty)
 from relax.schemas.v1 import TRAIN_SAMPLES
+from relax.trainer.losses import KL_ESTIMATORS
+from relax.trainer.losses.config import KL_ESTIMATOR_NAMES
 
 
 class SoftOverlong(BaseModel):
@@ -65,7 +69,7 @@ class AdvantageConfig(BaseModel):
         soft_overlong: DAPO soft overlong punishment, or None.
         kl_in_reward_coef: > 0 puts a sequence KL penalty into the reward (needs
             ref_logprobs); the loss must then not add KL (the trainer's config check).
-        kl_estimator: k1 | k2 | k3 for the KL-in-reward penalty.
+        kl_estimator: k1 | k2 | k3 | low_var_kl (= k3) for the KL-in-reward penalty.
         ref_logprobs: join ``<run>.ref_logprobs`` and carry them on the train samples even
             without a KL-in-reward penalty (the loss's KL needs them: recipe ``kl.in: loss``).
     """
@@ -78,7 +82,7 @@ class AdvantageConfig(BaseModel):
     overlong_filter: bool = False
     soft_overlong: SoftOverlong | None = None
     kl_in_reward_coef: float = Field(0.0, ge=0)
-    kl_estimator: Literal["k1", "k2", "k3"] = "k1"
+    kl_estimator: str = Field("k1", description="one of KL_ESTIMATOR_NAMES")
     ref_logprobs: bool = False
 
     @model_validator(mode="after")
@@ -88,6 +92,9 @@ class AdvantageConfig(BaseModel):
                              f"{', '.join(ADVANTAGE_ESTIMATORS)}")
         if not self.rewards:
             raise ValueError("rewards: at least one counted reward name is needed")
+        if self.kl_estimator not in KL_ESTIMATOR_NAMES:
+            raise ValueError(f"unknown kl_estimator {self.kl_estimator!r}; valid: "
+                             f"{', '.join(KL_ESTIMATOR_NAMES)}")
         return self
 
     @property
@@ -106,13 +113,26 @@ def _list_column(values: np.ndarray, lengths: np.ndarray, typ: pa.DataType) -> p
     return pa.ListArray.from_arrays(pa.array(offsets), pa.array(values, typ))
 
 
-def _kl_penalty(logprobs: list[np.ndarray], ref: list[np.ndarray], masks: list[np.ndarray],
-                estimator: str) -> np.ndarray:
+def kl_penalty(logprobs: list[np.ndarray], ref: list[np.ndarray], masks: list[np.ndarray],
+               estimator: str) -> np.ndarray:
+    """Sequence KL penalties: per rollout, the sum over its loss tokens of the per-token
+    estimate ``KL_ESTIMATORS[estimator](logprobs, ref_logprobs)`` (the same functions the
+    loss uses, so KL in the reward and KL in the loss never disagree).
+
+    Args:
+        logprobs: per rollout, ``[T_i]`` rollout log-probs.
+        ref: per rollout, ``[T_i]`` reference log-probs.
+        masks: per rollout, ``[T_i]`` loss_mask (0/1).
+        estimator: a key of ``KL_ESTIMATORS``.
+
+    Returns:
+        ``[N]`` float64 penalties (nats).
+    """
+    fn = KL_ESTIMATORS[estimator]
     out = np.zeros(len(logprobs), np.float64)
     for i, (lp, rl, m) in enumerate(zip(logprobs, ref, masks)):
-        r = np.clip(lp.astype(np.float64) - rl, -20, 20)  # log(pi / pi_ref)
-        kl = {"k1": r, "k2": 0.5 * r * r, "k3": np.exp(-r) - 1 + r}[estimator]
-        out[i] = float(np.sum(kl[m.astype(bool)]))
+        kl = fn(torch.tensor(lp, dtype=torch.float64), torch.tensor(rl, dtype=torch.float64))
+        out[i] = float(kl[torch.as_tensor(m).bool()].sum())
     return out
 
 
@@ -178,9 +198,9 @@ def build_train_samples(rollouts: pa.Table, rewards: dict[str, dict[str, RewardC
             raise KeyError("kl_in_reward_coef > 0 needs ref_logprobs for every kept rollout")
         lp = rollouts.column("logprobs").combine_chunks().flatten().to_numpy(zero_copy_only=False)
         keep_idx = [i for i in range(n) if drop[i] is None]
-        pen = _kl_penalty([lp[starts[i]:starts[i + 1]] for i in keep_idx],
-                          [np.asarray(ref_col[i], np.float64) for i in keep_idx],
-                          [flat_mask[starts[i]:starts[i + 1]] for i in keep_idx], cfg.kl_estimator)
+        pen = kl_penalty([lp[starts[i]:starts[i + 1]] for i in keep_idx],
+                         [np.asarray(ref_col[i], np.float64) for i in keep_idx],
+                         [flat_mask[starts[i]:starts[i + 1]] for i in keep_idx], cfg.kl_estimator)
         reward[keep_idx] -= cfg.kl_in_reward_coef * pen
     keep = np.array([d is None for d in drop])
     adv = np.zeros(n, np.float32)

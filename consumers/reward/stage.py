@@ -38,7 +38,7 @@ from relax.streams.client import BusConfig, ensure_topics, topic_partitions
 from relax.streams.consumer import BatchConsumer
 from relax.streams.metrics import MetricsWriter
 from relax.streams.producer import BatchProducer
-from relax.streams.stage import StageStats
+from relax.streams.stage import StageStats, process_once, run_loop
 
 log = logging.getLogger(__name__)
 
@@ -221,15 +221,8 @@ class RewardStage:
             self.pool = RewardPool(cfg.reward, cfg.options, workers=cfg.workers,
                                    timeout_s=cfg.timeout_s, memory_limit_bytes=cfg.memory_limit_bytes,
                                    batch_rows=cfg.batch_rows, startup_timeout_s=cfg.startup_timeout_s)
-            idle_since = None
-            while not should_stop():
-                n = self.process_once(consumer, producer, metrics)
-                if n or not self.assignment:
-                    idle_since = None
-                elif idle_since is None:
-                    idle_since = time.monotonic()
-                elif cfg.exit_when_idle_s and time.monotonic() - idle_since >= cfg.exit_when_idle_s:
-                    break
+            run_loop(lambda: self.process_once(consumer, producer, metrics), should_stop,
+                     exit_when_idle_s=cfg.exit_when_idle_s, idle_counts=lambda: bool(self.assignment))
         finally:
             if self.pool is not None:
                 self.pool.close()
@@ -239,27 +232,25 @@ class RewardStage:
 
     def process_once(self, consumer: BatchConsumer, producer: BatchProducer,
                      metrics: MetricsWriter) -> int:
-        """One poll: score every delivered rollout, produce rewards and metrics, flush,
-        then commit. Returns the number of deliveries (0 for an empty poll)."""
-        stats = self.stats
-        deliveries = consumer.poll(self.cfg.poll_timeout_s, self.cfg.max_records)
+        """One turn (:func:`relax.streams.stage.process_once` with :meth:`_score` as its
+        batch function). Returns the number of deliveries (0 for an empty poll)."""
+        n = process_once(consumer, producer, batch_fn=lambda ds: self._score(ds, metrics),
+                         stage=self.component, poll_timeout_s=self.cfg.poll_timeout_s,
+                         max_records=self.cfg.max_records, stats=self.stats)
         self.assignment = set(consumer.kafka.assignment())
-        stats.polls += 1
-        if not deliveries:
-            consumer.commit()  # errors routed during decode still move the offset
-            return 0
+        return n
+
+    def _score(self, deliveries: list, metrics: MetricsWriter) -> list[tuple]:
+        """Score every rollout of the poll as one batch: the reward rows (one per
+        rollout; a failed row has a null value and its error), with this batch's
+        metrics queued on the same producer."""
         t0 = time.perf_counter()
         pool_before = dict(vars(self.pool.stats))
         table = pa.concat_tables([d.table for d in deliveries])
         results = score_table(self.pool, table)
-        producer.send(self.rewards, reward_batch(table, results, self.name))
         busy = time.perf_counter() - t0
-        stats.messages += len(deliveries)
-        stats.rows_in += table.num_rows
-        stats.rows_out += table.num_rows
         errors = sum(1 for r in results if r.error is not None)
-        stats.errors += errors
-        stats.busy_s += busy
+        self.stats.errors += errors
         values = [r.value for r in results if r.value is not None]
         delta = {k: v - pool_before[k] for k, v in vars(self.pool.stats).items()}
         version = max(table.column("policy_version_start").to_pylist())
@@ -274,11 +265,7 @@ class RewardStage:
         if values:
             metrics.add(REWARD_VALUE_MEAN, sum(values) / len(values), version)
         metrics.flush()
-        producer.flush()
-        consumer.done(deliveries)
-        if consumer.commit():
-            stats.commits += 1
         if errors:
             log.warning("%s: %d of %d rows failed, e.g. %s", self.component, errors,
                         table.num_rows, next(r.error for r in results if r.error))
-        return len(deliveries)
+        return [(self.rewards, reward_batch(table, results, self.name))]

@@ -61,7 +61,8 @@ Metrics (``<run>.metrics``, component = ``engine_id``; names from
 (cumulative seconds waiting for announced weights).
 
 Modules: :mod:`.config` (:class:`RolloutConfig`), :mod:`.credit` (the credit maths, pure
-functions), :mod:`.progress` (:class:`TrainerProgress`), :mod:`.state`
+functions; its input, the trainer's progress, is read by
+:class:`relax.streams.progress.TrainerProgress`), :mod:`.state`
 (``<run>.rollout_state``), :mod:`.prompts` (the prompt queue and epochs),
 :mod:`.sampling` (engine, :func:`sample_groups`, :func:`rollout_batch`), :mod:`.errors`
 (unrenderable prompts), :mod:`.metrics` (counters and metrics), :mod:`.stage` (the loop,
@@ -73,7 +74,6 @@ from __future__ import annotations
 from relax.consumers.rollout.config import RolloutConfig
 from relax.consumers.rollout.credit import instance_budget, share
 from relax.consumers.rollout.metrics import WEIGHT_WAIT_S, RolloutStats
-from relax.consumers.rollout.progress import TrainerProgress
 from relax.consumers.rollout.prompts import _Item as _Item  # tests build queue items
 from relax.consumers.rollout.sampling import (
     build_engine,
@@ -83,6 +83,7 @@ from relax.consumers.rollout.sampling import (
 )
 from relax.consumers.rollout.stage import RolloutStage
 from relax.consumers.rollout.state import SavedState, saved_state
+from relax.streams.progress import TrainerProgress
 
 __all__ = [
     "WEIGHT_WAIT_S",

@@ -42,7 +42,7 @@ def instance_budget(
     """Groups instance ``instance_index`` may have started in all (since it started).
 
     ``consumed`` = groups the trainer decided since then: ``groups_consumed`` (trained or
-    dropped, from the trainer's metrics) when known, else ``batch_groups`` per
+    dropped, from ``<run>.progress``) when known, else ``batch_groups`` per
     policy_version since ``base_version`` (a trainer that reports no progress). The run
     may have ``consumed + min(B, needed)`` groups started,
     ``B = in_flight_budget(max_staleness, batch_groups)`` and ``needed``

@@ -22,7 +22,6 @@ from relax.consumers.rollout import credit
 from relax.consumers.rollout.config import RolloutConfig
 from relax.consumers.rollout.errors import route_prompt_error
 from relax.consumers.rollout.metrics import RolloutStats, emit_metrics
-from relax.consumers.rollout.progress import TrainerProgress
 from relax.consumers.rollout.prompts import PromptQueue, _Item, message_key
 from relax.consumers.rollout.sampling import (
     _ms,
@@ -34,6 +33,8 @@ from relax.consumers.rollout.sampling import (
 from relax.consumers.rollout.state import SavedState, saved_state
 from relax.schemas import topics
 from relax.streams.client import ensure_topics
+from relax.streams.progress import TrainerProgress
+from relax.streams.stage import run_loop
 from relax.trainer.cores import BusyFlag
 
 log = logging.getLogger(__name__)
@@ -212,27 +213,34 @@ class RolloutStage:
             )
         return out
 
-    def process_once(self, consumer, producer, reader) -> int:
-        """One turn: learn the trainer's version, fetch prompts if needed, sample up to
-        ``groups_per_generate`` groups within the budget, produce, flush, commit.
-
-        Returns:
-            groups produced (0 when waiting for prompts or for budget).
-        """
+    def ready(self, reader) -> bool:
+        """The readiness gate: the engine has the weights the trainer announced, and the
+        credit lets this instance start a group (learns the trainer's version first)."""
         self._learn(reader, 0.0)
+        return not self._weights_behind() and self.budget() > 0
+
+    def wait(self, consumer, reader) -> None:
+        """While the gate is closed: wait for the weights, or for credit (keeping the
+        consumer group membership alive), and count the wait."""
+        t0 = time.perf_counter()
         if self._weights_behind():
             self.stats.weight_waits += 1
-            t0 = time.perf_counter()
             self._idle(consumer, lambda: self._subscriber.poll(self.cfg.poll_timeout_s))
             self.stats.weight_wait_s += time.perf_counter() - t0
-            return 0
-        left = self.budget()
-        if left <= 0:
+        else:
             self.stats.budget_waits += 1
-            t0 = time.perf_counter()
             self._idle(consumer, lambda: self._learn(reader, self.cfg.poll_timeout_s))
             self.stats.budget_wait_s += time.perf_counter() - t0
-            return 0
+
+    def turn(self, consumer, producer) -> int:
+        """One turn once the gate (:meth:`ready`) is open: fetch prompts if needed,
+        sample up to ``groups_per_generate`` groups within the credit, produce, flush,
+        commit the prompts whose groups are all produced.
+
+        Returns:
+            groups produced (0 when waiting for prompts).
+        """
+        left = self.budget()
         queue = self._prompts
         if not queue.items:
             queue.fetch(consumer)
@@ -362,18 +370,19 @@ class RolloutStage:
             self.groups_started = credit.inherited_in_flight(
                 sum(self._saved.started.values()), self._consumed0, cfg.instance_index,
                 cfg.num_instances)
-            last_metrics, last_tokens, last_t = time.monotonic(), 0, time.monotonic()
-            while not should_stop():
-                if self._subscriber is not None:
-                    self._subscriber.poll(0)  # raises if its thread died
-                self.process_once(consumer, producer, reader)
-                if stop_when_exhausted and self.exhausted(consumer):
-                    break
+            rate = {"tokens": 0, "t": time.monotonic()}
+
+            def periodic() -> None:
                 now = time.monotonic()
-                if now - last_metrics >= cfg.metrics_every_s:
-                    self._emit_metrics(metrics, (self.stats.tokens - last_tokens) / (now - last_t))
-                    producer.flush()
-                    last_metrics, last_tokens, last_t = now, self.stats.tokens, now
+                self._emit_metrics(metrics, (self.stats.tokens - rate["tokens"]) / (now - rate["t"]))
+                producer.flush()
+                rate.update(tokens=self.stats.tokens, t=now)
+
+            run_loop(lambda: self.turn(consumer, producer), should_stop,
+                     ready=lambda: self.ready(reader), wait=lambda: self.wait(consumer, reader),
+                     before=self._surface_subscriber_error, periodic=periodic,
+                     every_s=cfg.metrics_every_s,
+                     done=lambda: stop_when_exhausted and self.exhausted(consumer))
             self._emit_metrics(metrics, None)
             producer.flush()
             consumer.commit()
@@ -385,6 +394,10 @@ class RolloutStage:
             consumer.close()
             producer.close()
         return self.stats
+
+    def _surface_subscriber_error(self) -> None:
+        if self._subscriber is not None:
+            self._subscriber.poll(0)  # raises if its thread died
 
     def _emit_metrics(self, metrics, tokens_per_s: float | None) -> None:
         v = getattr(self.engine, "policy_version", None)

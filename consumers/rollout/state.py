@@ -34,7 +34,7 @@ def saved_state(bus: BusConfig, topic: str) -> SavedState:
         ValueError: a record that is neither ``{topic, partition, epoch}`` nor
             ``{engine_id, started, pending}`` JSON (names its offset).
     """
-    from relax.streams.changelog import read_partition
+    from relax.streams.read import read_partition
 
     out = SavedState()
     for m in read_partition(bus, topic, 0):

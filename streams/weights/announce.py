@@ -10,11 +10,10 @@ from __future__ import annotations
 
 import logging
 
-import pyarrow as pa
-
 from relax.schemas import topics as topic_names
 from relax.schemas.validate import validate
 from relax.streams.client import BusConfig, ensure_topics
+from relax.streams.read import TopicReader, decoded
 
 log = logging.getLogger(__name__)
 
@@ -54,39 +53,26 @@ class AnnouncementReader:
     """
 
     def __init__(self, cfg: BusConfig, run: str):
-        from kafka import KafkaConsumer, TopicPartition
-
-        from relax.streams.client import consumer_kwargs
-
         self.topic = ensure_weights_topic(cfg, run)
-        self._kc = KafkaConsumer(**consumer_kwargs(cfg, None))
-        tp = TopicPartition(self.topic, 0)
-        self._kc.assign([tp])
-        self._kc.seek_to_beginning(tp)
+        self._reader = TopicReader(cfg, "weights")
+        self._reader.follow(self.topic, 1)
         self.latest_version: int | None = None
 
     def poll(self, timeout_s: float = 0.0) -> list[dict]:
         """New announcement rows (dicts with the WEIGHTS fields), oldest first."""
-        from relax.streams.codec import DecodeError, decode
-
         rows: list[dict] = []
-        for msgs in self._kc.poll(timeout_ms=int(timeout_s * 1000)).values():
-            for m in msgs:
-                header = dict(m.headers or []).get("relax-schema")
-                try:
-                    if not m.value:  # decode(None) would raise TypeError and kill the reader
-                        raise DecodeError("null value (a tombstone)" if m.value is None
-                                          else "empty value")
-                    if header and header != b"weights":
-                        raise DecodeError(f"relax-schema header {header!r} is not 'weights'")
-                    table = decode(m.value, "weights")
-                    table.validate(full=True)
-                    validate(table, "weights")
-                except (DecodeError, ValueError, pa.ArrowException) as e:
-                    log.warning("skipping unusable announcement at %s[%d]@%d: %s; expected a "
-                                "'weights' batch", self.topic, m.partition, m.offset, e)
-                    continue
-                rows.extend(table.to_pylist())
+        for m in self._reader.poll(timeout_s):
+            table = decoded(m, "weights")
+            try:
+                if table is None:
+                    raise ValueError("not a 'weights' batch (null, empty, another schema "
+                                     "or not Arrow)")
+                validate(table, "weights")
+            except ValueError as e:
+                log.warning("skipping unusable announcement at %s[%d]@%d: %s; expected a "
+                            "'weights' batch", self.topic, m.partition, m.offset, e)
+                continue
+            rows.extend(table.to_pylist())
         for r in rows:
             v = r["policy_version"]
             if self.latest_version is None or v > self.latest_version:
@@ -95,4 +81,4 @@ class AnnouncementReader:
 
     def close(self) -> None:
         """Close the Kafka client."""
-        self._kc.close(autocommit=False)
+        self._reader.close()

@@ -41,23 +41,13 @@ def _publish_prompts(bus, dataset: str, rows: list[dict], partitions: int = 1) -
 
 
 def _trainer_progress(bus, run: str, consumed: int, needed: int) -> None:
-    """Write the trainer's progress metrics as the trainer does (component trainer)."""
-    from relax.schemas.v1 import METRICS
+    """Write the trainer's progress as the trainer does (``<run>.progress``)."""
+    from relax.streams.progress import PROGRESS_KEY, progress_row
 
     p = BatchProducer(bus)
-    rows = [
-        dict(
-            ts=0,
-            component="trainer",
-            name=M.GROUPS_CONSUMED,
-            value=float(consumed),
-            policy_version=2,
-        ),
-        dict(
-            ts=0, component="trainer", name=M.GROUPS_NEEDED, value=float(needed), policy_version=2
-        ),
-    ]
-    p.send(topics.run_topic(run, "metrics"), pa.RecordBatch.from_pylist(rows, schema=METRICS))
+    topic = topics.run_topic(run, topics.PROGRESS)
+    ensure_topics(bus, {topic: 1})
+    p.send(topic, progress_row(consumed, needed, 2), key=PROGRESS_KEY)
     p.close()
 
 

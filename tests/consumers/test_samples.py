@@ -88,6 +88,49 @@ def test_soft_overlong_penalty_and_kl_in_reward():
     assert out.column("ref_logprobs").to_pylist()[0] == [-0.75] * 4
 
 
+def _verl_kl_in_reward(score, logprob, ref_logprob, mask, beta, kl_penalty):
+    """verl's path for an outcome estimator, written out from verl/trainer/ppo/
+    core_algos.py (``kl_penalty_forward``) and ray_trainer.py (``apply_kl_penalty``:
+    ``token_level_rewards = token_level_scores - beta * kld``; GRPO's outcome advantage
+    then takes ``token_level_rewards.sum(-1)``); the score sits on the last token."""
+    import torch
+
+    lp, rl = torch.tensor(logprob, dtype=torch.float64), torch.tensor(ref_logprob, dtype=torch.float64)
+    if kl_penalty in ("kl", "k1"):
+        kld = lp - rl
+    elif kl_penalty in ("mse", "k2"):
+        kld = 0.5 * (lp - rl).square()
+    else:  # low_var_kl / k3
+        kl = torch.clamp(rl - lp, min=-20, max=20)
+        kld = torch.clamp(torch.exp(kl) - kl - 1, min=-10, max=10)
+    m = torch.tensor(mask, dtype=torch.float64)
+    scores = torch.zeros_like(lp)
+    scores[-1] = score
+    return float((scores - beta * kld * m).sum())
+
+
+@pytest.mark.parametrize("estimator", ["k1", "k2", "k3", "low_var_kl"])
+def test_kl_in_reward_matches_verl_where_clamps_bind(estimator):
+    rows, _ = _group(2, tokens=4)
+    lps = [[-0.25, -3.0, -30.0, -0.5], [-1.0, -0.1, -2.0, -40.0]]
+    refs = [[-0.75, -0.2, -1.0, -8.0], [-26.0, -0.1, -0.3, -0.2]]  # |d| > 20 in both
+    masks = [[1, 1, 1, 0], [1, 1, 1, 1]]
+    for r, lp, m in zip(rows, lps, masks):
+        r.update(logprobs=lp, loss_mask=m)
+    t = pa.Table.from_pylist(rows, schema=ROLLOUTS)
+    ref = {r["rollout_id"]: x for r, x in zip(rows, refs)}
+    cfg = AdvantageConfig(kl_in_reward_coef=0.05, kl_estimator=estimator)
+    out = build_train_samples(t, _cells(rows, [1, 0]), ref, cfg)
+    want = [_verl_kl_in_reward(s, lp, rl, m, 0.05, estimator)
+            for s, lp, rl, m in zip([1, 0], lps, refs, masks)]
+    assert out.column("reward").to_pylist() == pytest.approx(want, rel=1e-6)  # float32 column
+
+
+def test_unknown_kl_estimator_lists_valid():
+    with pytest.raises(ValueError, match="low_var_kl"):
+        AdvantageConfig(kl_estimator="k4")
+
+
 def test_missing_counted_reward_is_an_error():
     rows, t = _group(2)
     with pytest.raises(KeyError):

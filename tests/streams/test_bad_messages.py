@@ -192,26 +192,30 @@ def test_the_aggregate_changelog_carries_several_schemas_named_by_header(bus, un
 
 
 def test_metrics_readers_skip_what_is_not_a_metrics_batch(bus, unique):
-    """The launcher's follower and the rollout's credit reader read ``<run>.metrics``
-    group-less: a tombstone or garbage there is skipped, never a crash of the run."""
+    """The launcher's follower reads ``<run>.metrics`` and the rollout's credit reads
+    ``<run>.progress``, both group-less: a tombstone or garbage there is skipped, never a
+    crash of the run."""
     from kafka import KafkaProducer
 
-    from relax.consumers.rollout import TrainerProgress
     from relax.infra.launch import MetricsFollower
     from relax.schemas import metric_names as M
     from relax.streams.metrics import MetricsWriter
+    from relax.streams.progress import PROGRESS_KEY, TrainerProgress, progress_row
 
-    topic = topics.run_topic(unique, topics.METRICS)
-    ensure_topics(bus, {topic: 1})
+    metrics, progress_topic = (topics.run_topic(unique, topics.METRICS),
+                               topics.run_topic(unique, topics.PROGRESS))
+    ensure_topics(bus, {metrics: 1, progress_topic: 1})
     raw = KafkaProducer(bootstrap_servers=bus.bootstrap_servers)
-    raw.send(topic, value=None, key=b"trainer")
-    raw.send(topic, value=b"not arrow", key=b"trainer")
+    for topic in (metrics, progress_topic):
+        raw.send(topic, value=None, key=b"trainer")
+        raw.send(topic, value=b"not arrow", key=b"trainer")
     raw.flush()
     raw.close()
     p = BatchProducer(bus)
     w = MetricsWriter(p, unique, "trainer")
     w.add(M.GROUPS_CONSUMED, 6, 3)
     w.flush()
+    p.send(progress_topic, progress_row(6, 10, 3), key=PROGRESS_KEY)
     p.flush()
     follower, progress = MetricsFollower(bus, unique), TrainerProgress(bus, unique)
     deadline = time.monotonic() + 20
@@ -223,4 +227,4 @@ def test_metrics_readers_skip_what_is_not_a_metrics_batch(bus, unique):
     progress.close()
     p.close()
     assert [(r["name"], r["value"]) for r in rows] == [(M.GROUPS_CONSUMED, 6.0)]
-    assert progress.consumed == 6 and progress.version == 3
+    assert (progress.consumed, progress.needed, progress.version) == (6, 10, 3)

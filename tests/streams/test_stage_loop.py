@@ -1,0 +1,128 @@
+"""The stage loop (process_once, run_loop) on the in-memory bus: the delivery contract
+and the hooks, without a broker (the same contract on real brokers: test_bus.py,
+test_delivery.py and the e2e tests)."""
+
+from __future__ import annotations
+
+import pyarrow as pa
+import pytest
+
+from relax.schemas.v1 import REWARDS, ROLLOUTS
+from relax.streams.memory import MemoryBus, MemoryConsumer, MemoryProducer
+from relax.streams.stage import Output, RecordError, StageStats, process_once, run_loop
+
+from testdata import alternating_rewards, rollout_rows
+
+SRC, OUT = "r1.rollouts", "r1.rewards"
+
+
+def _bus(groups: int = 3, partitions: int = 2) -> tuple[MemoryBus, list[dict]]:
+    bus = MemoryBus(partitions=partitions)
+    rows = rollout_rows(groups * 2, group_size=2, tokens=3)
+    p = MemoryProducer(bus)
+    p.send(SRC, pa.RecordBatch.from_pylist(rows, schema=ROLLOUTS))
+    p.flush()
+    return bus, rows
+
+
+def _score(d):
+    rows = alternating_rewards(d.table.to_pylist())
+    return [(OUT, pa.RecordBatch.from_pylist(rows, schema=REWARDS))]
+
+
+def _committed(bus: MemoryBus, group: str = "g") -> int:
+    return sum(o for (g, t, _), o in bus.committed.items() if g == group and t == SRC)
+
+
+def test_outputs_are_flushed_then_inputs_committed():
+    bus, rows = _bus()
+    c, p = MemoryConsumer(bus, "g", [SRC]), MemoryProducer(bus)
+    stats = StageStats()
+    assert process_once(c, p, _score, stage="t", stats=stats) == 3  # one message per group
+    assert bus.table(OUT).num_rows == len(rows) and stats.rows_out == len(rows)
+    assert _committed(bus) == 3 and stats.commits == 1
+    assert process_once(c, p, _score, stage="t", stats=stats) == 0  # nothing new
+    # a new member of the group starts at the committed offsets: nothing is read twice
+    assert process_once(MemoryConsumer(bus, "g", [SRC]), p, _score, stage="t") == 0
+
+
+def test_a_record_error_goes_to_the_error_topic_and_the_rest_goes_on():
+    bus, rows = _bus()
+    bad = rows[0]["group_id"]
+
+    def fn(d):
+        if d.key == bad.encode():
+            raise RecordError("response_text: expected a string", row=1)
+        return _score(d)
+
+    c, p = MemoryConsumer(bus, "g", [SRC]), MemoryProducer(bus)
+    assert process_once(c, p, fn, stage="reward.t") == 3
+    errs = bus.table(SRC + ".errors").to_pylist()
+    assert len(errs) == 1 and errs[0]["stage"] == "reward.t" and errs[0]["row"] == 1
+    assert errs[0]["error"] == "response_text: expected a string"
+    assert errs[0]["source_topic"] == SRC and errs[0]["key"] == bad.encode()
+    assert bus.table(OUT).num_rows == len(rows) - 2 and _committed(bus) == 3
+
+
+@pytest.mark.parametrize("where", ["fn", "flush"])
+def test_nothing_is_committed_when_the_function_or_the_flush_fails(where):
+    bus, _ = _bus()
+    c, p = MemoryConsumer(bus, "g", [SRC]), MemoryProducer(bus)
+    calls = []
+
+    def fn(d):
+        calls.append(d.offset)
+        if where == "fn" and len(calls) == 2:
+            raise RuntimeError("engine died")
+        return _score(d)
+
+    if where == "flush":
+        p.fail_flush = ConnectionError("broker gone")
+    with pytest.raises((RuntimeError, ConnectionError)):
+        process_once(c, p, fn, stage="t")
+    assert _committed(bus) == 0 and bus.table(OUT) is None
+    # a restarted stage reads everything again (at-least-once)
+    assert process_once(MemoryConsumer(bus, "g", [SRC]), MemoryProducer(bus), _score,
+                        stage="t") == 3
+
+
+def test_batch_function_sees_the_whole_poll_and_after_runs_on_empty_polls():
+    bus, rows = _bus()
+    seen, afters = [], []
+
+    def batch_fn(ds):
+        seen.append(len(ds))
+        table = pa.concat_tables([d.table for d in ds])
+        return [Output(OUT, pa.RecordBatch.from_pylist(alternating_rewards(table.to_pylist()),
+                                                       schema=REWARDS), partition=1)]
+
+    c, p = MemoryConsumer(bus, "g", [SRC]), MemoryProducer(bus)
+    assert process_once(c, p, batch_fn=batch_fn, after=lambda: afters.append(1), stage="t") == 3
+    assert process_once(c, p, batch_fn=batch_fn, after=lambda: afters.append(1), stage="t") == 0
+    assert seen == [3] and afters == [1, 1]
+    assert [len(part) for part in bus.topics[OUT]] == [0, 3]  # Output.partition honoured
+    with pytest.raises(ValueError, match="exactly one"):
+        process_once(c, p, _score, batch_fn=batch_fn, stage="t")
+
+
+def test_run_loop_hooks_gate_periodic_idle_exit_and_done():
+    log, gate = [], iter([False, False, True, True, True, True])
+    turns = iter([2, 0, 0, 0])
+
+    def turn():
+        log.append("turn")
+        return next(turns, 0)
+
+    run_loop(turn, lambda: False, ready=lambda: next(gate, True),
+             wait=lambda: log.append("wait"), before=lambda: log.append("before"),
+             periodic=lambda: log.append("periodic"), every_s=0.0,
+             done=lambda: log.count("turn") == 3)
+    assert log == ["before", "wait", "periodic"] * 2 + ["before", "turn", "periodic"] * 3
+
+    n = []
+    run_loop(lambda: n.append(1) or 0, lambda: len(n) > 10_000, exit_when_idle_s=1e-3)
+    assert 0 < len(n) < 10_000  # left by the idle exit, not by should_stop
+    n.clear()
+    run_loop(lambda: n.append(1) or 0, lambda: len(n) >= 50, exit_when_idle_s=1e-9,
+             idle_counts=lambda: False)
+    assert len(n) == 50  # no partitions owned: idleness does not count
