@@ -156,7 +156,7 @@ def run_loop(w: dict, threads: int) -> dict:
     import pyarrow as pa
     import torch
 
-    from relax.consumers.advantage.samples import AdvantageConfig, build_train_samples
+    from relax.consumers.samples import AdvantageConfig, build_train_samples
     from relax.consumers.engines.base import SamplingParams
     from relax.consumers.engines.hf import HFEngine
     from relax.consumers.multiturn import render_ids

@@ -40,7 +40,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 from pydantic import BaseModel, ConfigDict, Field
 
-from relax.consumers.advantage.samples import AdvantageConfig, RewardCell, build_train_samples
+from relax.consumers.samples import AdvantageConfig, RewardCell, build_train_samples
 from relax.schemas import metric_names as M
 from relax.schemas import topics
 from relax.streams.client import BusConfig, ensure_topics

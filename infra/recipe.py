@@ -35,7 +35,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, Field, ValidationError, model_validator
 
-from relax.consumers.advantage.samples import AdvantageConfig
+from relax.consumers.samples import AdvantageConfig
 from relax.infra.sections import (
     AggregateSection,
     BusSection,
@@ -363,6 +363,18 @@ def _fill_kl(tree: dict) -> None:
     _fill(tree, values, "the kl: block (set the KL penalty only there)")
 
 
+def _fill_batch_advantage(tree: dict) -> None:
+    """An estimator whose statistics span the global batch (REINFORCE++) runs in the
+    trainer: ``advantage.estimator`` fills ``trainer.batch_advantage`` and its options."""
+    from relax.trainer.advantage.batch import BATCH_ESTIMATORS
+
+    adv = tree.get("advantage") or {}
+    if adv.get("estimator") in BATCH_ESTIMATORS:
+        _fill(tree, {"trainer.batch_advantage": adv["estimator"],
+                     "trainer.batch_advantage_options": adv.get("estimator_options") or {}},
+              "advantage.estimator (a batch estimator runs in the trainer; set it there only)")
+
+
 def _reward_weights(tree: dict) -> None:
     """``advantage.rewards`` defaults to every reward with a weight != 0."""
     if "rewards" in (tree.get("advantage") or {}):
@@ -399,6 +411,7 @@ def load_recipe(path: str | Path | None = None, overrides: list[str] = (),
     try:
         _fill_shared(tree)
         _fill_kl(tree)
+        _fill_batch_advantage(tree)
         _reward_weights(tree)
         recipe = Recipe.model_validate(tree)
     except ValidationError as e:

@@ -46,6 +46,11 @@ class TrainerConfig(BaseModel):
         num_threads: torch intra-op threads (None = torch's default).
         accuracy_reward: reward name whose value decides "correct" (default: the first
             counted reward); a sample is correct when that value > accuracy_threshold.
+        batch_advantage: an estimator of ``BATCH_ESTIMATORS`` (REINFORCE++) computed over
+            each global batch here, replacing the aggregator's per-group advantages
+            (:mod:`relax.trainer.advantage.batch`); the recipe fills it from
+            ``advantage.estimator``. None: the aggregator's advantages are trained on.
+        batch_advantage_options: keyword options of that estimator.
         publish_bucket_bytes: weight broadcast bucket size (bytes).
         weights_snapshot_every: write the published weights as a safetensors snapshot
             (``<run_dir>/weights/v<version>/``, model-size bytes, written by the publisher's
@@ -70,11 +75,19 @@ class TrainerConfig(BaseModel):
     seed: int = 0
     accuracy_reward: str | None = None
     accuracy_threshold: float = 0.5
+    batch_advantage: str | None = None
+    batch_advantage_options: dict[str, float | bool] = Field(default_factory=dict)
     publish_bucket_bytes: int = Field(512 << 20, ge=1 << 10)
     weights_snapshot_every: int = Field(10, ge=1)
 
     @model_validator(mode="after")
     def _check(self):
+        from relax.trainer.advantage.batch import BATCH_ESTIMATORS
+
+        if self.batch_advantage is not None and self.batch_advantage not in BATCH_ESTIMATORS:
+            raise ValueError(f"batch_advantage {self.batch_advantage!r}: expected one of "
+                             f"{', '.join(BATCH_ESTIMATORS)} (the other estimators are "
+                             f"per group and run in the aggregator)")
         if self.loss.is_mode is not None and self.old_logprobs == "rollout":
             raise ValueError("loss.is_mode corrects between trainer and rollout log-probs: it "
                              "needs old_logprobs 'recompute' (with 'rollout' the weight is 1)")

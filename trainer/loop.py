@@ -33,6 +33,7 @@ from relax.streams.progress import PROGRESS_KEY, progress_row
 from relax.streams.metrics import MetricsWriter
 from relax.streams.producer import BatchProducer
 from relax.trainer import checkpoint
+from relax.trainer.advantage.batch import with_batch_advantages
 from relax.trainer.backends import build_backend
 from relax.trainer.batching import informative_rows, loss_counts, micro_batches, split_groups
 from relax.trainer.config import TrainerConfig
@@ -99,6 +100,15 @@ def batch_metrics(batch: Batch, accuracy_reward: str | None, threshold: float) -
     for k, n in Counter(batch.staleness).items():
         out[M.staleness_hist_name(k)] = float(n)
     return out
+
+
+def advantage_metrics(groups: list) -> dict[str, float]:
+    """Mean and sample std (``n - 1``) over the batch's rows of each row's advantage (its
+    value on the first response token; outcome estimators give one value per row)."""
+    first = np.asarray([a[0] if a else 0.0 for g in groups
+                        for a in g.column("advantages").to_pylist()], np.float64)
+    std = float(first.std(ddof=1)) if len(first) > 1 else 0.0
+    return {M.ADVANTAGE_MEAN: float(first.mean()) if len(first) else 0.0, M.ADVANTAGE_STD: std}
 
 
 def node_address() -> str:
@@ -202,7 +212,11 @@ class TrainerStage:
         batch = self.source.next_batch(self.version, should_stop)
         if batch is None:
             return None
-        groups = informative_rows(batch.groups) if self._skip_zero else batch.groups
+        groups = batch.groups
+        if t.batch_advantage is not None:  # REINFORCE++: statistics of the whole batch
+            groups = with_batch_advantages(groups, t.batch_advantage, t.batch_advantage_options)
+        adv_stats = advantage_metrics(groups)
+        groups = informative_rows(groups) if self._skip_zero else groups
         counts = loss_counts(batch.groups)
         if self.ranks is not None:
             groups, counts = self.ranks.scatter(split_groups(groups, self.ranks.world_size),
@@ -210,7 +224,8 @@ class TrainerStage:
         stats = self.backend.train_step(micro_batches(groups, t.max_tokens_per_microbatch),
                                         counts=counts)
         self.source.trained(batch, self.version)
-        out = {**stats, **batch_metrics(batch, t.accuracy_reward, t.accuracy_threshold)}
+        out = {**stats, **batch_metrics(batch, t.accuracy_reward, t.accuracy_threshold),
+               **adv_stats}
         self.version += 1
         with self._progress_lock:
             self.counters["groups_consumed"] += len(batch.groups)

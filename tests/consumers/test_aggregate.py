@@ -6,7 +6,7 @@ import time
 
 import pyarrow as pa
 
-from relax.consumers.advantage.samples import AdvantageConfig
+from relax.consumers.samples import AdvantageConfig
 from relax.streams.read import read_table
 from relax.schemas import topics
 from relax.schemas.v1 import REWARDS, ROLLOUTS

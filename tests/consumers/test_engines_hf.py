@@ -9,7 +9,7 @@ import pytest
 import torch
 from testdata import StubTokenizer, scripted_lm
 
-from relax.consumers.advantage.filters import overlong_filter
+from relax.trainer.advantage.filters import overlong_filter
 from relax.consumers.engines.base import Engine, SamplingParams
 from relax.consumers.engines.hf import HFEngine, _filter_logits, _sample
 from relax.trainer.logprobs import token_logprobs, top_p_log_mass

@@ -7,7 +7,7 @@ import math
 import pyarrow as pa
 import pytest
 
-from relax.consumers.advantage.samples import AdvantageConfig, SoftOverlong, build_train_samples
+from relax.consumers.samples import AdvantageConfig, SoftOverlong, build_train_samples
 from relax.schemas import validate
 from relax.schemas.v1 import ROLLOUTS
 

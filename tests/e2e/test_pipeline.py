@@ -11,7 +11,7 @@ import uuid
 from pathlib import Path
 
 import pytest
-from testdata import RECIPES, tiny_recipe
+from testdata import PARITY_REWARD, RECIPES, tiny_recipe
 
 from relax.trainer import checkpoint
 from relax.trainer.ledger import Ledger
@@ -39,10 +39,15 @@ def test_tiny_async_run_accounts_for_every_rollout(tiny_run, broker):
     assert (Path(s["run_dir"]) / "final_model" / "model.safetensors").exists()
 
 
-def test_cli_last_line(tmp_path, broker):
+def test_cli_last_line_and_reinforce_pp_over_the_global_batch(tmp_path, broker):
+    """``relax train`` prints one summary line; with ``advantage.estimator: reinforce_pp``
+    the trainer normalises over each step's whole batch (issue 16): every step's
+    advantages have mean 0 and sample std 1 over its rows (per-group normalisation, what
+    the aggregator alone would do, gives a pooled std below 1)."""
     run = "cli" + uuid.uuid4().hex[:6]
     r = subprocess.run([sys.executable, "-m", "relax.infra.cli", "train",
                         str(RECIPES / "tiny_ci.yaml"), f"run={run}", f"run_root={tmp_path}",
+                        PARITY_REWARD, "advantage.estimator=reinforce_pp",
                         "--bootstrap", broker, "--timeout-s", "400"],
                        capture_output=True, text=True, timeout=500, env=os.environ.copy())
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
@@ -51,6 +56,18 @@ def test_cli_last_line(tmp_path, broker):
     assert f["steps"] == "3"
     assert int(f["trained"]) + int(f["stale"]) + int(f["filtered"]) + int(f["errors"]) \
         == int(f["sampled"]) > 0
+    from relax.schemas import metric_names as M
+    from relax.streams.client import BusConfig
+    from relax.streams.read import read_table
+
+    rows = read_table(BusConfig(bootstrap_servers=broker), f"{run}.metrics").to_pylist()
+    adv = {(x["policy_version"], x["name"]): x["value"] for x in rows
+           if x["component"] == "trainer" and x["name"] in (M.ADVANTAGE_MEAN, M.ADVANTAGE_STD)}
+    stds = [adv[(v, M.ADVANTAGE_STD)] for v in (1, 2, 3)]
+    assert all(abs(adv[(v, M.ADVANTAGE_MEAN)]) < 1e-5 for v in (1, 2, 3)), adv
+    # 1 unless every reward of the step was equal (then 0): 8 parity rewards per step
+    assert all(abs(s - 1) < 1e-4 or s == 0 for s in stds) and any(abs(s - 1) < 1e-4
+                                                                   for s in stds), stds
 
 
 def _kill_on(step_kills: dict[int, str]):

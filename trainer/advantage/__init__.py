@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import torch
 
-from relax.consumers.advantage.distill import distill_advantages
-from relax.consumers.advantage.grpo import dr_grpo_advantages, grpo_advantages
-from relax.consumers.advantage.reinforce_pp import (reinforce_pp_advantages,
+from relax.trainer.advantage.distill import distill_advantages
+from relax.trainer.advantage.grpo import dr_grpo_advantages, grpo_advantages
+from relax.trainer.advantage.reinforce_pp import (reinforce_pp_advantages,
                                                     reinforce_pp_baseline_advantages)
-from relax.consumers.advantage.rloo import rloo_advantages, rloo_std_advantages
+from relax.trainer.advantage.rloo import rloo_advantages, rloo_std_advantages
 
 ADVANTAGE_ESTIMATORS = {
     "grpo": grpo_advantages,

@@ -7,6 +7,9 @@
   ``c_i = r_i - mean_g``. ``c`` already has batch mean 0 (each group sums to 0, a
   singleton gives 0), so no second mean is subtracted and each group still sums to 0.
 
+In a run these are computed by the trainer over each step's whole batch
+(:mod:`relax.trainer.advantage.batch`), not by the aggregator over one group.
+
 Stds are sample stds (``n - 1``). In the baseline variant a zero-variance group
 (``std_g <= zero_std_atol``) gets exactly 0, as in every group estimator. When the batch std is zero (within
 ``zero_std_atol``) the centred values are returned unscaled (all zero then).
@@ -23,7 +26,7 @@ from __future__ import annotations
 
 import torch
 
-from relax.consumers.advantage.groups import (ZERO_STD_ATOL, check_rewards, group_stats,
+from relax.trainer.advantage.groups import (ZERO_STD_ATOL, check_rewards, group_stats,
                                               zero_variance)
 
 REINFORCE_PP_EPS = 1e-6

@@ -3,7 +3,7 @@
 * Dynamic sampling (DAPO section 3.2): drop groups whose rewards have no variance
   (all right or all wrong): they give zero advantage and only dilute the batch.
   Zero variance is ``std <= atol`` (tolerance, not ``std > 0``), the same test the
-  estimators use (``relax.consumers.advantage.groups``).
+  estimators use (``relax.trainer.advantage.groups``).
 * Overlong filtering (DAPO section 3.4): a truncated sample (``finish_reason ==
   "length"``) keeps its row but its ``loss_mask`` becomes all 0.
 * Soft overlong punishment (DAPO Eq. 13): a reward penalty that grows linearly over
@@ -20,7 +20,7 @@ from collections.abc import Collection, Sequence
 
 import torch
 
-from relax.consumers.advantage.groups import ZERO_STD_ATOL, group_stats, zero_variance
+from relax.trainer.advantage.groups import ZERO_STD_ATOL, group_stats, zero_variance
 
 TRUNCATED_REASONS = frozenset({"length"})
 """finish_reason values that mean "cut off by the token limit"."""

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from relax.consumers.advantage.groups import ZERO_STD_ATOL, group_stats, zero_variance
+from relax.trainer.advantage.groups import ZERO_STD_ATOL, group_stats, zero_variance
 
 GRPO_EPS = 1e-4
 

@@ -1,4 +1,4 @@
-"""Advantage estimators and filters (consumers/advantage): public cases C01, C02, C03,
+"""Advantage estimators and filters (trainer/advantage): public cases C01, C02, C03,
 C05, C23, C24 (distillation positions), and properties over random groups."""
 
 import math
@@ -8,14 +8,14 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from relax.consumers.advantage import ADVANTAGE_ESTIMATORS, compute_advantages
-from relax.consumers.advantage.distill import distill_advantages
-from relax.consumers.advantage.filters import (keep_groups_with_variance, overlong_filter,
+from relax.trainer.advantage import ADVANTAGE_ESTIMATORS, compute_advantages
+from relax.trainer.advantage.distill import distill_advantages
+from relax.trainer.advantage.filters import (keep_groups_with_variance, overlong_filter,
                                                soft_overlong_penalty)
-from relax.consumers.advantage.grpo import dr_grpo_advantages, grpo_advantages
-from relax.consumers.advantage.reinforce_pp import (reinforce_pp_advantages,
+from relax.trainer.advantage.grpo import dr_grpo_advantages, grpo_advantages
+from relax.trainer.advantage.reinforce_pp import (reinforce_pp_advantages,
                                                     reinforce_pp_baseline_advantages)
-from relax.consumers.advantage.rloo import rloo_advantages
+from relax.trainer.advantage.rloo import rloo_advantages
 from relax.trainer.masks import completion_mask
 
 GROUP_ESTIMATORS = ["grpo", "dr_grpo", "rloo", "rloo_std", "reinforce_pp_baseline"]

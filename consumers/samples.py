@@ -38,8 +38,8 @@ import pyarrow.compute as pc
 import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from relax.consumers.advantage import ADVANTAGE_ESTIMATORS, compute_advantages
-from relax.consumers.advantage.filters import (TRUNCATED_REASONS, keep_groups_with_variance,
+from relax.trainer.advantage import ADVANTAGE_ESTIMATORS, compute_advantages
+from relax.trainer.advantage.filters import (TRUNCATED_REASONS, keep_groups_with_variance,
                                                soft_overlong_penalty)
 from relax.schemas.v1 import TRAIN_SAMPLES
 from relax.trainer.losses import KL_ESTIMATORS
