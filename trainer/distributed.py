@@ -16,6 +16,8 @@ for single-host runs and tests.
 from __future__ import annotations
 
 import socket
+import time
+from collections.abc import Callable
 from datetime import timedelta
 
 import torch
@@ -37,7 +39,8 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 def init_data_parallel(rank: int, world_size: int, master_addr: str = "127.0.0.1",
                        master_port: int = 29500, *, backend: str | None = None,
-                       local_rank: int | None = None, timeout_s: float = 600.0) -> str:
+                       local_rank: int | None = None, timeout_s: float = 600.0,
+                       check: Callable[[], None] | None = None) -> str:
     """Join the default process group as ``rank`` of ``world_size`` trainer ranks.
 
     Blocks until all ``world_size`` ranks have joined (or ``timeout_s``). On ``nccl``
@@ -51,6 +54,9 @@ def init_data_parallel(rank: int, world_size: int, master_addr: str = "127.0.0.1
         backend: ``"gloo"`` or ``"nccl"`` (default: :func:`default_backend`).
         local_rank: GPU index on this host (nccl only).
         timeout_s: rendezvous and collective timeout (seconds).
+        check: called about every 0.1 s while this rank waits for the others to check
+            in on the rendezvous store (rank 0 passes one that raises when a child rank
+            has exited: a rank that never comes is seen at once, not at the timeout).
 
     Returns:
         the torch device string for the back end: ``"cuda:<local_rank>"`` or ``"cpu"``.
@@ -58,6 +64,8 @@ def init_data_parallel(rank: int, world_size: int, master_addr: str = "127.0.0.1
     Raises:
         ValueError: a bad rank / world size, or nccl without CUDA.
         RuntimeError: a process group is already initialised in this process.
+        TimeoutError: with ``check``, not every rank checked in within ``timeout_s``.
+        whatever ``check`` raises.
     """
     if world_size < 1 or not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} of world_size {world_size}: need 0 <= rank < world_size")
@@ -72,9 +80,21 @@ def init_data_parallel(rank: int, world_size: int, master_addr: str = "127.0.0.1
         local = rank % torch.cuda.device_count() if local_rank is None else local_rank
         torch.cuda.set_device(local)
         device = f"cuda:{local}"
-    dist.init_process_group(backend, init_method=f"tcp://{master_addr}:{master_port}",
-                            rank=rank, world_size=world_size,
-                            timeout=timedelta(seconds=timeout_s))
+    timeout = timedelta(seconds=timeout_s)
+    store = dist.TCPStore(master_addr, master_port, world_size, is_master=rank == 0,
+                          timeout=timeout, wait_for_workers=False)
+    store.set(f"relax/joined/{rank}", "1")
+    if check is not None:
+        keys = [f"relax/joined/{r}" for r in range(world_size)]
+        deadline = time.monotonic() + timeout_s
+        while not store.check(keys):
+            check()
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"data-parallel rendezvous: not all {world_size} ranks "
+                                   f"joined within {timeout_s}s")
+            time.sleep(0.1)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
+                            timeout=timeout)
     return device
 
 

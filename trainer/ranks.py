@@ -10,7 +10,9 @@ node) and, every step, deals the global batch's groups out to the ranks
 all-reduces the gradients, so every rank ends the step with the same weights
 (:class:`relax.trainer.backends.torch_backend.TorchBackend`).
 
-Faults: a rank that dies breaks the process group, so the collective of every other
+Faults: a child that exits before the process group forms fails rank 0 at once (rank 0
+waits for the children on the rendezvous store while watching them). A rank that dies
+later breaks the process group, so the collective of every other
 rank raises (gloo: connection closed) and the stage fails; the controller restarts
 the trainer stage, which starts new ranks from its newest checkpoint (rank 0 restores
 it and :meth:`TorchBackend.broadcast_state` hands it to the others). A rank whose
@@ -48,8 +50,9 @@ class Ranks:
 
     Raises:
         ValueError: ``world_size < 2``.
-        RuntimeError (torch.distributed): the process group did not form within the
-            rendezvous timeout (a child that exited first is logged with its log file).
+        RuntimeError: a child rank exited before the process group formed (names it and
+            its log file; the other children are killed).
+        TimeoutError: the process group did not form within the rendezvous timeout.
     """
 
     def __init__(self, world_size: int, trainer: TrainerConfig, log_dir: Path,
@@ -68,23 +71,30 @@ class Ranks:
                 cmd += ["--threads", str(torch_threads)]
             with open(log_dir / f"trainer-rank{r}.log", "ab") as out:
                 self.procs.append(subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT))
-        self._watch = threading.Thread(target=self._log_early_exit, daemon=True)
-        self._watch.start()
-        init_data_parallel(0, world_size, master_port=port)
+        self.log_dir = log_dir
+        try:
+            init_data_parallel(0, world_size, master_port=port, check=self._children_alive)
+        except BaseException:
+            self._kill_children()
+            raise
         self._healthy = True
         log.info("data-parallel trainer: %d ranks (children %s)", world_size,
                  [p.pid for p in self.procs])
 
-    def _log_early_exit(self) -> None:
-        """Until the group forms, a child that exits makes rank 0's rendezvous wait in
-        vain until its timeout: log which child and where its log is."""
-        while not dist.is_initialized():
-            for r, p in enumerate(self.procs, 1):
-                if p.poll() is not None:
-                    log.error("trainer rank %d exited with %s before the process group formed; "
-                              "see trainer-rank%d.log", r, p.returncode, r)
-                    return
-            time.sleep(0.5)
+    def _children_alive(self) -> None:
+        """Raise when a child rank exited before the process group formed (rank 0 would
+        otherwise wait for it until the rendezvous timeout)."""
+        for r, p in enumerate(self.procs, 1):
+            if p.poll() is not None:
+                raise RuntimeError(f"trainer rank {r} exited with {p.returncode} before the "
+                                   f"process group formed; see "
+                                   f"{self.log_dir / f'trainer-rank{r}.log'}")
+
+    def _kill_children(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait()
 
     def scatter(self, shares: list, counts: tuple[int, int]) -> tuple[list, tuple[int, int]]:
         """Hand ``shares[r]`` (a list of group tables) to rank r; rank 0 keeps

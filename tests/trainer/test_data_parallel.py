@@ -214,3 +214,20 @@ if __name__ == "__main__":
     else:
         _worker(a.rank, a.world, a.port, a.out)
     print(json.dumps({"rank": a.rank, "ok": True}))
+
+
+def test_a_child_rank_that_exits_before_the_group_forms_fails_rank_0_at_once(tmp_path):
+    """The child's settings do not validate, so it exits before it joins: rank 0 raises
+    naming the rank and its log, instead of waiting out the 600 s rendezvous timeout."""
+    from relax.trainer.config import TrainerConfig
+    from relax.trainer.ranks import Ranks
+
+    bad = TrainerConfig().model_copy(update={"steps": 0})  # not validated here
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"trainer rank 1 exited with 1 .*trainer-rank1\.log"):
+        Ranks(2, bad, tmp_path)
+    assert time.monotonic() - t0 < 120  # the child exits in seconds; the timeout is 600 s
+    assert "steps" in (tmp_path / "trainer-rank1.log").read_text()  # the child said why
+    import torch.distributed as dist
+
+    assert not dist.is_initialized()
