@@ -34,12 +34,23 @@ STALENESS_HIST_PREFIX = "staleness_hist."  # + str(k): samples with staleness k 
 GEN_TOKENS_PER_S = "gen_tokens_per_s"
 GROUPS_IN_FLIGHT = "groups_in_flight"
 BUDGET_WAIT_S = "budget_wait_s"        # time the rollout stage waited for the staleness budget
+WEIGHT_WAIT_S = "weight_wait_s"        # cumulative seconds it waited for announced weights
 GROUPS_SAMPLED = "groups_sampled"
 
 # reward (component "reward.<name>")
 REWARD_ERRORS = "reward_errors"
 REWARD_TIMEOUTS = "reward_timeouts"
 REWARD_ROWS_PER_S = "reward_rows_per_s"
+# counts per poll; reward_timeouts / _exceptions / _memory_errors count failed calls (a
+# failed batch call and the one-row retries after it count separately); reward_errors
+# counts rows
+REWARD_ROWS = "reward_rows"
+REWARD_ABSTAINS = "reward_abstains"
+REWARD_EXCEPTIONS = "reward_exceptions"
+REWARD_MEMORY_ERRORS = "reward_memory_errors"
+REWARD_WORKER_RESTARTS = "reward_worker_restarts"
+REWARD_VALUE_MEAN = "reward_value_mean"            # mean of the non-null values of the poll
+REWARD_SCORE_S = "reward_score_s"                  # seconds scoring the poll
 
 # aggregator (component "aggregate-<i>"), on every delivery and at least every HEARTBEAT_S
 GROUPS_EMITTED = "groups_emitted"
@@ -54,7 +65,8 @@ def staleness_hist_name(k: int) -> str:
     """Metric name holding the count of samples with staleness ``k``."""
     return f"{STALENESS_HIST_PREFIX}{k}"
 
-# trainer progress, read by the rollout stage to size its credit (see consumers/rollout/progress.py):
+# trainer progress (a copy for people; the rollout stage's credit reads <run>.progress,
+# streams/progress.py):
 # groups the trainer has decided (trained in a finished step, or dropped), and groups it still
 # needs to finish the run. started - consumed <= min(budget, needed) keeps the rollout stage
 # from sampling groups that the run will never train.

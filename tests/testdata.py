@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
+from relax.schemas.metric_names import STALENESS_HIST_PREFIX
+
 
 def rollout_rows(n: int, group_size: int = 4, tokens: int = 16, prompt_tokens: int = 8,
                  policy_version: int = 0) -> list[dict]:
@@ -279,3 +284,26 @@ def misbehaving_reward(responses, labels, metadata, **options):
             bytearray(10 << 30)
         out.append(float("nan") if label == "nan" else float(len(response) % 2 == 0))
     return out
+
+
+# --- README.md's metrics table --------------------------------------------------------
+
+README = Path(__file__).resolve().parent.parent / "README.md"
+
+
+def readme_metric_names() -> set[str]:
+    """The backquoted names in the first column of README.md's "## Metrics" table
+    (``staleness_hist.<k>`` stays a pattern)."""
+    text = README.read_text().split("## Metrics", 1)[1].split("\n## ", 1)[0]
+    names: set[str] = set()
+    for line in text.splitlines():
+        if line.startswith("| `"):
+            names.update(re.findall(r"`([^`]+)`", line.split("|")[1]))
+    return names
+
+
+def documented(name: str, names: set[str]) -> bool:
+    """Whether metric ``name`` is in the table (a staleness histogram bin by its pattern)."""
+    if name.startswith(STALENESS_HIST_PREFIX):
+        return f"{STALENESS_HIST_PREFIX}<k>" in names
+    return name in names

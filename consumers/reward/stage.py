@@ -35,23 +35,15 @@ from relax.consumers.reward.pool import DEFAULT_MEMORY_LIMIT_BYTES, RewardPool, 
 from relax.schemas import metric_names, topics
 from relax.schemas.v1 import REWARDS
 from relax.streams.client import BusConfig, ensure_topics, topic_partitions
+from relax.schemas.metric_names import (REWARD_ABSTAINS, REWARD_EXCEPTIONS,
+                                        REWARD_MEMORY_ERRORS, REWARD_ROWS, REWARD_SCORE_S,
+                                        REWARD_VALUE_MEAN, REWARD_WORKER_RESTARTS)
 from relax.streams.consumer import BatchConsumer
 from relax.streams.metrics import MetricsWriter
 from relax.streams.producer import BatchProducer
 from relax.streams.stage import StageStats, process_once, run_loop
 
 log = logging.getLogger(__name__)
-
-# metrics of component reward.<name> beyond relax.schemas.metric_names (counts per poll;
-# reward_timeouts / _exceptions / _memory_errors count failed calls: a failed batch call
-# and the one-row retries after it count separately; reward_errors counts rows)
-REWARD_ROWS = "reward_rows"
-REWARD_ABSTAINS = "reward_abstains"
-REWARD_EXCEPTIONS = "reward_exceptions"
-REWARD_MEMORY_ERRORS = "reward_memory_errors"
-REWARD_WORKER_RESTARTS = "reward_worker_restarts"
-REWARD_VALUE_MEAN = "reward_value_mean"            # mean of the non-null values of the poll
-REWARD_SCORE_S = "reward_score_s"                  # seconds scoring the poll
 
 
 class RewardStageConfig(BaseModel):

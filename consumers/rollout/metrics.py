@@ -7,8 +7,7 @@ from dataclasses import dataclass
 
 from relax.schemas import metric_names as M
 
-WEIGHT_WAIT_S = "weight_wait_s"
-"""Metric: seconds the stage waited for announced weights to arrive (cumulative)."""
+WEIGHT_WAIT_S = M.WEIGHT_WAIT_S
 
 
 @dataclass

@@ -37,6 +37,12 @@ def test_tiny_async_run_accounts_for_every_rollout(tiny_run, broker):
     assert [ln.split()[1] for ln in s["lines"] if ln.startswith("step")] == ["1/3", "2/3", "3/3"]
     assert (Path(s["run_dir"]) / "curves.png").stat().st_size > 1000
     assert (Path(s["run_dir"]) / "final_model" / "model.safetensors").exists()
+    from testdata import documented, readme_metric_names
+
+    written = set(read_table(BusConfig(bootstrap_servers=broker),
+                             f"{recipe.run}.metrics").column("name").to_pylist())
+    names = readme_metric_names()
+    assert not sorted(n for n in written if not documented(n, names)), "README metrics table"
 
 
 def test_cli_last_line_and_reinforce_pp_over_the_global_batch(tmp_path, broker):
