@@ -152,12 +152,13 @@ def read_partition(cfg: BusConfig, topic: str, partition: int, start: int = 0,
 
 def decoded_rows(m, name: str, log_to: logging.Logger | None = None) -> list[dict]:
     """The rows of message ``m`` (schema ``name``), or [] when it does not decode (see
-    :func:`decoded`); logged with its ``topic[partition]@offset`` when ``log_to`` is given."""
-    table = decoded(m, name)
+    :func:`decode_or_reason`); logged with its ``topic[partition]@offset`` and the reason
+    when ``log_to`` is given."""
+    table, why = decode_or_reason(m, name)
     if table is None:
         if log_to is not None:
-            log_to.warning("skipping %s[%d]@%d: not a %r batch", m.topic, m.partition,
-                           m.offset, name)
+            log_to.warning("skipping %s[%d]@%d: %s; expected a %r batch", m.topic, m.partition,
+                           m.offset, why, name)
         return []
     return table.to_pylist()
 
@@ -236,17 +237,26 @@ def read_reward_errors(cfg: BusConfig, topic: str, n: int | None = None) -> tupl
 
 
 def decoded(m, name: str) -> pa.Table | None:
-    """Message ``m`` as a table of schema ``name``, or None if it does not decode (null or
-    empty value, a ``relax-schema`` header naming another schema, not Arrow, another
-    schema): a message the stages route to ``<topic>.errors`` is no row here either."""
+    """Message ``m`` as a table of schema ``name``, or None if it does not decode (see
+    :func:`decode_or_reason`): a message the stages route to ``<topic>.errors`` is no
+    row here either."""
+    return decode_or_reason(m, name)[0]
+
+
+def decode_or_reason(m, name: str) -> tuple[pa.Table | None, str | None]:
+    """``(table, None)`` for a message that decodes as schema ``name``, else ``(None,
+    why)``: a null value (a tombstone), an empty value, a ``relax-schema`` header naming
+    another schema, not Arrow, another schema, corrupt buffers."""
+    if m.value is None:
+        return None, "null value (a tombstone)"
     if not m.value:
-        return None
+        return None, "empty value"
     header = dict(m.headers or []).get("relax-schema")
     if header and header != name.encode():
-        return None
+        return None, f"relax-schema header {header!r} is not {name!r}"
     try:
         table = decode(m.value, name)
         table.validate(full=True)  # corrupt buffers would crash to_pylist, not raise
-        return table
-    except (DecodeError, ValueError, KeyError, pa.ArrowException):
-        return None
+        return table, None
+    except (DecodeError, ValueError, KeyError, pa.ArrowException) as e:
+        return None, f"{type(e).__name__}: {e}"

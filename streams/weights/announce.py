@@ -13,7 +13,7 @@ import logging
 from relax.schemas import topics as topic_names
 from relax.schemas.validate import validate
 from relax.streams.client import BusConfig, ensure_topics
-from relax.streams.read import TopicReader, decoded
+from relax.streams.read import TopicReader, decode_or_reason
 
 log = logging.getLogger(__name__)
 
@@ -62,15 +62,15 @@ class AnnouncementReader:
         """New announcement rows (dicts with the WEIGHTS fields), oldest first."""
         rows: list[dict] = []
         for m in self._reader.poll(timeout_s):
-            table = decoded(m, "weights")
-            try:
-                if table is None:
-                    raise ValueError("not a 'weights' batch (null, empty, another schema "
-                                     "or not Arrow)")
-                validate(table, "weights")
-            except ValueError as e:
+            table, why = decode_or_reason(m, "weights")
+            if table is not None:
+                try:
+                    validate(table, "weights")
+                except ValueError as e:
+                    table, why = None, str(e)
+            if table is None:
                 log.warning("skipping unusable announcement at %s[%d]@%d: %s; expected a "
-                            "'weights' batch", self.topic, m.partition, m.offset, e)
+                            "'weights' batch", self.topic, m.partition, m.offset, why)
                 continue
             rows.extend(table.to_pylist())
         for r in rows:
