@@ -29,6 +29,7 @@ Contract (at-least-once):
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 
 import pyarrow as pa
@@ -45,6 +46,13 @@ from relax.streams.producer import BatchProducer
 log = logging.getLogger(__name__)
 
 SCHEMA_HEADER = "relax-schema"
+
+COMMIT_RETRY_S = 60.0
+"""How long :meth:`BatchConsumer.commit` retries a retriable error (the broker or the
+group coordinator unreachable: a Kafka node restarting takes ~10 s here) before it
+raises. The trainer commits with its checkpoint; a commit that fails during an outage
+would otherwise restart the stage after a checkpoint whose step's metrics were not yet
+written."""
 
 _CHANGELOG_SCHEMAS = (topic_names.ROLLOUTS, topic_names.REWARDS, topic_names.REF_LOGPROBS)
 """Schemas of ``<run>.aggregate_changelog``: the aggregator's input rows (its ``emitted``
@@ -277,9 +285,14 @@ class BatchConsumer:
         whose finished prefix advanced.
 
         Returns:
-            ``{TopicPartition: committed next offset}`` (empty if nothing moved).
+            ``{TopicPartition: committed next offset}`` (empty if nothing moved, or the
+            group rebalanced).
+
+        Raises:
+            kafka.errors.KafkaError: a non-retriable error, or a retriable one (the
+                broker unreachable) that lasted past :data:`COMMIT_RETRY_S`.
         """
-        from kafka.errors import CommitFailedError
+        from kafka.errors import CommitFailedError, KafkaError
         from kafka.structs import OffsetAndMetadata
 
         if self._errors is not None:  # routed by whichever thread polled
@@ -289,11 +302,21 @@ class BatchConsumer:
         offsets = {tp: o for tp, o in offsets.items() if tp in assigned}
         if not offsets:
             return {}
-        try:
-            self._kc.commit({tp: OffsetAndMetadata(o, "", -1) for tp, o in offsets.items()})
-        except CommitFailedError as e:  # group rebalanced: the new owner re-reads them
-            log.warning("commit failed after a rebalance (records will be redelivered): %s", e)
-            return {}
+        deadline = time.monotonic() + COMMIT_RETRY_S
+        while True:
+            try:
+                self._kc.commit({tp: OffsetAndMetadata(o, "", -1) for tp, o in offsets.items()})
+                break
+            except CommitFailedError as e:  # group rebalanced: the new owner re-reads them
+                log.warning("commit failed after a rebalance (records will be redelivered): %s",
+                            e)
+                return {}
+            except KafkaError as e:  # a broker restarting: its log is durable, wait for it
+                if not e.retriable or time.monotonic() > deadline:
+                    raise
+                log.warning("commit failed (%s); retrying for up to %.0fs more", e,
+                            deadline - time.monotonic())
+                time.sleep(1.0)
         self._tracker.mark_committed(offsets)
         return offsets
 

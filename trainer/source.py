@@ -96,7 +96,10 @@ class SampleSource:
         self.consumer = BatchConsumer(bus, topics.group(run, "trainer"), [self.topic],
                                       stage="trainer", on_assign=self._seek)
         self._queue: deque[tuple[Delivery, pa.Table]] = deque()
-        self._open: dict[tuple[int, int], int] = {}  # (partition, offset) -> undecided groups
+        # (partition, offset, generation) -> undecided groups of that delivery; the
+        # generation keeps a message redelivered after a rebalance apart from its first copy
+        self._open: dict[tuple[int, int, int], int] = {}
+        self._sought: set[int] = set()  # partitions already placed at the checkpoint's offset
         self._dropped_rows: Counter = Counter()
         self._filtered: list[tuple[float, list]] = []
         self.groups_dropped = 0
@@ -112,10 +115,15 @@ class SampleSource:
         self._thread.start()
 
     def _seek(self, tps) -> None:
+        """The first assignment of a partition starts at the checkpoint's offset; a later
+        one (a rebalance, e.g. after a broker restart) at the group's committed offset,
+        which is never behind it (rows already decided come again and are skipped as
+        duplicates by the ledger)."""
         saved = self._offsets.get(self.topic, {})
         for tp in tps:
-            if str(tp.partition) in saved:
+            if str(tp.partition) in saved and tp.partition not in self._sought:
                 self.consumer.kafka.seek(tp, int(saved[str(tp.partition)]))
+            self._sought.add(tp.partition)
 
     # ------------------------------------------------------------ reading thread
     def _read_ahead(self) -> None:
@@ -139,7 +147,7 @@ class SampleSource:
             finished: list[Delivery] = []
             for d in deliveries:
                 parts = group_by_key(d.table, "group_id")
-                self._open[(d.partition, d.offset)] = len(parts)
+                self._open[(d.partition, d.offset, d.generation)] = len(parts)
                 for _, g in parts:
                     rest, decided = self._screen(g)
                     if rest is not None:
@@ -178,7 +186,7 @@ class SampleSource:
         return (g if len(keep) == g.num_rows else g.take(pa.array(keep))), decided
 
     def _decided(self, d: Delivery, finished: list[Delivery]) -> None:
-        key = (d.partition, d.offset)
+        key = (d.partition, d.offset, d.generation)
         self._open[key] -= 1
         if self._open[key] == 0:
             del self._open[key]
