@@ -42,6 +42,7 @@ from relax.trainer.advantage import ADVANTAGE_ESTIMATORS, compute_advantages
 from relax.trainer.advantage.filters import (TRUNCATED_REASONS, keep_groups_with_variance,
                                                soft_overlong_penalty)
 from relax.schemas.v1 import TRAIN_SAMPLES
+from relax.trainer.batching import list_column
 from relax.trainer.losses import KL_ESTIMATORS
 from relax.trainer.losses.config import KL_ESTIMATOR_NAMES
 
@@ -105,12 +106,6 @@ class AdvantageConfig(BaseModel):
 
 RewardCell = tuple[float | None, str | None]
 """One reward result: (value or None, error text or None)."""
-
-
-def _list_column(values: np.ndarray, lengths: np.ndarray, typ: pa.DataType) -> pa.Array:
-    offsets = np.zeros(len(lengths) + 1, dtype=np.int32)
-    np.cumsum(lengths, out=offsets[1:])
-    return pa.ListArray.from_arrays(pa.array(offsets), pa.array(values, typ))
 
 
 def kl_penalty(logprobs: list[np.ndarray], ref: list[np.ndarray], masks: list[np.ndarray],
@@ -219,10 +214,10 @@ def build_train_samples(rollouts: pa.Table, rewards: dict[str, dict[str, RewardC
                 flat_mask[starts[i]:starts[i + 1]] = 0
     cols = {name: rollouts.column(name) for name in TRAIN_SAMPLES.names if name in rollouts.schema.names}
     cols["group_size"] = pa.array(np.full(n, n, np.int32))
-    cols["loss_mask"] = _list_column(flat_mask, lengths, pa.int8())
+    cols["loss_mask"] = list_column(flat_mask, lengths, pa.int8())
     cols["ref_logprobs"] = pa.array(ref_col, pa.list_(pa.float32())) if ref_col is not None \
         else pa.array([None] * n, pa.list_(pa.float32()))
-    cols["advantages"] = _list_column(np.repeat(adv, lengths), lengths, pa.float32())
+    cols["advantages"] = list_column(np.repeat(adv, lengths), lengths, pa.float32())
     cols["reward"] = pa.array(reward.astype(np.float32))
     cols["reward_components"] = pa.array(components, TRAIN_SAMPLES.field("reward_components").type)
     cols["drop_reason"] = pa.array(drop, pa.string())

@@ -39,7 +39,6 @@ class TopicReader:
     def __init__(self, cfg: BusConfig, name: str = "read"):
         from kafka import KafkaConsumer
 
-        self.cfg = cfg
         self._kc = KafkaConsumer(**consumer_kwargs(cfg, None, f"relax-{name}-{uuid.uuid4().hex[:6]}"))
 
     def read_range(self, todo: dict[tuple[str, int], tuple[int, int]],

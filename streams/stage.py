@@ -143,11 +143,10 @@ def process_once(consumer: BatchConsumer, producer: BatchProducer, fn: StageFn |
 
 
 def _send(producer: BatchProducer, outputs: Iterable[tuple], stats: StageStats) -> None:
-    for out in outputs:
-        topic, batch, *rest = out
-        schema, partition = (list(rest) + [None, None])[:2]
-        stats.rows_out += batch.num_rows
-        producer.send(topic, batch, schema=schema, partition=partition)
+    for o in outputs:
+        out = Output(*o)
+        stats.rows_out += out.batch.num_rows
+        producer.send(out.topic, out.batch, schema=out.schema, partition=out.partition)
 
 
 def run_loop(turn: Callable[[], int], should_stop: Callable[[], bool], *,

@@ -103,6 +103,14 @@ def pack_groups(group_lengths: list[list[int]], max_tokens: int) -> list[list[in
     return out
 
 
+def list_column(values: np.ndarray, lengths: np.ndarray, typ: pa.DataType) -> pa.Array:
+    """A list column from flat ``values`` ``[sum(lengths)]`` and per-row ``lengths``
+    ``[N]`` (int): row i holds the next ``lengths[i]`` values, as Arrow type ``typ``."""
+    offsets = np.zeros(len(lengths) + 1, dtype=np.int32)
+    np.cumsum(lengths, out=offsets[1:])
+    return pa.ListArray.from_arrays(pa.array(offsets), pa.array(values, typ))
+
+
 def _lists(col: pa.ChunkedArray | pa.Array) -> tuple[np.ndarray, np.ndarray]:
     arr = col.combine_chunks() if isinstance(col, pa.ChunkedArray) else col
     offsets = arr.offsets.to_numpy()

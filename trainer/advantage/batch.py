@@ -19,6 +19,7 @@ import pyarrow.compute as pc
 import torch
 
 from relax.trainer.advantage import compute_advantages
+from relax.trainer.batching import list_column
 
 BATCH_ESTIMATORS = ("reinforce_pp", "reinforce_pp_baseline")
 """Estimators whose statistics span the global batch (computed by the trainer)."""
@@ -57,10 +58,8 @@ def with_batch_advantages(groups: list[pa.Table], estimator: str,
     out, start = [], 0
     for g in groups:
         lengths = pc.list_value_length(g.column("response_ids")).to_numpy(zero_copy_only=False)
-        values = np.repeat(adv[start:start + g.num_rows], lengths).astype(np.float32)
-        offsets = np.zeros(len(lengths) + 1, np.int32)
-        np.cumsum(lengths, out=offsets[1:])
-        col = pa.ListArray.from_arrays(pa.array(offsets), pa.array(values, pa.float32()))
+        col = list_column(np.repeat(adv[start:start + g.num_rows], lengths), lengths,
+                          pa.float32())
         i = g.schema.get_field_index("advantages")
         out.append(g.set_column(i, g.schema.field(i), col))
         start += g.num_rows
