@@ -12,6 +12,12 @@ A group is emitted when it holds ``group_size`` rollouts, each with every counte
 reward (and its reference log-probs when needed), or when ``group_timeout_s`` has
 passed since its first row: then the complete rollouts form an uneven group
 (public case C02) and the others are emitted with ``filtered_group_timeout``.
+The counted rewards are the recipe's, changed live by ``<run>.reward_changes``
+(:mod:`relax.consumers.reward.plan`): a group counts those of the plan at its group
+policy_version. The aggregator keeps the scores of every reward name it sees (not only
+the counted ones), so a reward attached live finds its earlier scores when its change
+is read; it reads new changes at the start of every turn, and a (re)started
+aggregator reads them all before its first turn.
 
 State and delivery contract (at-least-once, restart loses nothing):
 
@@ -40,6 +46,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 from pydantic import BaseModel, ConfigDict, Field
 
+from relax.consumers.reward.changes import ChangeFollower
+from relax.consumers.reward.plan import RewardPlan, group_policy_version
 from relax.consumers.samples import AdvantageConfig, RewardCell, build_train_samples
 from relax.schemas import metric_names as M
 from relax.schemas import topics
@@ -93,11 +101,14 @@ class JoinState:
     """The join of one partition: pure bookkeeping, no I/O.
 
     Args:
-        cfg: advantage configuration (which rewards count, whether ref is needed).
+        cfg: advantage configuration (the recipe's rewards, whether ref is needed).
+        plan: the counted rewards per group policy_version (shared by the partitions);
+            default: ``cfg.rewards`` at every version.
     """
 
-    def __init__(self, cfg: AdvantageConfig):
+    def __init__(self, cfg: AdvantageConfig, plan: RewardPlan | None = None):
         self.cfg = cfg
+        self.plan = plan or RewardPlan(cfg.rewards)
         self.groups: dict[str, GroupState] = {}
         self.emitted: set[str] = set()
         self.duplicates = 0
@@ -111,8 +122,6 @@ class JoinState:
             gid = table.column("group_id")[i].as_py()
             if gid in self.emitted:
                 self.duplicates += 1
-                continue
-            if schema == "rewards" and rows[i]["reward_name"] not in self.cfg.rewards:
                 continue
             if schema == "ref_logprobs" and not self.cfg.needs_ref:
                 continue
@@ -143,8 +152,15 @@ class JoinState:
             return None
         return table.take(pa.array(keep)) if len(keep) < table.num_rows else table
 
-    def _complete_ids(self, g: GroupState) -> list[str]:
-        names = self.cfg.rewards.keys()
+    def counted(self, g: GroupState) -> dict[str, float]:
+        """The rewards (name -> weight) that count for group ``g``: the plan at its group
+        policy_version (the recipe's while it has no rollout)."""
+        if not g.rollouts:
+            return self.cfg.rewards
+        return self.plan.at(group_policy_version(
+            [t.column("policy_version_start")[0].as_py() for t in g.rollouts.values()]))
+
+    def _complete_ids(self, g: GroupState, names) -> list[str]:
         return [rid for rid in g.rollouts
                 if all(n in g.rewards.get(rid, {}) for n in names)
                 and (not self.cfg.needs_ref or rid in g.ref)]
@@ -159,7 +175,8 @@ class JoinState:
         emitted. Returns ``[(group_id, train_samples table)]``."""
         out = []
         for gid, g in list(self.groups.items()):
-            done = self._complete_ids(g)
+            counted = self.counted(g)
+            done = self._complete_ids(g, counted)
             complete = g.group_size > 0 and len(done) == g.group_size == len(g.rollouts)
             if not complete and now_s - g.first_seen_s < timeout_s:
                 continue
@@ -168,8 +185,10 @@ class JoinState:
                 continue
             timed_out = set(g.rollouts) - set(done)
             table = pa.concat_tables(list(g.rollouts.values()))
+            cfg = self.cfg if counted == self.cfg.rewards else \
+                self.cfg.model_copy(update={"rewards": counted})
             samples = build_train_samples(table, g.rewards, g.ref if self.cfg.needs_ref else None,
-                                          self.cfg, timed_out=timed_out)
+                                          cfg, timed_out=timed_out)
             out.append((gid, samples))
             self.mark_emitted(gid)
         return out
@@ -198,6 +217,8 @@ class AggregateStage:
         self.producer = BatchProducer(bus, producer_id=instance)
         self.metrics = MetricsWriter(self.producer, run, instance)
         self.states: dict[int, JoinState] = {}
+        self.plan = RewardPlan(cfg.advantage.rewards)
+        self.changes = ChangeFollower(bus, run)
         self._to_recover: set[int] = set()
         self.emitted_groups = 0
         self.emitted_rows = 0
@@ -219,7 +240,7 @@ class AggregateStage:
     def _recover(self, partition: int) -> JoinState:
         """Rebuild a partition's join state from its changelog partition."""
         t0 = time.monotonic()
-        state = JoinState(self.cfg.advantage)
+        state = JoinState(self.cfg.advantage, self.plan)
         n = 0
         for m in read_partition(self.bus, self.changelog, partition):
             n += 1
@@ -237,8 +258,22 @@ class AggregateStage:
         """One turn (:func:`relax.streams.stage.process_once`): join each delivery
         (:meth:`_join`), emit the groups that are ready (:meth:`_emit`), flush, commit.
         Returns deliveries handled."""
+        self._read_changes()
         return process_once(self.consumer, self.producer, self._join, stage="aggregate",
                             after=self._emit, poll_timeout_s=self.cfg.poll_timeout_s)
+
+    def _read_changes(self) -> None:
+        """Apply newly announced reward changes to the plan; each applied one goes to the
+        metrics (``reward_weight.<name>``, 0 for a detach, at its from_policy_version)."""
+        for c in self.changes.poll():
+            refused = self.plan.apply(c)
+            if refused:
+                log.warning("reward change refused: %s", refused)
+                continue
+            log.info("reward change: %s %r weight %g from policy_version %d", c.action,
+                     c.reward_name, c.weight, c.from_policy_version)
+            self.metrics.add(M.REWARD_WEIGHT_PREFIX + c.reward_name, c.weight,
+                             policy_version=c.from_policy_version)
 
     def _join(self, d) -> list[Output]:
         """Add one delivery to its partition's join state; its accepted rows go to the
@@ -299,4 +334,5 @@ class AggregateStage:
     def close(self) -> None:
         """Close the consumer (no commit beyond what was flushed) and the producer."""
         self.consumer.close()
+        self.changes.close()
         self.producer.close()

@@ -52,6 +52,7 @@ def run_topics(recipe: Recipe) -> dict[str, int]:
     parts[topics.run_topic(recipe.run, topics.WEIGHTS)] = 1
     parts[topics.run_topic(recipe.run, topics.METRICS)] = 1
     parts[topics.run_topic(recipe.run, topics.PROGRESS)] = 1
+    parts[topics.run_topic(recipe.run, topics.REWARD_CHANGES)] = 1
     parts[topics.changelog_topic(recipe.run)] = p
     parts[topics.rollout_state_topic(recipe.run)] = 1
     for t in list(parts):

@@ -25,6 +25,9 @@ _TimeoutOpt = typer.Option(30.0, "--timeout-s", help="time limit of one scoring 
 _MemoryOpt = typer.Option(None, "--memory-limit-bytes",
                           help="address-space limit per worker (bytes); default 4 GiB, 0 = none")
 _BatchOpt = typer.Option(64, "--batch-rows", min=1, help="most rows per scoring call")
+_FromVersionOpt = typer.Option(None, "--from-policy-version", min=0,
+                               help="first group policy_version the change counts for; default "
+                                    "and least: the run's latest policy_version + 1")
 
 
 def parse_options(items: list[str] | None) -> dict:
@@ -68,9 +71,16 @@ def attach_cmd(reward: str = typer.Argument(..., help="reward name or module:fun
                batch_rows: int = _BatchOpt,
                exit_when_idle: Optional[float] = typer.Option(
                    None, "--exit-when-idle", help="stop after SECONDS without new rollouts"),
+               weight: Optional[float] = typer.Option(
+                   None, "--weight", help="count this reward in the final reward with this "
+                                          "weight, for groups sampled after now (announced on "
+                                          "<run>.reward_changes); without it the scores are "
+                                          "only recorded"),
+               from_version: Optional[int] = _FromVersionOpt,
                bootstrap: Optional[str] = _BootstrapOpt) -> None:
     """Start one more reward consumer on RUN: its values appear in <run>.rewards under its
-    name. Runs until Ctrl-C / SIGTERM (or --exit-when-idle)."""
+    name, and with --weight they count from the next policy_version on. Runs until
+    Ctrl-C / SIGTERM (or --exit-when-idle)."""
     import signal
 
     from relax.consumers.reward.pool import RewardLoadError
@@ -80,6 +90,9 @@ def attach_cmd(reward: str = typer.Argument(..., help="reward name or module:fun
 
     if start not in ("earliest", "latest"):
         raise typer.BadParameter(f"expected earliest or latest, got {start!r}", param_hint="--from")
+    if weight is not None and start != "earliest":
+        raise typer.BadParameter("--weight needs --from earliest (a counted reward must score "
+                                 "every rollout from its policy_version on)", param_hint="--from")
     try:
         cfg = RewardStageConfig(bus=bus_config(bootstrap), run=run, reward=reward, name=name,
                                 options=parse_options(option), workers=workers,
@@ -91,6 +104,9 @@ def attach_cmd(reward: str = typer.Argument(..., help="reward name or module:fun
         raise typer.BadParameter(str(e)) from None
     try:
         stage.ensure_topics()
+        if weight is not None:
+            first = _announce_attach(cfg.bus, run, stage.name, weight, from_version)
+            stage = RewardStage(cfg.model_copy(update={"from_policy_version": first}))
     except ValueError as e:
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(1) from None
@@ -111,6 +127,51 @@ def attach_cmd(reward: str = typer.Argument(..., help="reward name or module:fun
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     typer.echo(f"stopped: rows={s.rows_in} errors={s.errors} commits={s.commits}")
+
+
+def _announce_attach(bus, run: str, name: str, weight: float, from_version: Optional[int]) -> int:
+    """Announce ``name`` counted with ``weight`` (unless the run's latest change of it
+    already says so: a restarted attach), and say so. Returns the first policy_version
+    this consumer must score: the earliest attach of ``name`` (scoring more rows than
+    count costs time; skipping one that counts would stall its group)."""
+    from relax.consumers.reward.changes import ChangeFollower, announce
+
+    follower = ChangeFollower(bus, run)
+    try:
+        earlier = [c for c in follower.poll() if c.reward_name == name]
+    finally:
+        follower.close()
+    last = earlier[-1] if earlier else None
+    if last is None or last.action != "attach" or last.weight != weight or from_version is not None:
+        last = announce(bus, run, "attach", name, weight, from_version)
+        earlier.append(last)
+        typer.echo(f"announced: reward {name!r} counts with weight {weight:g} for groups "
+                   f"sampled with policy_version >= {last.from_policy_version}")
+    else:
+        typer.echo(f"reward {name!r} already counts with weight {weight:g} from policy_version "
+                   f"{last.from_policy_version}")
+    return min(c.from_policy_version for c in earlier if c.action == "attach")
+
+
+@reward_app.command("detach")
+def detach_cmd(name: str = typer.Argument(..., help="reward_name to stop counting"),
+               run: str = typer.Option(..., "--run", help="the live run"),
+               from_version: Optional[int] = _FromVersionOpt,
+               bootstrap: Optional[str] = _BootstrapOpt) -> None:
+    """Stop counting reward NAME in RUN's final reward for groups sampled after now
+    (announced on <run>.reward_changes; groups in flight keep it). Stop its consumer
+    (Ctrl-C on its `relax reward attach`) once the run no longer waits for it."""
+    from relax.consumers.reward.changes import announce
+    from relax.infra.cli import bus_config
+
+    try:
+        c = announce(bus_config(bootstrap), run, "detach", name, 0.0, from_version)
+    except ValueError as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(1) from None
+    typer.echo(f"announced: reward {name!r} no longer counts for groups sampled with "
+               f"policy_version >= {c.from_policy_version} (the aggregator refuses, and logs, "
+               "a detach of a reward not counted or of the last one)")
 
 
 class _DataError(ValueError):

@@ -56,6 +56,8 @@ REWARD_SCORE_S = "reward_score_s"                  # seconds scoring the poll
 GROUPS_EMITTED = "groups_emitted"
 PARTIAL_GROUPS = "partial_groups"        # groups waiting for rollouts / rewards / ref log-probs
 OLDEST_PARTIAL_S = "oldest_partial_s"    # age of the oldest of them (0 when none)
+REWARD_WEIGHT_PREFIX = "reward_weight."  # + reward name: weight from the row's policy_version
+# on, written when a live reward change (relax reward attach --weight / detach) is applied
 
 # evaluation (component "eval")
 EVAL_ACCURACY = "eval_accuracy"        # greedy held-out accuracy at policy_version

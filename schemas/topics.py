@@ -25,7 +25,14 @@ PROGRESS = "progress"
 groups_consumed / groups_needed and policy_version, the input of the rollout stage's
 credit. Its own topic, so the run's correctness does not ride on the metrics."""
 
-RUN_TOPICS = (ROLLOUTS, REWARDS, REF_LOGPROBS, TRAIN_SAMPLES, WEIGHTS, METRICS, PROGRESS)
+REWARD_CHANGES = "reward_changes"
+"""``<run>.reward_changes`` (one partition, ordered): the run's control stream for
+rewards. ``relax reward attach --weight`` / ``relax reward detach`` announce a change and
+the policy_version from which it counts; the aggregator applies them
+(:mod:`relax.consumers.reward.plan`)."""
+
+RUN_TOPICS = (ROLLOUTS, REWARDS, REF_LOGPROBS, TRAIN_SAMPLES, WEIGHTS, METRICS, PROGRESS,
+              REWARD_CHANGES)
 """Every per-run topic name (without the ``<run>.`` prefix)."""
 
 AGGREGATE_CHANGELOG = "aggregate_changelog"

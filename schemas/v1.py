@@ -211,6 +211,16 @@ PROGRESS = _schema("progress", [
        "((steps - policy_version) x batch_groups)", unit="groups"),
 ])
 
+REWARD_CHANGES = _schema("reward_changes", [
+    _f("ts", TS, "when it was announced", unit="ms since epoch, UTC"),
+    _f("action", pa.string(), "attach (count reward_name with weight) or detach (stop counting it)"),
+    _f("reward_name", pa.string(), "reward_name on <run>.rewards"),
+    _f("weight", pa.float64(), "its weight in the final reward (0 for detach)"),
+    _f("from_policy_version", pa.int64(),
+       "the change counts for a group whose rollouts were all sampled with policy_version >= "
+       "this (min policy_version_start); older groups are untouched"),
+])
+
 HEADER = pa.struct([pa.field("key", pa.string(), nullable=False), pa.field("value", pa.binary())])
 
 ERRORS = _schema("errors", [
@@ -235,6 +245,7 @@ SCHEMAS: dict[str, pa.Schema] = {
     "weights": WEIGHTS,
     "metrics": METRICS,
     "progress": PROGRESS,
+    "reward_changes": REWARD_CHANGES,
     "errors": ERRORS,
 }
 """Every v1 schema by name (the value of the ``relax-schema`` Kafka header)."""

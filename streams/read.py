@@ -88,6 +88,7 @@ class TopicReader:
 
         tps = [TopicPartition(topic, p) for p in range(partitions)]
         self._kc.assign(tps)
+        self._kc.resume(*tps)  # paused by an earlier read_range of the same partitions
         if from_beginning:
             self._kc.seek_to_beginning(*tps)
         else:

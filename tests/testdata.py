@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from relax.schemas.metric_names import STALENESS_HIST_PREFIX
+from relax.schemas.metric_names import REWARD_WEIGHT_PREFIX, STALENESS_HIST_PREFIX
 
 
 def rollout_rows(n: int, group_size: int = 4, tokens: int = 16, prompt_tokens: int = 8,
@@ -256,6 +256,13 @@ def parity_reward(responses, labels, metadata, **options):
     return [1.0 if len(r) % 2 == 0 else 0.0 for r in responses]
 
 
+def bonus_reward(responses, labels, metadata, **options):
+    """A test reward of 1.0 on every response (attached live by tests: a group that counts
+    it with weight w has every reward raised by exactly w). Loaded as
+    ``testdata:bonus_reward``."""
+    return [1.0 for _ in responses]
+
+
 PARITY_REWARD = 'rewards=[{name: parity, fn: "testdata:parity_reward"}]'
 """A recipe override that scores the tiny run with :func:`parity_reward` (tests put
 ``tests/`` on PYTHONPATH so the stage processes can import it)."""
@@ -293,7 +300,7 @@ README = Path(__file__).resolve().parent.parent / "README.md"
 
 def readme_metric_names() -> set[str]:
     """The backquoted names in the first column of README.md's "## Metrics" table
-    (``staleness_hist.<k>`` stays a pattern)."""
+    (``staleness_hist.<k>``, ``reward_weight.<name>`` stay patterns)."""
     text = README.read_text().split("## Metrics", 1)[1].split("\n## ", 1)[0]
     names: set[str] = set()
     for line in text.splitlines():
@@ -303,7 +310,10 @@ def readme_metric_names() -> set[str]:
 
 
 def documented(name: str, names: set[str]) -> bool:
-    """Whether metric ``name`` is in the table (a staleness histogram bin by its pattern)."""
+    """Whether metric ``name`` is in the table (a staleness histogram bin or a reward
+    weight by its pattern)."""
     if name.startswith(STALENESS_HIST_PREFIX):
         return f"{STALENESS_HIST_PREFIX}<k>" in names
+    if name.startswith(REWARD_WEIGHT_PREFIX):
+        return f"{REWARD_WEIGHT_PREFIX}<name>" in names
     return name in names

@@ -5,7 +5,9 @@ staleness admission), ``filtered`` (dropped by a filter upstream: zero variance,
 group timeout) or ``error`` (reward or rollout error) (docs/architecture.md, section 3).
 The ledger is saved with each checkpoint, so a restarted trainer neither trains a
 rollout twice nor forgets one; redelivered rows of a known rollout_id are
-duplicates and are skipped.
+duplicates and are skipped. It also keeps the rewards each rollout was scored with
+(the names of its ``reward_components``): where a reward was attached or detached
+live, the ledger shows from which rollouts on it counted.
 """
 
 from __future__ import annotations
@@ -19,7 +21,10 @@ import pyarrow.parquet as pq
 OUTCOMES = ("trained", "stale", "filtered", "error")
 
 _SCHEMA = pa.schema([("rollout_id", pa.string()), ("outcome", pa.string()),
-                     ("policy_version", pa.int64()), ("staleness", pa.int64())])
+                     ("policy_version", pa.int64()), ("staleness", pa.int64()),
+                     ("rewards", pa.string())])
+"""``rewards``: the counted reward names of the rollout, sorted, comma-separated (null
+when not known: a checkpoint of an older relax)."""
 
 
 def outcome_of(drop_reason: str | None) -> str:
@@ -29,11 +34,18 @@ def outcome_of(drop_reason: str | None) -> str:
     return "error" if drop_reason.startswith("error") else "filtered"
 
 
+def reward_names(samples: pa.Table) -> list[list[str]]:
+    """Per ``train_samples`` row, the names of its ``reward_components`` (the rewards it
+    was scored with)."""
+    return [[k for k, _ in (c or [])] for c in samples.column("reward_components").to_pylist()]
+
+
 class Ledger:
     """rollout_id -> (outcome, trainer policy_version at the decision, staleness)."""
 
     def __init__(self) -> None:
         self._rows: dict[str, tuple[str, int, int]] = {}
+        self._rewards: dict[str, str] = {}
 
     def __contains__(self, rollout_id: str) -> bool:
         return rollout_id in self._rows
@@ -41,8 +53,9 @@ class Ledger:
     def __len__(self) -> int:
         return len(self._rows)
 
-    def record(self, rollout_id: str, outcome: str, policy_version: int, staleness: int = -1) -> None:
-        """Record a rollout's fate.
+    def record(self, rollout_id: str, outcome: str, policy_version: int, staleness: int = -1,
+               rewards: list[str] | None = None) -> None:
+        """Record a rollout's fate (and the reward names it was scored with, when known).
 
         Raises:
             ValueError: unknown outcome, or the rollout already has one (a double decision
@@ -53,6 +66,13 @@ class Ledger:
         if rollout_id in self._rows:
             raise ValueError(f"rollout {rollout_id!r} already recorded as {self._rows[rollout_id][0]}")
         self._rows[rollout_id] = (outcome, policy_version, staleness)
+        if rewards is not None:
+            self._rewards[rollout_id] = ",".join(sorted(rewards))
+
+    def rewards(self, rollout_id: str) -> str | None:
+        """The counted reward names of a rollout, sorted and comma-separated (None when
+        not recorded)."""
+        return self._rewards.get(rollout_id)
 
     def counts(self) -> dict[str, int]:
         """``{outcome: count}`` for every outcome (0 when none)."""
@@ -71,14 +91,18 @@ class Ledger:
         """Write as Parquet."""
         ids = list(self._rows)
         cols = list(zip(*self._rows.values())) if ids else [[], [], []]
-        pq.write_table(pa.table([ids, list(cols[0]), list(cols[1]), list(cols[2])], schema=_SCHEMA),
-                       path)
+        pq.write_table(pa.table([ids, list(cols[0]), list(cols[1]), list(cols[2]),
+                                  [self._rewards.get(r) for r in ids]], schema=_SCHEMA), path)
 
     @classmethod
     def load(cls, path: Path) -> "Ledger":
         """Read a ledger written by :meth:`save`."""
         led = cls()
         t = pq.read_table(path)
-        for rid, o, v, s in zip(*(t.column(n).to_pylist() for n in _SCHEMA.names)):
+        rewards = t.column("rewards").to_pylist() if "rewards" in t.column_names \
+            else [None] * t.num_rows
+        for rid, o, v, s, r in zip(*(t.column(n).to_pylist() for n in _SCHEMA.names[:4]), rewards):
             led._rows[rid] = (o, v, s)
+            if r is not None:
+                led._rewards[rid] = r
         return led

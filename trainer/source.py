@@ -30,7 +30,7 @@ from relax.streams.client import BusConfig
 from relax.streams.codec import group_by_key
 from relax.streams.consumer import BatchConsumer, Delivery
 from relax.streams.stage import run_loop
-from relax.trainer.ledger import Ledger, outcome_of
+from relax.trainer.ledger import Ledger, outcome_of, reward_names
 
 
 @dataclass
@@ -167,6 +167,7 @@ class SampleSource:
         admitted (None if none) and how many rows were decided now."""
         keep, decided = [], 0
         rewards = g.column("reward").to_pylist()
+        names = reward_names(g)
         for i, (rid, reason) in enumerate(zip(g.column("rollout_id").to_pylist(),
                                               g.column("drop_reason").to_pylist())):
             if rid in self.ledger:
@@ -174,7 +175,7 @@ class SampleSource:
                 continue
             if reason is not None:
                 outcome = outcome_of(reason)
-                self.ledger.record(rid, outcome, self._version)
+                self.ledger.record(rid, outcome, self._version, rewards=names[i])
                 self._dropped_rows[outcome] += 1
                 if outcome == "filtered":
                     self._filtered.append((rewards[i], g.column("reward_components")[i].as_py()))
@@ -228,6 +229,7 @@ class SampleSource:
                     continue
                 d, g = self._queue.popleft()
                 keep, decided = [], 0
+                names = reward_names(g)
                 for i, row in enumerate(g.select(
                         ["rollout_id", "policy_version_start", "policy_version_end",
                          "token_policy_versions"]).to_pylist()):
@@ -238,13 +240,15 @@ class SampleSource:
                     decided += 1
                     start, end = row["policy_version_start"], row["policy_version_end"]
                     if end > policy_version:  # made by weights of a branch lost in a restart
-                        self.ledger.record(rid, "stale", policy_version, end - policy_version)
+                        self.ledger.record(rid, "stale", policy_version, end - policy_version,
+                                           rewards=names[i])
                         stale_rows += 1
                         continue
                     a = admit(policy_version, start, end, self.max_staleness,
                               row["token_policy_versions"])
                     if not a.admitted:
-                        self.ledger.record(rid, "stale", policy_version, a.staleness)
+                        self.ledger.record(rid, "stale", policy_version, a.staleness,
+                                           rewards=names[i])
                         stale_rows += 1
                         continue
                     keep.append(i)
@@ -276,8 +280,8 @@ class SampleSource:
         finished: list[Delivery] = []
         with self._lock:
             for g, d in zip(batch.groups, batch.deliveries):
-                for rid in g.column("rollout_id").to_pylist():
-                    self.ledger.record(rid, "trained", policy_version)
+                for rid, names in zip(g.column("rollout_id").to_pylist(), reward_names(g)):
+                    self.ledger.record(rid, "trained", policy_version, rewards=names)
                 self.groups_trained += 1
                 self._decided(d, finished)
             self.consumer.done(finished)

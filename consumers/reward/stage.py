@@ -28,6 +28,7 @@ import time
 from collections.abc import Callable
 
 import pyarrow as pa
+import pyarrow.compute as pc
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from relax.consumers.reward import default_reward_name, load_reward_fn
@@ -65,6 +66,9 @@ class RewardStageConfig(BaseModel):
         max_records: most messages per poll (bounds the work between commits).
         exit_when_idle_s: stop after this many seconds without new rollouts once the
             consumer has partitions (scripts, tests); None = run until stopped.
+        from_policy_version: score only rollouts with ``policy_version_start`` >= this
+            (a reward attached live from that version: older groups never count it, so
+            their rollouts are read, committed and not scored); 0 = all.
         startup_timeout_s: time a worker may take to load the function (seconds).
     """
 
@@ -83,6 +87,7 @@ class RewardStageConfig(BaseModel):
     poll_timeout_s: float = Field(1.0, gt=0)
     max_records: int = Field(64, ge=1)
     exit_when_idle_s: float | None = Field(None, gt=0)
+    from_policy_version: int = Field(0, ge=0)
     startup_timeout_s: float = Field(300.0, gt=0)
 
     @field_validator("run")
@@ -239,6 +244,11 @@ class RewardStage:
         t0 = time.perf_counter()
         pool_before = dict(vars(self.pool.stats))
         table = pa.concat_tables([d.table for d in deliveries])
+        if self.cfg.from_policy_version:
+            table = table.filter(pc.greater_equal(table.column("policy_version_start"),
+                                                  self.cfg.from_policy_version))
+            if not table.num_rows:
+                return []
         results = score_table(self.pool, table)
         busy = time.perf_counter() - t0
         errors = sum(1 for r in results if r.error is not None)
