@@ -47,6 +47,7 @@ from relax.infra.sections import (
     TrainerSection,
 )
 from relax.trainer.config import TrainerConfig
+from relax.trainer.telemetry import TelemetryConfig
 
 STAGES = ("rollout", "reward", "reference", "aggregate", "trainer")
 """Stage names of a run (each one or more processes)."""
@@ -134,6 +135,9 @@ class Recipe(StrictModel):
         kl: the KL penalty (:class:`KLSection`).
         ray_address: Ray cluster address; None = a local Ray on 127.0.0.1.
         api: the control API served while the run trains (:class:`ApiSection`).
+        telemetry: the trainer's step metrics to TensorBoard, Prometheus and W&B
+            (:class:`~relax.trainer.telemetry.TelemetryConfig`; W&B offline into
+            ``<run>/wandb`` unless the user has a W&B key).
         max_restarts: restarts allowed per stage process before the run fails.
         stall_timeout_s: a stage alive but stuck this long (seconds; its loop inside one
             call, or input waiting and nothing committed) is restarted, counting against
@@ -164,6 +168,7 @@ class Recipe(StrictModel):
     resources: dict[str, Resources] = Field(default_factory=dict)
     ray_address: str | None = None
     api: ApiSection = Field(default_factory=ApiSection)
+    telemetry: TelemetryConfig = Field(default_factory=TelemetryConfig)
     max_restarts: int = Field(3, ge=0)
     stall_timeout_s: float = Field(300.0, gt=0)
     step_timeout_s: float | None = Field(1800.0, gt=0)

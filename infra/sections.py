@@ -49,7 +49,7 @@ REWARD_WIRING = frozenset({"bus", "run", "reward", "name"})
 REFERENCE_WIRING = frozenset({"bus", "run", "model"})
 AGGREGATE_WIRING = frozenset({"run", "partitions", "advantage"})
 TRAINER_WIRING = frozenset({"run", "run_dir", "trainer", "busy_dir", "max_threads",
-                            "processes"})
+                            "processes", "telemetry"})
 BUS_WIRING = frozenset({"bootstrap_servers", "max_message_bytes", "blob_store"})
 """Per stage, the fields of its config the launcher fills (from the recipe's top level,
 ``data``, ``advantage``, ``resources`` and the process's place in the run); every other
@@ -82,7 +82,8 @@ AggregateSection = section_of(
 TrainerSection = section_of(
     TrainerStageConfig, "TrainerSection", TRAINER_WIRING,
     "The trainer: ``TrainerConfig`` plus the trainer stage's own options "
-    "(``TrainerStageConfig``: weight rendezvous address, Prometheus port).",
+    "(``TrainerStageConfig``: weight rendezvous address; telemetry is the recipe's "
+    "``telemetry`` block).",
     TrainerConfig)
 BusSection = section_of(
     BusConfig, "BusSection", BUS_WIRING,

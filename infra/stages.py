@@ -98,7 +98,8 @@ def stage_specs(recipe: Recipe, bus: BusConfig, run_dir: Path) -> list[StageSpec
         stage["weights_host"] = "127.0.0.1"  # one host: loopback (else the Ray node's address)
     config = _checked("stage trainer (trainer)", TrainerStageConfig, dict(
         stage, run=run, run_dir=str(run_dir), trainer=trainer, busy_dir=busy_dir,
-        max_threads=max_threads, processes=recipe.resources_of("trainer").processes))
+        max_threads=max_threads, processes=recipe.resources_of("trainer").processes,
+        telemetry=recipe.telemetry.model_dump()))
     specs.append(StageSpec("trainer", "trainer", config, recipe.resources_of("trainer")))
     return specs
 

@@ -120,7 +120,7 @@ def tiny_run(broker, tmp_path_factory):
 
     root = tmp_path_factory.mktemp("runs")
     recipe = tiny_recipe(broker, root, "tiny" + uuid.uuid4().hex[:6],
-                         "trainer.keep_checkpoints=10")
+                         "trainer.keep_checkpoints=10", "telemetry.wandb=offline")
     lines: list[str] = []
     summary = train(recipe, say=lines.append, timeout_s=400)
     summary["lines"] = lines

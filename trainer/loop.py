@@ -39,6 +39,7 @@ from relax.trainer.batching import informative_rows, loss_counts, micro_batches,
 from relax.trainer.config import TrainerConfig
 from relax.trainer.ledger import Ledger
 from relax.trainer.source import Batch, SampleSource
+from relax.trainer.telemetry import Telemetry, TelemetryConfig
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +55,8 @@ class TrainerStageConfig(BaseModel):
             every version); None = this node's address as Ray knows it
             (:func:`node_address`; 127.0.0.1 outside Ray and in single-host runs).
         weights_port: rendezvous port (0 = free).
-        prometheus_port: serve Prometheus metrics on this port (None = off, 0 = free).
+        telemetry: TensorBoard, Prometheus and W&B (recipe block ``telemetry:``,
+            :class:`~relax.trainer.telemetry.TelemetryConfig`).
         busy_dir / max_threads: take up to ``max_threads`` torch threads while no rollout
             engine flags ``busy_dir`` (co-located stages, ``relax.trainer.cores``); None = off.
         processes: data-parallel ranks on this host (``relax.trainer.ranks``); this
@@ -67,7 +69,7 @@ class TrainerStageConfig(BaseModel):
     trainer: TrainerConfig
     weights_host: str | None = None
     weights_port: int = 0
-    prometheus_port: int | None = None
+    telemetry: TelemetryConfig = Field(default_factory=TelemetryConfig)
     busy_dir: str | None = None
     max_threads: int | None = None
     processes: int = Field(1, ge=1)
@@ -126,7 +128,6 @@ class TrainerStage:
         import torch
 
         from relax.streams.weights import WeightPublisher
-        from relax.trainer.telemetry import Telemetry
 
         t = cfg.trainer
         if t.num_threads:
@@ -167,8 +168,10 @@ class TrainerStage:
         self.source = SampleSource(bus, cfg.run, self.ledger, batch_groups=t.batch_groups,
                                    max_staleness=t.max_staleness, offsets=state.offsets,
                                    on_drop=self._progress, start_version=self.version)
-        self.telemetry = Telemetry(self.run_dir / "tensorboard",
-                                   prometheus_port=cfg.prometheus_port)
+        self.telemetry = Telemetry(self.run_dir, cfg.run, cfg.telemetry)
+        if self.telemetry.prometheus_port is not None:
+            log.info("Prometheus metrics on http://127.0.0.1:%d/metrics",
+                     self.telemetry.prometheus_port)
         loss = t.loss
         # rows with zero advantage add exactly 0 to a pure policy-gradient loss: skip their
         # forward/backward (the loss keeps the whole batch's normalisation)

@@ -1,15 +1,21 @@
-"""Step metrics to TensorBoard and Prometheus, for the trainer.
+"""Step metrics to TensorBoard, Prometheus and Weights & Biases, for the trainer.
 
 The bus (``<run>.metrics``) is the record of a run; this helper also exposes the
-trainer's step metrics to the two tools people already watch:
+trainer's step metrics to the tools people already watch (recipe block ``telemetry:``,
+:class:`TelemetryConfig`):
 
-* TensorBoard event files under ``run_dir`` (``torch.utils.tensorboard.SummaryWriter``;
-  one scalar per metric name, x = step);
+* TensorBoard event files under ``<run_dir>/tensorboard``
+  (``torch.utils.tensorboard.SummaryWriter``; one scalar per metric name, x = step);
 * a Prometheus scrape endpoint (``prometheus_client``) on 127.0.0.1:``prometheus_port``
   when a port is given: one gauge per metric, named ``relax_<name>`` with every
   character outside ``[a-zA-Z0-9_]`` replaced by ``_`` (``staleness_hist.2`` ->
   ``relax_staleness_hist_2``), plus ``relax_step``. The registry is private to the
-  instance, so several may live in one process.
+  instance, so several may live in one process;
+* a W&B run (``wandb``) with the relax run's name as its id (a restarted trainer resumes
+  it), one history row per step (``step`` = policy_version). Mode ``auto`` (the default)
+  is ``online`` when the user has a W&B key (``WANDB_API_KEY`` or an ``api.wandb.ai``
+  entry in ``~/.netrc``) and ``offline`` otherwise: the run is written under
+  ``<run_dir>/wandb/`` and ``wandb sync <run_dir>/wandb/offline-run-*`` uploads it later.
 
 Values that are not finite numbers (None, NaN, inf, text) are skipped.
 """
@@ -17,9 +23,13 @@ Values that are not finite numbers (None, NaN, inf, text) are skipped.
 from __future__ import annotations
 
 import math
+import netrc
+import os
 import re
 from pathlib import Path
-from typing import Self
+from typing import Literal, Self
+
+from pydantic import BaseModel, ConfigDict, Field
 
 _BAD = re.compile(r"[^a-zA-Z0-9_]")
 
@@ -29,34 +39,99 @@ def prometheus_name(name: str, prefix: str = "relax_") -> str:
     return prefix + _BAD.sub("_", name)
 
 
-class Telemetry:
-    """TensorBoard writer + optional Prometheus endpoint for step metrics.
+WandbMode = Literal["auto", "offline", "online", "off"]
 
-    Args:
-        run_dir: folder for the TensorBoard event files (created if needed).
-        prometheus_port: serve ``/metrics`` on 127.0.0.1 at this port (0 = a free
-            port, see :attr:`prometheus_port`); None = no endpoint.
 
-    Raises:
-        OSError: the port is in use.
+def wandb_id(run: str) -> str:
+    """A W&B run id for a relax run name (W&B ids may not hold ``/ \\ # ? % :``)."""
+    return re.sub(r"[/\\#?%:]", "-", run)
+
+
+class TelemetryConfig(BaseModel):
+    """Where the trainer's step metrics go besides the bus (recipe block ``telemetry:``).
+
+    Attributes:
+        tensorboard: write TensorBoard event files under ``<run_dir>/tensorboard``.
+        prometheus_port: serve ``/metrics`` on 127.0.0.1 at this port (0 = a free one,
+            logged); None = no endpoint.
+        wandb: ``auto`` (online with a W&B key, else offline), ``offline`` (into
+            ``<run_dir>/wandb``), ``online`` or ``off``.
+        wandb_project / wandb_entity: the W&B project and entity (team or user; None =
+            the key's default).
     """
 
-    def __init__(self, run_dir: str | Path, prometheus_port: int | None = None):
-        from torch.utils.tensorboard import SummaryWriter
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    tensorboard: bool = True
+    prometheus_port: int | None = Field(None, ge=0, le=65535)
+    wandb: WandbMode = "auto"
+    wandb_project: str = "relax"
+    wandb_entity: str | None = None
 
+
+def has_wandb_key(environ: dict[str, str] | None = None, netrc_path: str | None = None) -> bool:
+    """Whether a W&B key is configured: ``WANDB_API_KEY`` set, or an ``api.wandb.ai``
+    machine in the netrc file (``NETRC`` or ``~/.netrc``)."""
+    env = os.environ if environ is None else environ
+    if env.get("WANDB_API_KEY"):
+        return True
+    path = Path(netrc_path or env.get("NETRC") or Path.home() / ".netrc")
+    if not path.is_file():
+        return False
+    try:
+        return netrc.netrc(path).authenticators("api.wandb.ai") is not None
+    except (netrc.NetrcParseError, OSError):
+        return False
+
+
+def wandb_mode(mode: WandbMode, has_key: bool) -> str:
+    """The W&B mode ``auto`` stands for (``online`` with a key, else ``offline``)."""
+    if mode == "auto":
+        return "online" if has_key else "offline"
+    return mode
+
+
+class Telemetry:
+    """TensorBoard writer, optional Prometheus endpoint and optional W&B run for step
+    metrics.
+
+    Args:
+        run_dir: the run folder (``tensorboard/`` and ``wandb/`` go under it; created if
+            needed).
+        run: the run name (the W&B run's id and name).
+        cfg: which sinks (:class:`TelemetryConfig`).
+
+    Raises:
+        OSError: the Prometheus port is in use.
+        wandb.errors.CommError: online W&B could not be reached.
+    """
+
+    def __init__(self, run_dir: str | Path, run: str, cfg: TelemetryConfig | None = None):
+        cfg = cfg or TelemetryConfig()
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        self._tb = SummaryWriter(log_dir=str(self.run_dir))
+        self._tb = self._wandb = None
+        if cfg.tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(log_dir=str(self.run_dir / "tensorboard"))
         self._gauges: dict[str, object] = {}
         self._server = self._thread = self._registry = None
         self.prometheus_port: int | None = None
-        if prometheus_port is not None:
+        if cfg.prometheus_port is not None:
             from prometheus_client import CollectorRegistry, start_http_server
 
             self._registry = CollectorRegistry()
-            self._server, self._thread = start_http_server(prometheus_port, addr="127.0.0.1",
+            self._server, self._thread = start_http_server(cfg.prometheus_port, addr="127.0.0.1",
                                                            registry=self._registry)
             self.prometheus_port = self._server.server_port
+        self.wandb_mode = wandb_mode(cfg.wandb, cfg.wandb == "auto" and has_wandb_key())
+        if self.wandb_mode != "off":
+            import wandb
+
+            self._wandb = wandb.init(
+                project=cfg.wandb_project, entity=cfg.wandb_entity, id=wandb_id(run), name=run,
+                dir=str(self.run_dir), mode=self.wandb_mode, resume="allow",
+                settings=wandb.Settings(silent=True, console="off", x_disable_stats=True))
 
     def _gauge(self, name: str):
         from prometheus_client import Gauge
@@ -73,7 +148,7 @@ class Telemetry:
         Returns:
             the number of values written (non-finite or non-numeric ones are skipped).
         """
-        n = 0
+        written: dict[str, float] = {}
         for name, value in metrics.items():
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 if not hasattr(value, "item"):  # a 0-d tensor / numpy scalar
@@ -82,18 +157,26 @@ class Telemetry:
             value = float(value)
             if not math.isfinite(value):
                 continue
-            self._tb.add_scalar(name, value, step)
+            if self._tb is not None:
+                self._tb.add_scalar(name, value, step)
             if self._registry is not None:
                 self._gauge(name).set(value)
-            n += 1
+            written[name] = value
         if self._registry is not None:
             self._gauge("step").set(step)
-        self._tb.flush()
-        return n
+        if self._tb is not None:
+            self._tb.flush()
+        if self._wandb is not None and written:
+            self._wandb.log(written, step=step)
+        return len(written)
 
     def close(self) -> None:
-        """Flush and close the event file; stop the Prometheus endpoint."""
-        self._tb.close()
+        """Flush and close the event file and the W&B run; stop the Prometheus endpoint."""
+        if self._tb is not None:
+            self._tb.close()
+        if self._wandb is not None:
+            self._wandb.finish()
+            self._wandb = None
         if self._server is not None:
             self._server.shutdown()
             self._server.server_close()

@@ -43,6 +43,11 @@ def test_tiny_async_run_accounts_for_every_rollout(tiny_run, broker):
                              f"{recipe.run}.metrics").column("name").to_pylist())
     names = readme_metric_names()
     assert not sorted(n for n in written if not documented(n, names)), "README metrics table"
+    from wandb_records import history  # W&B offline (telemetry.wandb): one row per step
+
+    rows = history(Path(s["run_dir"]))
+    assert [r["_step"] for r in rows] == [1, 2, 3]
+    assert all(0.0 <= r["reward_mean"] <= 1.0 and r["step_s"] > 0 for r in rows), rows
 
 
 def test_cli_last_line_and_reinforce_pp_over_the_global_batch(tmp_path, broker):

@@ -210,3 +210,16 @@ def test_trainer_processes_and_hosts_reach_the_stages():
                 "resources.rollout.host=b")
     assert _spec(r, "trainer").config["processes"] == 2
     assert _spec(r, "rollout").resources.host == "b"
+
+
+def test_the_telemetry_block_reaches_the_trainer():
+    """``telemetry.*`` (W&B, Prometheus, TensorBoard) arrive in the trainer's config; a bad
+    value is named with its path."""
+    spec = _spec(_recipe("telemetry.prometheus_port=0", "telemetry.wandb=offline",
+                         "telemetry.wandb_project=arith", "telemetry.tensorboard=false"),
+                 "trainer")
+    assert spec.config["telemetry"] == {"tensorboard": False, "prometheus_port": 0,
+                                        "wandb": "offline", "wandb_project": "arith",
+                                        "wandb_entity": None}
+    with pytest.raises(RecipeError, match="telemetry.wandb"):
+        _recipe("telemetry.wandb=cloud")
