@@ -57,7 +57,7 @@ from relax.streams.consumer import BatchConsumer
 from relax.streams.metrics import MetricsWriter
 from relax.streams.producer import BatchProducer
 from relax.streams.read import read_partition
-from relax.streams.stage import Output, process_once, run_loop
+from relax.streams.stage import BusyWindow, Output, process_once, run_loop
 
 log = logging.getLogger(__name__)
 
@@ -327,7 +327,7 @@ class AggregateStage:
     def run(self, should_stop: Callable[[], bool]) -> None:
         """Run :meth:`step` until ``should_stop()``; then close."""
         try:
-            run_loop(self.step, should_stop)
+            run_loop(self.step, should_stop, busy=BusyWindow(self.metrics))
         finally:
             self.close()
 

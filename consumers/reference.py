@@ -244,7 +244,8 @@ class ReferenceStage:
         :class:`relax.streams.stage.StageStats`."""
         from relax.streams.consumer import BatchConsumer
         from relax.streams.producer import BatchProducer
-        from relax.streams.stage import StageStats, process_once, run_loop
+        from relax.streams.metrics import MetricsWriter
+        from relax.streams.stage import BusyWindow, StageStats, process_once, run_loop
         from relax.streams.weights import WeightSubscriber
 
         cfg = self.cfg
@@ -271,7 +272,8 @@ class ReferenceStage:
             run_loop(lambda: process_once(consumer, producer, self.handle,
                                           stage=f"reference/{cfg.member_id}",
                                           poll_timeout_s=cfg.poll_timeout_s, stats=stats),
-                     should_stop, before=self.maybe_follow)
+                     should_stop, before=self.maybe_follow,
+                     busy=BusyWindow(MetricsWriter(producer, cfg.run, cfg.member_id)))
         finally:
             if self._subscriber is not None:
                 self._subscriber.close()

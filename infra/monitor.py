@@ -59,7 +59,7 @@ def build_snapshot(reading: Reading, previous: Reading | None = None) -> dict:
         "lag_total", "staleness_hist": {"k": samples}, "versions": [{policy_version,
         reward_mean, accuracy, samples, source}], "trainer": {steps, policy_version,
         step_s, step_s_mean, data_wait_s, data_wait_pct}, "latest": {component:
-        {name: value}}}``. Rates are per second (MB = 10**6 bytes); lag counts
+        {name: value}}, "timeline": {component: [[ts, busy_frac], ...]}}``. Rates are per second (MB = 10**6 bytes); lag counts
         Kafka messages (records), not rows.
     """
     dt = reading.ts - previous.ts if previous is not None else None
@@ -108,6 +108,8 @@ def build_snapshot(reading: Reading, previous: Reading | None = None) -> dict:
         "versions": _versions(reading.metrics, reading.samples),
         "trainer": _trainer(reading.metrics),
         "latest": {c: dict(sorted(v.items())) for c, v in sorted(reading.metrics.latest.items())},
+        "timeline": {c: [list(p) for p in pts]
+                     for c, pts in sorted(reading.metrics.timeline.items())},
     }
 
 

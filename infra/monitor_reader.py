@@ -16,6 +16,9 @@ from relax.schemas import topics as topic_names
 from relax.streams.client import BusConfig
 
 log = logging.getLogger(__name__)
+
+TIMELINE_POINTS = 720
+"""``busy_frac`` rows kept per stage (an hour of 5 s windows)."""
 # --- folding rows into aggregates (pure, incremental) ---------------------------------
 
 
@@ -29,6 +32,8 @@ class MetricsFold:
         step_s / data_wait_s: ``{policy_version: seconds}`` of trainer rows (last value).
         samples_trained: ``{policy_version: samples}`` of trainer rows (summed).
         latest: ``{component: {name: value}}``, the newest value of every metric.
+        timeline: ``{component: [(ts seconds, busy_frac), ...]}``, the newest
+            :data:`TIMELINE_POINTS` ``busy_frac`` rows of each stage, in read order.
         rows: metric rows folded.
     """
 
@@ -39,6 +44,7 @@ class MetricsFold:
     data_wait_s: dict[int, float] = field(default_factory=dict)
     samples_trained: dict[int, float] = field(default_factory=dict)
     latest: dict[str, dict[str, float]] = field(default_factory=dict)
+    timeline: dict[str, list] = field(default_factory=dict)
     rows: int = 0
 
     def add(self, rows: list[dict]) -> None:
@@ -47,6 +53,12 @@ class MetricsFold:
             self.rows += 1
             name, value, v, comp = r["name"], r["value"], r["policy_version"], r["component"]
             self.latest.setdefault(comp, {})[name] = value
+            if name == mn.BUSY_FRAC:
+                points = self.timeline.setdefault(comp, [])
+                ts = r["ts"]  # a datetime (Arrow timestamp) or ms since epoch
+                points.append((ts.timestamp() if hasattr(ts, "timestamp") else ts / 1000.0,
+                               value))
+                del points[:-TIMELINE_POINTS]
             if name.startswith(mn.STALENESS_HIST_PREFIX):
                 k = name[len(mn.STALENESS_HIST_PREFIX):]
                 if k.isdigit():

@@ -7,6 +7,11 @@ after the step for trainer metrics; the rollout's policy_version_start for
 sample metrics).
 """
 
+# every stage (its own component): the stage timeline of the dashboard
+BUSY_FRAC = "busy_frac"                # fraction of the window since the stage's previous row
+# spent working: a stage loop's turns that did work, every BUSY_WINDOW_S; the trainer's
+# step minus its data wait, every step
+
 # trainer (component "trainer"), one row each per optimizer step
 STEP_S = "step_s"                      # wall time of one optimizer step incl. waiting for data
 TRAIN_S = "train_s"                    # forward/backward/optimizer time of the step

@@ -37,6 +37,7 @@ from typing import NamedTuple
 
 import pyarrow as pa
 
+from relax.schemas import metric_names as M
 from relax.streams.codec import encode
 from relax.streams.consumer import BatchConsumer, Delivery
 from relax.streams.errors import error_row
@@ -149,13 +150,51 @@ def _send(producer: BatchProducer, outputs: Iterable[tuple], stats: StageStats) 
         producer.send(out.topic, out.batch, schema=out.schema, partition=out.partition)
 
 
+BUSY_WINDOW_S = 5.0
+"""Seconds between a stage loop's ``busy_frac`` rows."""
+
+
+class BusyWindow:
+    """A stage loop's busy fraction per window, written as metric ``busy_frac`` (the
+    dashboard's stage timeline).
+
+    Args:
+        metrics: the stage's writer (rows are queued on its producer; the stage's next
+            flush sends them).
+        window_s: seconds per row.
+        clock: monotonic seconds (tests give a fake one).
+    """
+
+    def __init__(self, metrics, window_s: float = BUSY_WINDOW_S,
+                 clock: Callable[[], float] = time.monotonic):
+        self.metrics, self.window_s, self.clock = metrics, window_s, clock
+        self.start = clock()
+        self.busy_s = 0.0
+
+    def record(self, seconds: float, worked: bool) -> float | None:
+        """Count one turn of ``seconds`` (busy when it ``worked``); at the end of a
+        window write its busy fraction (in [0, 1]) and return it, else None."""
+        if worked:
+            self.busy_s += seconds
+        now = self.clock()
+        span = now - self.start
+        if span < self.window_s:
+            return None
+        frac = min(1.0, self.busy_s / span)
+        self.metrics.add(M.BUSY_FRAC, frac)
+        self.metrics.flush()
+        self.start, self.busy_s = now, 0.0
+        return frac
+
+
 def run_loop(turn: Callable[[], int], should_stop: Callable[[], bool], *,
              ready: Callable[[], bool] | None = None, wait: Callable[[], None] | None = None,
              before: Callable[[], None] | None = None,
              periodic: Callable[[], None] | None = None, every_s: float = 10.0,
              exit_when_idle_s: float | None = None,
              idle_counts: Callable[[], bool] | None = None,
-             done: Callable[[], bool] | None = None) -> None:
+             done: Callable[[], bool] | None = None,
+             busy: BusyWindow | None = None) -> None:
     """Run a stage's turns until ``should_stop()`` (or ``done()``, or idle too long).
 
     Each round: ``before()`` (e.g. follow new weights, surface a helper thread's error);
@@ -174,18 +213,23 @@ def run_loop(turn: Callable[[], int], should_stop: Callable[[], bool], *,
         idle_counts: whether a turn without work counts as idle now (default: always;
             the reward stage counts only while it owns partitions).
         done: ends the loop when true after a round.
+        busy: the stage's :class:`BusyWindow` (turns that did work count as busy; the
+            readiness wait and empty turns as idle).
     """
     idle_since: float | None = None
     last_periodic = time.monotonic()
     while not should_stop():
         if before is not None:
             before()
+        t0 = busy.clock() if busy is not None else 0.0
         if ready is not None and not ready():
             if wait is not None:
                 wait()
             n = 0
         else:
             n = turn()
+        if busy is not None:
+            busy.record(busy.clock() - t0, bool(n))
         now = time.monotonic()
         if periodic is not None and now - last_periodic >= every_s:
             periodic()

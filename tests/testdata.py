@@ -79,7 +79,8 @@ def trainer_metric_rows(policy_version: int, reward_mean: float, accuracy: float
 
     values = {mn.STEP_S: step_s, mn.DATA_WAIT_S: data_wait_s, mn.TRAIN_S: step_s - data_wait_s,
               mn.LOSS: 0.1, mn.REWARD_MEAN: reward_mean, mn.ACCURACY: accuracy,
-              mn.SAMPLES_TRAINED: sum(staleness_counts.values())}
+              mn.SAMPLES_TRAINED: sum(staleness_counts.values()),
+              mn.BUSY_FRAC: 1.0 - data_wait_s / step_s}
     values.update({mn.staleness_hist_name(k): v for k, v in staleness_counts.items()})
     return [dict(ts=ts_ms, component="trainer", name=k, value=float(v),
                  policy_version=policy_version) for k, v in values.items()]
@@ -89,7 +90,8 @@ def produce_run(cfg, run: str, steps: int = 3, groups_per_step: int = 2, group_s
                 partitions: int = 2) -> dict[str, int]:
     """Write a short synthetic run onto the bus: for each step, rollouts (policy_version
     = step), rewards, ref_logprobs, train_samples, a weights announcement and trainer
-    metrics, plus one error record in ``<run>.rollouts.errors``. Creates every per-run
+    metrics, then a reward change (attach ``format`` after the last step) and one error
+    record in ``<run>.rollouts.errors``. Creates every per-run
     topic (``partitions`` each, errors topics 1). Returns ``{topic: rows written}``."""
     import pyarrow as pa
 
@@ -129,6 +131,8 @@ def produce_run(cfg, run: str, steps: int = 3, groups_per_step: int = 2, group_s
         send("progress", [dict(ts=1_700_000_000_000 + step * 1000, policy_version=step + 1,
                                groups_consumed=(step + 1) * groups_per_step,
                                groups_needed=(steps - step - 1) * groups_per_step)])
+    send("reward_changes", [dict(ts=1_700_000_000_000, action="attach", reward_name="format",
+                                 weight=0.2, from_policy_version=steps + 1)])
     p.send_errors(names["rollouts"], [error_row(
         source_topic=names["rollouts"], source_partition=0, source_offset=0, stage="test/decode",
         error="DecodeError: synthetic", key=b"s0-g0000", value=b"\x00garbage")])

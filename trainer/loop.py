@@ -242,6 +242,7 @@ class TrainerStage:
         if self.threads is not None:
             out[M.THREADS_HIGH_S] = self.threads.seconds_at(self.threads.high)
         out[M.SAMPLES_PER_S] = batch.rows / out[M.STEP_S]
+        out[M.BUSY_FRAC] = max(0.0, 1.0 - batch.wait_s / out[M.STEP_S])
         self.metrics.add_many(out, self.version)
         self.metrics.flush()
         self._progress()

@@ -42,7 +42,7 @@ from relax.schemas.metric_names import (REWARD_ABSTAINS, REWARD_EXCEPTIONS,
 from relax.streams.consumer import BatchConsumer
 from relax.streams.metrics import MetricsWriter
 from relax.streams.producer import BatchProducer
-from relax.streams.stage import StageStats, process_once, run_loop
+from relax.streams.stage import BusyWindow, StageStats, process_once, run_loop
 
 log = logging.getLogger(__name__)
 
@@ -219,7 +219,8 @@ class RewardStage:
                                    timeout_s=cfg.timeout_s, memory_limit_bytes=cfg.memory_limit_bytes,
                                    batch_rows=cfg.batch_rows, startup_timeout_s=cfg.startup_timeout_s)
             run_loop(lambda: self.process_once(consumer, producer, metrics), should_stop,
-                     exit_when_idle_s=cfg.exit_when_idle_s, idle_counts=lambda: bool(self.assignment))
+                     exit_when_idle_s=cfg.exit_when_idle_s, idle_counts=lambda: bool(self.assignment),
+                     busy=BusyWindow(metrics))
         finally:
             if self.pool is not None:
                 self.pool.close()

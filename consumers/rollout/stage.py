@@ -34,7 +34,7 @@ from relax.consumers.rollout.state import SavedState, saved_state
 from relax.schemas import topics
 from relax.streams.client import ensure_topics
 from relax.streams.progress import TrainerProgress
-from relax.streams.stage import run_loop
+from relax.streams.stage import BusyWindow, run_loop
 from relax.trainer.cores import BusyFlag
 
 log = logging.getLogger(__name__)
@@ -382,7 +382,8 @@ class RolloutStage:
                      ready=lambda: self.ready(reader), wait=lambda: self.wait(consumer, reader),
                      before=self._surface_subscriber_error, periodic=periodic,
                      every_s=cfg.metrics_every_s,
-                     done=lambda: stop_when_exhausted and self.exhausted(consumer))
+                     done=lambda: stop_when_exhausted and self.exhausted(consumer),
+                     busy=BusyWindow(metrics))
             self._emit_metrics(metrics, None)
             producer.flush()
             consumer.commit()

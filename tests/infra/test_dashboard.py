@@ -127,8 +127,12 @@ def test_dashboard_page_renders_charts_in_headless_chromium(bus, unique):
         assert page.text_content("#tile-errors") == "1"
         assert page.text_content("#tile-reward") == "0.500"
         assert "trainer" in page.text_content("#groups")
-        assert page.locator("#topics tr").count() == 7  # the run topics with rows
+        assert page.locator("#topics tr").count() == 8  # the run topics with rows
         assert "updated" in page.text_content("#status")
+        cells = page.locator("#timeline-chart rect.busy-cell")  # the trainer's 4 steps
+        assert cells.count() == 4
+        assert {cells.nth(i).get_attribute("data-component") for i in range(4)} == {"trainer"}
+        assert [float(cells.nth(i).get_attribute("data-frac")) for i in range(4)] == [0.75] * 4
         shot = _screenshot(page, "dashboard.png")
         print(f"dashboard screenshot: {shot}")
     assert os.path.exists(shot)
@@ -137,7 +141,9 @@ def test_dashboard_page_renders_charts_in_headless_chromium(bus, unique):
 @pytest.mark.browser
 def test_dashboard_of_a_finished_tiny_run_in_headless_chromium(tiny_run, bus):
     """The page of a real finished tiny-model run: the reward chart has one point per
-    trained step, the staleness histogram has bars, the version tile says 3."""
+    trained step, the staleness histogram has bars, the version tile says 3, the stage
+    timeline has a row of busy/idle cells for every stage (busy_frac in [0, 1], some
+    stage busy at some time)."""
     recipe, summary = tiny_run
     with _dashboard_page(bus, recipe.run) as page:
         page.wait_for_function(
@@ -145,4 +151,13 @@ def test_dashboard_of_a_finished_tiny_run_in_headless_chromium(tiny_run, bus):
             timeout=30_000)
         assert page.locator("#staleness-chart rect.bar").count() >= 1
         assert page.text_content("#tile-version") == "3"
+        page.wait_for_function(
+            "document.querySelectorAll('#timeline-chart text.stage-name').length >= 4",
+            timeout=30_000)
+        stages = {page.locator("#timeline-chart text.stage-name").nth(i).text_content()
+                  for i in range(page.locator("#timeline-chart text.stage-name").count())}
+        assert {"trainer", "rollout-0", "aggregate-0", "reward.parity"} <= stages, stages
+        fracs = page.eval_on_selector_all(
+            "#timeline-chart rect.busy-cell", "rs => rs.map(r => Number(r.dataset.frac))")
+        assert all(0.0 <= f <= 1.0 for f in fracs) and max(fracs) > 0.2, fracs
         _screenshot(page, "dashboard-tiny-run.png")

@@ -78,10 +78,10 @@ def test_monitor_refresh_reads_metrics_incrementally_and_gives_rates(bus, unique
         s1 = m.refresh()
         assert s1["topics"][f"{run}.rollouts"]["rows_per_s"] is None  # one reading: no rate
         metric_rows = m.reader.metrics.rows
-        assert metric_rows == 2 * 9
+        assert metric_rows == 2 * 10  # rows per step: testdata.trainer_metric_rows
         produce_run(bus, run, steps=1)
         s2 = m.refresh()
-        assert m.reader.metrics.rows == metric_rows + 9  # only the new rows were folded
+        assert m.reader.metrics.rows == metric_rows + 10  # only the new rows were folded
         assert s2["topics"][f"{run}.rollouts"]["rows_per_s"] > 0
         assert s2["topics"][f"{run}.metrics"]["records_per_s"] > 0
         assert len(s2["history"]) == 2
@@ -131,3 +131,28 @@ def test_metrics_fold_staleness_histogram(k):
            {"component": "trainer", "name": f"staleness_hist.{k}", "value": 2.0,
             "policy_version": 2}])
     assert f.staleness == {k: 6.0}
+
+
+def test_metrics_fold_timeline_keeps_each_stages_busy_frac_rows():
+    """``busy_frac`` rows become the stage timeline: per component, (ts in seconds,
+    fraction) in read order, the newest TIMELINE_POINTS kept; a timestamp read back
+    from Arrow (datetime) and one in ms since epoch give the same seconds."""
+    import datetime as dt
+
+    from relax.infra.monitor_reader import TIMELINE_POINTS
+
+    f = MetricsFold()
+    f.add([{"ts": 1_700_000_005_000, "component": "rollout-0", "name": "busy_frac", "value": 0.5,
+            "policy_version": None},
+           {"ts": dt.datetime.fromtimestamp(1_700_000_010, dt.timezone.utc),
+            "component": "rollout-0", "name": "busy_frac", "value": 1.0, "policy_version": None},
+           {"ts": 1_700_000_007_000, "component": "trainer", "name": "busy_frac", "value": 0.25,
+            "policy_version": 1},
+           {"ts": 1_700_000_007_000, "component": "trainer", "name": "step_s", "value": 2.0,
+            "policy_version": 1}])
+    assert f.timeline == {"rollout-0": [(1_700_000_005.0, 0.5), (1_700_000_010.0, 1.0)],
+                          "trainer": [(1_700_000_007.0, 0.25)]}
+    f.add([{"ts": 1_800_000_000_000 + i, "component": "trainer", "name": "busy_frac",
+            "value": 0.0, "policy_version": None} for i in range(TIMELINE_POINTS)])
+    assert len(f.timeline["trainer"]) == TIMELINE_POINTS
+    assert f.timeline["trainer"][0] == (1_800_000_000.0, 0.0)

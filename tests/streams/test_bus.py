@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pyarrow as pa
-import pytest
 
 from relax.schemas import topics
 from relax.schemas.v1 import ROLLOUTS

@@ -126,3 +126,66 @@ def test_run_loop_hooks_gate_periodic_idle_exit_and_done():
     run_loop(lambda: n.append(1) or 0, lambda: len(n) >= 50, exit_when_idle_s=1e-9,
              idle_counts=lambda: False)
     assert len(n) == 50  # no partitions owned: idleness does not count
+
+
+class _Metrics:
+    """Records what a BusyWindow writes (the MetricsWriter interface it uses)."""
+
+    def __init__(self):
+        self.rows, self.flushes = [], 0
+
+    def add(self, name, value, policy_version=None):
+        self.rows.append((name, value))
+
+    def flush(self):
+        self.flushes += 1
+
+
+def test_busy_window_writes_the_busy_fraction_of_each_window():
+    """run_loop counts turns that did work as busy, empty turns and the readiness wait as
+    idle; every window_s it writes busy_frac (clock: a fake, advanced by the turns)."""
+    from relax.streams.stage import BusyWindow
+
+    now = [0.0]
+    metrics = _Metrics()
+    busy = BusyWindow(metrics, window_s=10.0, clock=lambda: now[0])
+    # 4 s working, 1 s idle turns, 3 s closed gate ...: windows of >= 10 s
+    script = iter([("turn", 4.0, 1), ("turn", 1.0, 0), ("turn", 4.0, 1), ("turn", 1.0, 0),
+                   ("wait", 3.0, 0), ("wait", 3.0, 0), ("wait", 3.0, 0), ("turn", 2.0, 3),
+                   ("turn", 10.0, 2)])
+    step = {"kind": None}
+
+    def ready():
+        step.update(zip(("kind", "s", "n"), next(script, ("end", 0.0, 0))))
+        return step["kind"] != "wait"
+
+    def wait():
+        now[0] += step["s"]
+
+    def turn():
+        now[0] += step["s"]
+        return step["n"]
+
+    run_loop(turn, lambda: step["kind"] == "end", ready=ready, wait=wait)  # no busy: no rows
+    assert metrics.rows == []
+    script = iter([("turn", 4.0, 1), ("turn", 1.0, 0), ("turn", 4.0, 1), ("turn", 1.0, 0),
+                   ("wait", 3.0, 0), ("wait", 3.0, 0), ("wait", 3.0, 0), ("turn", 2.0, 3),
+                   ("turn", 10.0, 2)])
+    step["kind"] = None
+    now[0] = busy.start = 0.0
+    run_loop(turn, lambda: step["kind"] == "end", ready=ready, wait=wait, busy=busy)
+    assert metrics.rows == [("busy_frac", 0.8), ("busy_frac", 2.0 / 11.0), ("busy_frac", 1.0)]
+    assert metrics.flushes == 3 and busy.busy_s == 0.0
+
+
+def test_busy_window_caps_at_one():
+    from relax.streams.stage import BusyWindow
+
+    now = [0.0]
+    metrics = _Metrics()
+    busy = BusyWindow(metrics, window_s=1.0, clock=lambda: now[0])
+    now[0] = 2.0
+    assert busy.record(5.0, True) == 1.0  # a turn longer than the window it ends
+    now[0] = 2.5
+    assert busy.record(0.5, True) is None
+    assert metrics.rows == [("busy_frac", 1.0)]
