@@ -1,15 +1,15 @@
-"""The aggregator: joins rollouts, rewards and reference log-probs per GRPO group and
-emits train samples with advantages.
+"""The aggregator: joins rollouts, rewards and reference (and teacher) log-probs per GRPO
+group and emits train samples with advantages.
 
-Input: ``<run>.rollouts``, ``<run>.rewards`` and (when the KL penalty is in the
-reward) ``<run>.ref_logprobs``, all keyed by group_id with the same partition
-count, read in consumer group ``<run>.aggregate``. The range assignor gives an
-instance the same partition numbers of the three topics, so every row of a
+Input: ``<run>.rollouts``, ``<run>.rewards``, (when KL needs them) ``<run>.ref_logprobs``
+and (on-policy distillation) ``<run>.teacher_logprobs``, all keyed by group_id with the
+same partition count, read in consumer group ``<run>.aggregate``. The range assignor
+gives an instance the same partition numbers of every input topic, so every row of a
 group meets in one instance. Output: ``<run>.train_samples`` (keyed by
 group_id), one row per rollout, ``drop_reason`` set on those not to train.
 
 A group is emitted when it holds ``group_size`` rollouts, each with every counted
-reward (and its reference log-probs when needed), or when ``group_timeout_s`` has
+reward (and its reference and teacher log-probs when needed), or when ``group_timeout_s`` has
 passed since its first row: then the complete rollouts form an uneven group
 (public case C02) and the others are emitted with ``filtered_group_timeout``.
 The counted rewards are the recipe's, changed live by ``<run>.reward_changes``
@@ -88,13 +88,15 @@ class AggregateConfig(BaseModel):
 
 @dataclass
 class GroupState:
-    """Partial join of one group: rollouts (one-row tables), reward cells, ref log-probs."""
+    """Partial join of one group: rollouts (one-row tables), reward cells, ref and teacher
+    log-probs (``{rollout_id: [len(response_ids)] float}``)."""
 
     first_seen_s: float
     group_size: int = 0
     rollouts: dict[str, pa.Table] = field(default_factory=dict)
     rewards: dict[str, dict[str, RewardCell]] = field(default_factory=dict)
     ref: dict[str, list[float]] = field(default_factory=dict)
+    teacher: dict[str, list[float]] = field(default_factory=dict)
 
 
 class JoinState:
@@ -114,8 +116,9 @@ class JoinState:
         self.duplicates = 0
 
     def add(self, schema: str, table: pa.Table, ts_s: float) -> pa.Table | None:
-        """Apply rows of ``rollouts`` / ``rewards`` / ``ref_logprobs``; returns the rows
-        that changed the state (to write to the changelog), or None."""
+        """Apply rows of ``rollouts`` / ``rewards`` / ``ref_logprobs`` /
+        ``teacher_logprobs``; returns the rows that changed the state (to write to the
+        changelog), or None."""
         keep = []
         rows = table.to_pylist() if schema != "rollouts" else None
         for i in range(table.num_rows):
@@ -124,6 +127,8 @@ class JoinState:
                 self.duplicates += 1
                 continue
             if schema == "ref_logprobs" and not self.cfg.needs_ref:
+                continue
+            if schema == "teacher_logprobs" and not self.cfg.needs_teacher:
                 continue
             g = self.groups.get(gid)
             if g is None:
@@ -143,10 +148,11 @@ class JoinState:
                     continue
                 cells[r["reward_name"]] = (r["value"], r["error"])
             else:
-                if rid in g.ref:
+                held = g.teacher if schema == "teacher_logprobs" else g.ref
+                if rid in held:
                     self.duplicates += 1
                     continue
-                g.ref[rid] = rows[i]["ref_logprobs"]
+                held[rid] = rows[i][schema]
             keep.append(i)
         if not keep:
             return None
@@ -163,7 +169,8 @@ class JoinState:
     def _complete_ids(self, g: GroupState, names) -> list[str]:
         return [rid for rid in g.rollouts
                 if all(n in g.rewards.get(rid, {}) for n in names)
-                and (not self.cfg.needs_ref or rid in g.ref)]
+                and (not self.cfg.needs_ref or rid in g.ref)
+                and (not self.cfg.needs_teacher or rid in g.teacher)]
 
     def mark_emitted(self, gid: str) -> None:
         """Forget a group's state and remember it was emitted."""
@@ -188,7 +195,7 @@ class JoinState:
             cfg = self.cfg if counted == self.cfg.rewards else \
                 self.cfg.model_copy(update={"rewards": counted})
             samples = build_train_samples(table, g.rewards, g.ref if self.cfg.needs_ref else None,
-                                          cfg, timed_out=timed_out)
+                                          cfg, timed_out=timed_out, teacher_logprobs=g.teacher)
             out.append((gid, samples))
             self.mark_emitted(gid)
         return out
@@ -209,6 +216,8 @@ class AggregateStage:
         self.inputs = [topics.run_topic(run, topics.ROLLOUTS), topics.run_topic(run, topics.REWARDS)]
         if cfg.advantage.needs_ref:
             self.inputs.append(topics.run_topic(run, topics.REF_LOGPROBS))
+        if cfg.advantage.needs_teacher:
+            self.inputs.append(topics.run_topic(run, topics.TEACHER_LOGPROBS))
         self.out_topic = topics.run_topic(run, topics.TRAIN_SAMPLES)
         self.changelog = topics.changelog_topic(run)
         want = {t: cfg.partitions for t in self.inputs + [self.out_topic, self.changelog]}
@@ -307,7 +316,7 @@ class AggregateStage:
                                             "filtered_group_timeout")).as_py() or 0
                 if timed_out:  # what a stall looks like from here: say so in the log
                     log.info("group %s timed out after %.0fs: %d of %d rollouts lacked a "
-                             "reward or ref_logprobs", gid, self.cfg.group_timeout_s,
+                             "reward or ref/teacher log-probs", gid, self.cfg.group_timeout_s,
                              timed_out, samples.num_rows)
         if emitted:
             # the samples must be acknowledged before their groups are marked emitted: a

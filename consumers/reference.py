@@ -21,6 +21,15 @@ newest received version once it is at least N versions newer than the one in use
 
 Delivery: :func:`relax.streams.stage.process_once` (at-least-once; a rollout whose token
 ids fall outside the vocabulary goes to ``<run>.rollouts.errors``).
+
+The same stage with ``role: teacher`` is the teacher of on-policy distillation: its own
+model (frozen: it follows no weights), consumer group ``<run>.teacher``, and it writes
+``<run>.teacher_logprobs`` (``teacher_logprobs``, ``teacher_model``). Its log-probs come
+from the same function at the same positions as the student's (the logits that predict
+each response token, with the rollout's temperature), so ``logprobs - teacher_logprobs``
+is the per-token reverse-KL estimate the aggregator subtracts from the advantage
+(:mod:`relax.trainer.advantage.distill`). The teacher must share the student's tokenizer
+(token ids outside its vocabulary go to the error topic).
 """
 
 from __future__ import annotations
@@ -29,10 +38,12 @@ from collections.abc import Callable
 
 import pyarrow as pa
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from relax.schemas import topics
-from relax.schemas.v1 import REF_LOGPROBS
+from relax.schemas.v1 import REF_LOGPROBS, TEACHER_LOGPROBS
 from relax.schemas.validate import validate
 from relax.streams.client import BusConfig, ensure_topics
 from relax.trainer.logprobs import token_logprobs
@@ -44,7 +55,10 @@ class ReferenceConfig(BaseModel):
     Attributes:
         bus: bus settings.
         run: run name.
-        model: reference model (name/folder/Hub id; the initial policy's weights).
+        model: reference model (name/folder/Hub id; the initial policy's weights), or
+            the teacher model.
+        role: ``reference`` (writes ``<run>.ref_logprobs``) or ``teacher`` (writes
+            ``<run>.teacher_logprobs``; frozen).
         device: default cuda if available.
         member_id: id in the weight group and metrics component.
         follow_every: follow the policy every N versions (0 = frozen).
@@ -59,6 +73,7 @@ class ReferenceConfig(BaseModel):
     bus: BusConfig
     run: str
     model: str = "tiny-llama"
+    role: Literal["reference", "teacher"] = "reference"
     device: str | None = None
     member_id: str = "reference-0"
     follow_every: int = Field(0, ge=0)
@@ -66,6 +81,12 @@ class ReferenceConfig(BaseModel):
     max_batch_tokens: int = Field(4096, ge=1)
     poll_timeout_s: float = Field(1.0, gt=0)
     from_beginning: bool = True
+
+    @model_validator(mode="after")
+    def _check(self):
+        if self.role == "teacher" and self.follow_every:
+            raise ValueError("follow_every: a teacher is frozen (it follows no policy weights)")
+        return self
 
 
 @torch.no_grad()
@@ -146,6 +167,34 @@ def ref_batch(
     Raises:
         ValueError: see :func:`response_logprobs`.
     """
+    out = _logprobs(model, rows, max_batch_tokens)
+    batch = pa.RecordBatch.from_pylist(
+        [{"rollout_id": r["rollout_id"], "group_id": r["group_id"], "ref_logprobs": lp,
+          "ref_policy_version": ref_policy_version} for r, lp in zip(rows, out)],
+        schema=REF_LOGPROBS)
+    validate(batch, "ref_logprobs")
+    return batch
+
+
+def teacher_batch(model, rows: list[dict], teacher_model: str,
+                  max_batch_tokens: int = 4096) -> pa.RecordBatch:
+    """TEACHER_LOGPROBS rows for ROLLOUTS rows (validated): the teacher's log-probs of
+    each response, ``[len(response_ids)]`` float32 nats per row.
+
+    Raises:
+        ValueError: see :func:`response_logprobs`.
+    """
+    out = _logprobs(model, rows, max_batch_tokens)
+    batch = pa.RecordBatch.from_pylist(
+        [{"rollout_id": r["rollout_id"], "group_id": r["group_id"], "teacher_logprobs": lp,
+          "teacher_model": teacher_model} for r, lp in zip(rows, out)],
+        schema=TEACHER_LOGPROBS)
+    validate(batch, "teacher_logprobs")
+    return batch
+
+
+def _logprobs(model, rows: list[dict], max_batch_tokens: int) -> list[list[float]]:
+    """:func:`response_logprobs` of every row, batched by temperature and size."""
     out: list[list[float] | None] = [None] * len(rows)
     for t, idx in _batches(rows, max_batch_tokens):
         lps = response_logprobs(
@@ -153,20 +202,7 @@ def ref_batch(
         )
         for i, lp in zip(idx, lps):
             out[i] = lp
-    batch = pa.RecordBatch.from_pylist(
-        [
-            {
-                "rollout_id": r["rollout_id"],
-                "group_id": r["group_id"],
-                "ref_logprobs": lp,
-                "ref_policy_version": ref_policy_version,
-            }
-            for r, lp in zip(rows, out)
-        ],
-        schema=REF_LOGPROBS,
-    )
-    validate(batch, "ref_logprobs")
-    return batch
+    return out
 
 
 class ReferenceStage:
@@ -186,7 +222,8 @@ class ReferenceStage:
         self.model.eval()
         self.version = 0
         self.rollouts = topics.run_topic(cfg.run, topics.ROLLOUTS)
-        self.ref_topic = topics.run_topic(cfg.run, topics.REF_LOGPROBS)
+        self.out_topic = topics.run_topic(
+            cfg.run, topics.TEACHER_LOGPROBS if cfg.role == "teacher" else topics.REF_LOGPROBS)
         self._subscriber = None
 
     def handle(self, delivery) -> list[tuple[str, pa.RecordBatch]]:
@@ -199,14 +236,13 @@ class ReferenceStage:
 
         rows = delivery.table.to_pylist()
         try:
-            return [
-                (
-                    self.ref_topic,
-                    ref_batch(self.model, rows, self.version, self.cfg.max_batch_tokens),
-                )
-            ]
+            if self.cfg.role == "teacher":
+                batch = teacher_batch(self.model, rows, self.cfg.model, self.cfg.max_batch_tokens)
+            else:
+                batch = ref_batch(self.model, rows, self.version, self.cfg.max_batch_tokens)
         except ValueError as e:
-            raise RecordError(f"reference/{self.cfg.member_id}: {e}") from e
+            raise RecordError(f"{self.cfg.role}/{self.cfg.member_id}: {e}") from e
+        return [(self.out_topic, batch)]
 
     def maybe_follow(self) -> bool:
         """Install the newest received policy weights if they are ``follow_every``
@@ -224,7 +260,8 @@ class ReferenceStage:
         return True
 
     def ensure_topics(self) -> None:
-        """Create ``<run>.ref_logprobs`` with the partition count of ``<run>.rollouts``.
+        """Create the output topic (``<run>.ref_logprobs`` or ``<run>.teacher_logprobs``)
+        with the partition count of ``<run>.rollouts``.
 
         Raises:
             ValueError: ``<run>.rollouts`` does not exist.
@@ -236,7 +273,7 @@ class ReferenceStage:
             raise ValueError(f"run {self.cfg.run!r} has no topic {self.rollouts!r}")
         ensure_topics(
             self.cfg.bus,
-            {self.ref_topic: have[self.rollouts], topics.errors_topic(self.rollouts): 1},
+            {self.out_topic: have[self.rollouts], topics.errors_topic(self.rollouts): 1},
         )
 
     def run(self, should_stop: Callable[[], bool] = lambda: False):
@@ -253,9 +290,9 @@ class ReferenceStage:
         producer = BatchProducer(cfg.bus, producer_id=f"{cfg.run}-{cfg.member_id}")
         consumer = BatchConsumer(
             cfg.bus,
-            topics.group(cfg.run, "reference"),
+            topics.group(cfg.run, cfg.role),
             [self.rollouts],
-            stage=f"reference/{cfg.member_id}",
+            stage=f"{cfg.role}/{cfg.member_id}",
             from_beginning=cfg.from_beginning,
             error_producer=producer,
         )
@@ -270,7 +307,7 @@ class ReferenceStage:
         stats = StageStats()
         try:
             run_loop(lambda: process_once(consumer, producer, self.handle,
-                                          stage=f"reference/{cfg.member_id}",
+                                          stage=f"{cfg.role}/{cfg.member_id}",
                                           poll_timeout_s=cfg.poll_timeout_s, stats=stats),
                      should_stop, before=self.maybe_follow,
                      busy=BusyWindow(MetricsWriter(producer, cfg.run, cfg.member_id)))

@@ -26,7 +26,12 @@ Order of operations (each optional step off by default):
 5. DAPO dynamic sampling: a kept group with zero reward variance is dropped
    (``filtered_zero_variance``);
 6. overlong filtering: a ``finish_reason == "length"`` rollout keeps its row and
-   its place in the group statistics, but its ``loss_mask`` becomes all 0 (C23).
+   its place in the group statistics, but its ``loss_mask`` becomes all 0 (C23);
+7. on-policy distillation (``distill_coef`` > 0): every kept rollout's per-token
+   advantage gets ``-distill_coef x (logprobs_t - teacher_logprobs_t)`` added on its
+   loss tokens (:func:`relax.trainer.advantage.distill.distill_advantages`), after the
+   filters: a zero-variance group still learns from the teacher unless dynamic sampling
+   dropped it.
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from relax.trainer.advantage import ADVANTAGE_ESTIMATORS, compute_advantages
+from relax.trainer.advantage.distill import distill_advantages
 from relax.trainer.advantage.filters import (TRUNCATED_REASONS, keep_groups_with_variance,
                                                soft_overlong_penalty)
 from relax.schemas.v1 import TRAIN_SAMPLES
@@ -73,6 +79,9 @@ class AdvantageConfig(BaseModel):
         kl_estimator: k1 | k2 | k3 | low_var_kl (= k3) for the KL-in-reward penalty.
         ref_logprobs: join ``<run>.ref_logprobs`` and carry them on the train samples even
             without a KL-in-reward penalty (the loss's KL needs them: recipe ``kl.in: loss``).
+        distill_coef: > 0 turns on on-policy distillation: join ``<run>.teacher_logprobs``
+            (the teacher stage) and add ``-distill_coef x (logprobs - teacher_logprobs)``
+            to every loss token's advantage (step 7 of the module docstring).
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -85,6 +94,7 @@ class AdvantageConfig(BaseModel):
     kl_in_reward_coef: float = Field(0.0, ge=0)
     kl_estimator: str = Field("k1", description="one of KL_ESTIMATOR_NAMES")
     ref_logprobs: bool = False
+    distill_coef: float = Field(0.0, ge=0)
 
     @model_validator(mode="after")
     def _check(self):
@@ -102,6 +112,11 @@ class AdvantageConfig(BaseModel):
     def needs_ref(self) -> bool:
         """Whether reference log-probs are joined and put on the samples."""
         return self.kl_in_reward_coef > 0 or self.ref_logprobs
+
+    @property
+    def needs_teacher(self) -> bool:
+        """Whether teacher log-probs are joined (on-policy distillation)."""
+        return self.distill_coef > 0
 
 
 RewardCell = tuple[float | None, str | None]
@@ -133,7 +148,8 @@ def kl_penalty(logprobs: list[np.ndarray], ref: list[np.ndarray], masks: list[np
 
 def build_train_samples(rollouts: pa.Table, rewards: dict[str, dict[str, RewardCell]],
                         ref_logprobs: dict[str, list[float]] | None, cfg: AdvantageConfig,
-                        timed_out: set[str] | None = None) -> pa.Table:
+                        timed_out: set[str] | None = None,
+                        teacher_logprobs: dict[str, list[float]] | None = None) -> pa.Table:
     """Turn one group's rollouts into ``train_samples`` rows.
 
     Args:
@@ -145,12 +161,15 @@ def build_train_samples(rollouts: pa.Table, rewards: dict[str, dict[str, RewardC
         timed_out: rollout_ids whose results did not all arrive before the group
             timeout; they are emitted with ``drop_reason = filtered_group_timeout``
             and left out of the group statistics (public case C02: uneven groups).
+        teacher_logprobs: ``{rollout_id: [len(response_ids)] float}`` (nats) or None
+            (distillation off).
 
     Returns:
         ``[n rows]`` table with the ``train_samples`` schema, in the input order.
 
     Raises:
-        KeyError: a counted reward is missing for a rollout not in ``timed_out``.
+        KeyError: a counted reward is missing for a rollout not in ``timed_out``, or
+            ``distill_coef`` > 0 and a kept rollout has no teacher log-probs.
     """
     timed_out = timed_out or set()
     n = rollouts.num_rows
@@ -212,18 +231,38 @@ def build_train_samples(rollouts: pa.Table, rewards: dict[str, dict[str, RewardC
         for i in range(n):
             if finish[i] in TRUNCATED_REASONS:
                 flat_mask[starts[i]:starts[i + 1]] = 0
+    token_adv = np.repeat(adv, lengths)
+    teacher_col = None
+    if cfg.distill_coef > 0:
+        teacher_col = [(teacher_logprobs or {}).get(rid) for rid in ids]
+        lp = rollouts.column("logprobs").combine_chunks().flatten().to_numpy(zero_copy_only=False)
+        for i in range(n):
+            if drop[i] is not None:
+                continue
+            if teacher_col[i] is None:
+                raise KeyError(f"distill_coef > 0 needs teacher_logprobs for rollout {ids[i]!r}")
+            s, e = starts[i], starts[i + 1]
+            token_adv[s:e] += distill_advantages(
+                torch.tensor(lp[s:e], dtype=torch.float32),
+                torch.as_tensor(teacher_col[i], dtype=torch.float32),
+                torch.as_tensor(flat_mask[s:e]), coef=cfg.distill_coef).numpy()
     cols = {name: rollouts.column(name) for name in TRAIN_SAMPLES.names if name in rollouts.schema.names}
     cols["group_size"] = pa.array(np.full(n, n, np.int32))
     cols["loss_mask"] = list_column(flat_mask, lengths, pa.int8())
-    cols["ref_logprobs"] = pa.array(ref_col, pa.list_(pa.float32())) if ref_col is not None \
-        else pa.array([None] * n, pa.list_(pa.float32()))
-    cols["advantages"] = list_column(np.repeat(adv, lengths), lengths, pa.float32())
+    cols["ref_logprobs"] = _list_or_nulls(ref_col, n)
+    cols["teacher_logprobs"] = _list_or_nulls(teacher_col, n)
+    cols["advantages"] = list_column(token_adv, lengths, pa.float32())
     cols["reward"] = pa.array(reward.astype(np.float32))
     cols["reward_components"] = pa.array(components, TRAIN_SAMPLES.field("reward_components").type)
     cols["drop_reason"] = pa.array(drop, pa.string())
     arrays = [cols[f.name] for f in TRAIN_SAMPLES]
     arrays = [a.combine_chunks() if isinstance(a, pa.ChunkedArray) else a for a in arrays]
     return pa.Table.from_arrays(arrays, schema=TRAIN_SAMPLES)
+
+
+def _list_or_nulls(values: list | None, n: int) -> pa.Array:
+    """A ``list<float32>`` column of ``values``, or ``n`` nulls when None."""
+    return pa.array(values if values is not None else [None] * n, pa.list_(pa.float32()))
 
 
 def reward_details(cells: dict[str, RewardCell]) -> str:

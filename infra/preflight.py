@@ -63,6 +63,8 @@ def preflight(recipe: Recipe) -> None:
     if recipe.eval is not None:
         _check_source("eval.source", recipe.eval.source)
     _check_model("model", recipe.model)
+    if recipe.teacher is not None:
+        _check_model("teacher.model", recipe.teacher.model)
 
 
 def _fail(key: str, message: str) -> RecipeError:

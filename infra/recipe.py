@@ -44,12 +44,13 @@ from relax.infra.sections import (
     RewardSpec,
     RolloutSection,
     StrictModel,
+    TeacherSection,
     TrainerSection,
 )
 from relax.trainer.config import TrainerConfig
 from relax.trainer.telemetry import TelemetryConfig
 
-STAGES = ("rollout", "reward", "reference", "aggregate", "trainer")
+STAGES = ("rollout", "reward", "reference", "teacher", "aggregate", "trainer")
 """Stage names of a run (each one or more processes)."""
 
 
@@ -133,6 +134,8 @@ class Recipe(StrictModel):
         max_staleness / batch_groups: shared by the rollout and the trainer (module
             docstring); None here = taken from those sections or their defaults.
         kl: the KL penalty (:class:`KLSection`).
+        teacher: the teacher stage of on-policy distillation (:data:`TeacherSection`);
+            None = no distillation. Needs ``advantage.distill_coef`` > 0 and the reverse.
         ray_address: Ray cluster address; None = a local Ray on 127.0.0.1.
         api: the control API served while the run trains (:class:`ApiSection`).
         telemetry: the trainer's step metrics to TensorBoard, Prometheus and W&B
@@ -162,6 +165,7 @@ class Recipe(StrictModel):
     rollout: RolloutSection = Field(default_factory=RolloutSection)
     rewards: list[RewardSpec]
     reference: ReferenceSection = Field(default_factory=ReferenceSection)
+    teacher: TeacherSection | None = None
     advantage: AdvantageConfig = Field(default_factory=AdvantageConfig)
     aggregate: AggregateSection = Field(default_factory=AggregateSection)
     trainer: TrainerSection = Field(default_factory=TrainerSection)
@@ -206,6 +210,15 @@ class Recipe(StrictModel):
                              f"timeout_s of rewards {slow}")
         if not any(r.weight for r in self.rewards):
             raise ValueError("rewards: at least one reward needs a weight != 0")
+        distill = self.advantage.distill_coef > 0
+        if distill != (self.teacher is not None):
+            raise ValueError("on-policy distillation needs both a teacher: block and "
+                             "advantage.distill_coef > 0 (one is set without the other)")
+        if distill and self.trainer.batch_advantage is not None:
+            raise ValueError(f"advantage.distill_coef with the batch estimator "
+                             f"{self.trainer.batch_advantage!r}: the trainer recomputes its "
+                             "advantages per batch and would drop the teacher's term; use a "
+                             "group estimator (grpo, rloo, ...)")
         if self.trainer.model != self.model:
             raise ValueError(f"trainer.model {self.trainer.model!r} differs from model "
                              f"{self.model!r}: set only model")

@@ -46,7 +46,9 @@ def section_of(config: type[BaseModel], title: str, wiring: frozenset[str], doc:
 ROLLOUT_WIRING = frozenset({"bus", "run", "dataset", "model", "engine_id", "instance_index",
                             "num_instances", "rollouts_partitions", "busy_dir"})
 REWARD_WIRING = frozenset({"bus", "run", "reward", "name"})
-REFERENCE_WIRING = frozenset({"bus", "run", "model"})
+REFERENCE_WIRING = frozenset({"bus", "run", "model", "role"})
+TEACHER_WIRING = frozenset({"bus", "run", "role", "member_id", "follow_every",
+                            "weights_rendezvous"})
 AGGREGATE_WIRING = frozenset({"run", "partitions", "advantage"})
 TRAINER_WIRING = frozenset({"run", "run_dir", "trainer", "busy_dir", "max_threads",
                             "processes", "telemetry"})
@@ -73,6 +75,14 @@ ReferenceSection = section_of(
     ReferenceConfig, "ReferenceSection", REFERENCE_WIRING,
     "Reference log-probs (on whenever the KL penalty is): ``ReferenceConfig``'s options.",
     enabled=(bool, Field(False, description="run the reference stage")))
+
+TeacherSection = section_of(
+    ReferenceConfig, "TeacherSection", TEACHER_WIRING,
+    "The teacher of on-policy distillation (``advantage.distill_coef`` > 0): the reference "
+    "stage with ``role: teacher`` and its own frozen model; ``ReferenceConfig``'s options.",
+    model=(str, Field(description="the teacher model: a folder (e.g. a run's final_model), "
+                                  "a built-in name or a Hub id; must share the policy's "
+                                  "tokenizer")))
 
 AggregateSection = section_of(
     AggregateConfig, "AggregateSection", AGGREGATE_WIRING,

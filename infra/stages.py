@@ -88,6 +88,11 @@ def stage_specs(recipe: Recipe, bus: BusConfig, run_dir: Path) -> list[StageSpec
             "stage reference (reference)", ReferenceConfig,
             dict(options, bus=busd, run=run, model=recipe.model)),
             recipe.resources_of("reference")))
+    if recipe.teacher is not None:
+        specs.append(StageSpec("teacher", "reference", _checked(
+            "stage teacher (reference)", ReferenceConfig,
+            dict(recipe.teacher.model_dump(), bus=busd, run=run, role="teacher",
+                 member_id="teacher-0")), recipe.resources_of("teacher")))
     specs.append(StageSpec("aggregate", "aggregate", _checked(
         "stage aggregate (aggregate)", AggregateConfig, dict(
             recipe.aggregate.model_dump(), run=run, partitions=recipe.partitions,

@@ -34,13 +34,14 @@ def input_group(run: str, kind: str, name: str) -> tuple[str, list[str]] | None:
     Args:
         run: run name.
         kind: stage kind (``reward``, ``aggregate``, ``reference``, ...).
-        name: stage name (``reward.<reward name>`` for rewards).
+        name: stage name (``reward.<reward name>`` for rewards; ``reference`` or
+            ``teacher`` for the reference kind).
     """
     rollouts = topics.run_topic(run, topics.ROLLOUTS)
     if kind == "reward":
         return topics.reward_group(run, name.split(".", 1)[1]), [rollouts]
-    if kind == "reference":
-        return topics.group(run, "reference"), [rollouts]
+    if kind == "reference":  # the reference or the teacher: its name is its role
+        return topics.group(run, name), [rollouts]
     if kind == "aggregate":
         ins = [rollouts, topics.run_topic(run, topics.REWARDS)]
         return topics.group(run, "aggregate"), ins

@@ -23,6 +23,8 @@ GRAD_NORM = "grad_norm"
 REWARD_MEAN = "reward_mean"            # mean final reward of the samples decided this step
 ACCURACY = "accuracy"                  # fraction of them judged correct
 REWARD_MEAN_TRAINED = "reward_mean_trained"  # mean final reward of the trained samples only
+TEACHER_KL = "teacher_kl"              # on-policy distillation: mean logprobs - teacher_logprobs
+# over the trained loss tokens (nats/token; only when a teacher is on)
 ADVANTAGE_MEAN = "advantage_mean"      # mean advantage over the trained rows (one per row)
 ADVANTAGE_STD = "advantage_std"        # its sample std (1 for REINFORCE++ unless rewards are equal)
 STALENESS_MEAN = "staleness_mean"

@@ -17,6 +17,9 @@ NAMES_VERSION = 1
 ROLLOUTS = "rollouts"
 REWARDS = "rewards"
 REF_LOGPROBS = "ref_logprobs"
+TEACHER_LOGPROBS = "teacher_logprobs"
+"""``<run>.teacher_logprobs``: a teacher model's log-probs of each rollout's response (the
+teacher stage, on-policy distillation); co-partitioned with the rollouts."""
 TRAIN_SAMPLES = "train_samples"
 WEIGHTS = "weights"
 METRICS = "metrics"
@@ -31,8 +34,8 @@ rewards. ``relax reward attach --weight`` / ``relax reward detach`` announce a c
 the policy_version from which it counts; the aggregator applies them
 (:mod:`relax.consumers.reward.plan`)."""
 
-RUN_TOPICS = (ROLLOUTS, REWARDS, REF_LOGPROBS, TRAIN_SAMPLES, WEIGHTS, METRICS, PROGRESS,
-              REWARD_CHANGES)
+RUN_TOPICS = (ROLLOUTS, REWARDS, REF_LOGPROBS, TEACHER_LOGPROBS, TRAIN_SAMPLES, WEIGHTS,
+              METRICS, PROGRESS, REWARD_CHANGES)
 """Every per-run topic name (without the ``<run>.`` prefix)."""
 
 AGGREGATE_CHANGELOG = "aggregate_changelog"

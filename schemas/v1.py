@@ -142,6 +142,13 @@ REF_LOGPROBS = _schema("ref_logprobs", _ID_FIELDS + [
     _f("ref_policy_version", pa.int64(), "policy_version of the reference weights (0 = frozen initial model)"),
 ])
 
+TEACHER_LOGPROBS = _schema("teacher_logprobs", _ID_FIELDS + [
+    _f("teacher_logprobs", pa.list_(pa.float32()),
+       "teacher-model log-probs of response_ids (temperature-scaled as the rollout); len = "
+       "response_ids", unit="nats"),
+    _f("teacher_model", pa.string(), "the teacher model (name or folder)"),
+])
+
 TRAIN_SAMPLES = _schema("train_samples", _ID_FIELDS + [
     _f("prompt_id", pa.string(), "prompt this trajectory answers"),
     _f("dataset", pa.string(), "data set name of the prompt"),
@@ -153,6 +160,9 @@ TRAIN_SAMPLES = _schema("train_samples", _ID_FIELDS + [
     _f("logprobs", pa.list_(pa.float32()), "rollout log-probs", unit="nats"),
     _f("ref_logprobs", pa.list_(pa.float32()), "reference log-probs (null when KL is off)",
        unit="nats", nullable=True),
+    _f("teacher_logprobs", pa.list_(pa.float32()),
+       "teacher log-probs (on-policy distillation; null when it is off)", unit="nats",
+       nullable=True),
     _f("advantages", pa.list_(pa.float32()), "per-token advantages; len = response_ids"),
     _f("reward", pa.float32(), "final scalar reward (weighted sum of the counted rewards, shaping applied)"),
     _f("reward_components", pa.map_(pa.string(), pa.float32()), "each counted reward by name"),
@@ -241,6 +251,7 @@ SCHEMAS: dict[str, pa.Schema] = {
     "rollouts": ROLLOUTS,
     "rewards": REWARDS,
     "ref_logprobs": REF_LOGPROBS,
+    "teacher_logprobs": TEACHER_LOGPROBS,
     "train_samples": TRAIN_SAMPLES,
     "weights": WEIGHTS,
     "metrics": METRICS,

@@ -140,6 +140,7 @@ def _check_train_samples(name, batch) -> None:
     _check_tokens(name, batch)
     _check_same_len(name, batch, "advantages")
     _check_same_len(name, batch, "ref_logprobs", allow_null=True)
+    _check_same_len(name, batch, "teacher_logprobs", allow_null=True)
     _check_in(name, batch, "drop_reason", DROP_REASONS, allow_null=True)
 
 
@@ -149,12 +150,14 @@ def _check_rewards(name, batch) -> None:
     _require(name, "value", bad, "a finite float or null", lambda r: str(v[r].as_py()))
 
 
-def _check_ref_logprobs(name, batch) -> None:
-    flat = pc.list_flatten(batch.column("ref_logprobs"))
-    if len(flat) and not pc.all(pc.is_finite(flat)).as_py():
-        i = _first_true(pc.invert(pc.is_finite(flat)))
-        row = int(pc.list_parent_indices(batch.column("ref_logprobs"))[i].as_py())
-        raise SchemaError(name, "ref_logprobs", row, "finite log-probs", str(flat[i].as_py()))
+def _check_finite_logprobs(column: str) -> Callable:
+    def check(name, batch) -> None:
+        flat = pc.list_flatten(batch.column(column))
+        if len(flat) and not pc.all(pc.is_finite(flat)).as_py():
+            i = _first_true(pc.invert(pc.is_finite(flat)))
+            row = int(pc.list_parent_indices(batch.column(column))[i].as_py())
+            raise SchemaError(name, column, row, "finite log-probs", str(flat[i].as_py()))
+    return check
 
 
 def _check_weights(name, batch) -> None:
@@ -169,7 +172,8 @@ _ROW_CHECKS: dict[str, Callable] = {
     "rollouts": _check_rollouts,
     "train_samples": _check_train_samples,
     "rewards": _check_rewards,
-    "ref_logprobs": _check_ref_logprobs,
+    "ref_logprobs": _check_finite_logprobs("ref_logprobs"),
+    "teacher_logprobs": _check_finite_logprobs("teacher_logprobs"),
     "weights": _check_weights,
 }
 

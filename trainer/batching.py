@@ -194,6 +194,26 @@ def _row_sums(values: np.ndarray, offsets: np.ndarray) -> np.ndarray:
     return c[offsets[1:]] - c[offsets[:-1]]
 
 
+def teacher_kl(groups: list[pa.Table]) -> float | None:
+    """Mean over the loss tokens of the rows with teacher log-probs of ``logprobs -
+    teacher_logprobs`` (nats/token): the k1 estimate of the reverse KL from the student
+    (at sampling) to the teacher that on-policy distillation minimises; None when no row
+    has teacher log-probs or no loss token."""
+    total, tokens = 0.0, 0
+    for g in groups:
+        has = pc.is_valid(g.column("teacher_logprobs"))
+        if not pc.any(has).as_py():
+            continue
+        t = g.filter(has)
+        lp, _ = _lists(t.column("logprobs"))
+        teacher, _ = _lists(t.column("teacher_logprobs"))
+        mask, _ = _lists(t.column("loss_mask"))
+        on = mask != 0
+        total += float((lp[on].astype(np.float64) - teacher[on]).sum())
+        tokens += int(on.sum())
+    return total / tokens if tokens else None
+
+
 def loss_counts(groups: list[pa.Table]) -> tuple[int, int]:
     """``(loss tokens, sequences with >= 1 loss token)`` of a whole global batch: the
     ``global_tokens`` / ``global_seqs`` its loss is normalised by."""

@@ -35,7 +35,8 @@ from relax.streams.producer import BatchProducer
 from relax.trainer import checkpoint
 from relax.trainer.advantage.batch import with_batch_advantages
 from relax.trainer.backends import build_backend
-from relax.trainer.batching import informative_rows, loss_counts, micro_batches, split_groups
+from relax.trainer.batching import (informative_rows, loss_counts, micro_batches, split_groups,
+                                   teacher_kl)
 from relax.trainer.config import TrainerConfig
 from relax.trainer.ledger import Ledger
 from relax.trainer.source import Batch, SampleSource
@@ -229,6 +230,9 @@ class TrainerStage:
         self.source.trained(batch, self.version)
         out = {**stats, **batch_metrics(batch, t.accuracy_reward, t.accuracy_threshold),
                **adv_stats}
+        kl = teacher_kl(batch.groups)
+        if kl is not None:
+            out[M.TEACHER_KL] = kl
         self.version += 1
         with self._progress_lock:
             self.counters["groups_consumed"] += len(batch.groups)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 
 import pyarrow as pa
+import pytest
 
 from relax.consumers.samples import AdvantageConfig
 from relax.streams.read import read_table
@@ -31,6 +32,32 @@ def test_join_state_completes_only_with_all_counted_rewards():
     # redelivery of an emitted group is ignored
     assert s.add("rollouts", pa.Table.from_pylist(rows, schema=ROLLOUTS), 2.0) is None
     assert s.take_ready(3.0, timeout_s=100) == [] and s.duplicates == 2
+
+
+def test_join_state_waits_for_teacher_logprobs_when_distilling():
+    """distill_coef > 0: a group is complete only with every rollout's teacher log-probs,
+    which reach its train samples; without distillation teacher rows are ignored."""
+    from relax.schemas.v1 import TEACHER_LOGPROBS
+
+    rows = rollout_rows(2, group_size=2, tokens=3)
+    teacher = pa.Table.from_pylist(
+        [dict(rollout_id=r["rollout_id"], group_id=r["group_id"], teacher_logprobs=[-1.0] * 3,
+              teacher_model="t") for r in rows], schema=TEACHER_LOGPROBS)
+    s = JoinState(AdvantageConfig(rewards={"math": 1.0}, distill_coef=0.5))
+    s.add("rollouts", pa.Table.from_pylist(rows, schema=ROLLOUTS), 0.0)
+    s.add("rewards", pa.Table.from_pylist(reward_rows(rows, "math", [1, 0]), schema=REWARDS), 0.0)
+    s.add("teacher_logprobs", teacher.slice(0, 1), 0.0)
+    assert s.take_ready(1.0, timeout_s=100) == []
+    assert s.add("teacher_logprobs", teacher.slice(0, 1), 0.0) is None  # a duplicate
+    s.add("teacher_logprobs", teacher.slice(1, 1), 0.0)
+    (_, out), = s.take_ready(1.0, timeout_s=100)
+    assert out.column("teacher_logprobs").to_pylist() == [[-1.0] * 3] * 2
+    # advantage: outcome +-0.7070 minus 0.5 x (logprobs -0.25 - teacher -1.0) = -0.375
+    first = [a[0] for a in out.column("advantages").to_pylist()]
+    assert first[0] - first[1] == pytest.approx(1.414, abs=1e-3)
+    assert first[0] + first[1] == pytest.approx(-0.75, abs=1e-5)
+    plain = JoinState(AdvantageConfig(rewards={"math": 1.0}))
+    assert plain.add("teacher_logprobs", teacher, 0.0) is None
 
 
 def test_join_state_timeout_emits_uneven_group():

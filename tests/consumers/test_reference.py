@@ -195,3 +195,56 @@ def test_reference_follows_the_policy_every_n_versions(bus, unique, tmp_path):
         if stage._subscriber is not None:
             stage._subscriber.close()
         pub.close()
+
+
+def test_teacher_stage_on_the_broker(bus, unique, engine):
+    """role teacher: its own model (here the tiny model with perturbed weights), consumer
+    group <run>.teacher, output <run>.teacher_logprobs; each row's teacher_logprobs are
+    that model's log-probs of the response at the student's positions and temperature."""
+    import copy
+
+    rollouts = topics.run_topic(unique, "rollouts")
+    ensure_topics(bus, {rollouts: 2})
+    rows = _rollouts(engine, 0.8, 3)
+    p = BatchProducer(bus)
+    p.send(rollouts, pa.RecordBatch.from_pylist(rows, schema=ROLLOUTS))
+    p.close()
+    teacher = copy.deepcopy(engine.model)
+    with torch.no_grad():
+        for w in teacher.parameters():
+            w.add_(0.05 * torch.randn(w.shape, generator=torch.Generator().manual_seed(1)))
+    stage = ReferenceStage(ReferenceConfig(bus=bus, run=unique, role="teacher", model="t-folder",
+                                           member_id="teacher-0", poll_timeout_s=0.3),
+                           model=teacher)
+    done = threading.Event()
+    out_topic = topics.run_topic(unique, "teacher_logprobs")
+    t = threading.Thread(target=lambda: stage.run(done.is_set), daemon=True)
+    t.start()
+    try:
+        deadline = time.monotonic() + 60
+        got = []
+        while len(got) < len(rows) and time.monotonic() < deadline:
+            time.sleep(0.3)
+            try:
+                got = read_table(bus, out_topic).to_pylist()
+            except (TimeoutError, ValueError):
+                got = []
+    finally:
+        done.set()
+        t.join(timeout=30)
+    table = read_table(bus, out_topic)
+    validate(table, "teacher_logprobs")
+    by_id = {r["rollout_id"]: r for r in table.to_pylist()}
+    assert set(by_id) == {r["rollout_id"] for r in rows}
+    want = response_logprobs(teacher, [r["prompt_ids"] for r in rows],
+                             [r["response_ids"] for r in rows], 0.8)
+    for r, w in zip(rows, want):
+        got_r = by_id[r["rollout_id"]]
+        assert got_r["teacher_model"] == "t-folder" and got_r["group_id"] == r["group_id"]
+        assert got_r["teacher_logprobs"] == pytest.approx(w, abs=1e-5)
+        assert got_r["teacher_logprobs"] != pytest.approx(r["logprobs"], abs=1e-3)
+    from relax.streams.lag import group_offsets, high_watermarks
+
+    assert group_offsets(bus, f"{unique}.teacher") == high_watermarks(bus, [rollouts])
+    with pytest.raises(ValueError, match="a teacher is frozen"):
+        ReferenceConfig(bus=bus, run=unique, role="teacher", follow_every=1)

@@ -140,3 +140,36 @@ def test_missing_counted_reward_is_an_error():
 def test_unknown_estimator_lists_valid():
     with pytest.raises(ValueError, match="grpo"):
         AdvantageConfig(estimator="nope")
+
+
+def test_distillation_adds_the_teachers_reverse_kl_per_loss_token():
+    """distill_coef c: every kept row's token advantage is the outcome advantage minus
+    c x (logprobs - teacher_logprobs) on loss tokens, the outcome advantage alone on the
+    others; dropped rows stay 0; teacher_logprobs are carried; a kept row without them
+    is an error."""
+    import numpy as np
+
+    rows, _ = _group(4, tokens=3)
+    rows[0]["loss_mask"] = [1, 0, 1]
+    rows[3]["finish_reason"] = "error"
+    t = pa.Table.from_pylist(rows, schema=ROLLOUTS)
+    teacher = {r["rollout_id"]: [lp - 0.1 * (k + 1) for k, lp in enumerate(r["logprobs"])]
+               for r in rows}
+    cfg = AdvantageConfig(distill_coef=2.0)
+    plain = build_train_samples(t, _cells(rows, [1, 0, 0, 0]), None, AdvantageConfig())
+    out = build_train_samples(t, _cells(rows, [1, 0, 0, 0]), None, cfg, teacher_logprobs=teacher)
+    validate(out, "train_samples")
+    for r, a, base, m in zip(rows, out.column("advantages").to_pylist(),
+                             plain.column("advantages").to_pylist(),
+                             out.column("loss_mask").to_pylist()):
+        if r["finish_reason"] == "error":
+            assert a == [0.0, 0.0, 0.0]
+            continue
+        kl = np.asarray(r["logprobs"]) - np.asarray(teacher[r["rollout_id"]])  # 0.1, 0.2, 0.3
+        want = np.asarray(base) - 2.0 * kl * np.asarray(m)
+        assert a == pytest.approx(want.tolist(), abs=1e-5)
+    assert out.column("teacher_logprobs").to_pylist()[1] == pytest.approx(teacher[rows[1]["rollout_id"]])
+    assert plain.column("teacher_logprobs").null_count == 4
+    missing = {k: v for k, v in teacher.items() if k != rows[2]["rollout_id"]}
+    with pytest.raises(KeyError, match="teacher_logprobs for rollout"):
+        build_train_samples(t, _cells(rows, [1, 0, 0, 0]), None, cfg, teacher_logprobs=missing)

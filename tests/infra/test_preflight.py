@@ -132,3 +132,12 @@ def test_cli_bad_reward_exits_2_with_one_line_quickly():
     # above shows it (train says "run: ..." as it makes the folder). Its wall time is the
     # imports' (torch); a bound on it compared two cold starts on a shared 2-core machine
     # and failed CI by 0.07 s (7.69 s vs a bad key's 6.62 s + 1 s): not asserted.
+
+
+def test_opd_recipe_names_its_missing_teacher_and_passes_with_one(tmp_path):
+    """recipes/opd_smollm2.yaml needs the demo's final_model: without it the teacher is
+    named; with a model there (here the student itself) it passes."""
+    with pytest.raises(RecipeError, match=r"^teacher\.model: "):
+        preflight(load_recipe(RECIPES / "opd_smollm2.yaml",
+                              [f"teacher.model={tmp_path / 'arith-teacher' / 'final_model'}"]))
+    preflight(load_recipe(RECIPES / "opd_smollm2.yaml", ["teacher.model=smollm2-135m"]))

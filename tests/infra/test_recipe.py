@@ -17,6 +17,7 @@ from relax.infra.recipe import RecipeError, load_recipe
 from relax.infra.sections import (
     AGGREGATE_WIRING,
     REFERENCE_WIRING,
+    TEACHER_WIRING,
     REWARD_WIRING,
     ROLLOUT_WIRING,
     TRAINER_WIRING,
@@ -31,6 +32,7 @@ STAGES = {
     "rollout": (RolloutConfig, "rollout", ROLLOUT_WIRING),
     "reward": (RewardStageConfig, "rewards.0", REWARD_WIRING),
     "reference": (ReferenceConfig, "reference", REFERENCE_WIRING),
+    "teacher": (ReferenceConfig, "teacher", TEACHER_WIRING),
     "aggregate": (AggregateConfig, "aggregate", AGGREGATE_WIRING),
     "trainer": (TrainerStageConfig, "trainer", TRAINER_WIRING),
 }
@@ -47,6 +49,8 @@ SPECIAL = {  # options whose other value must come with another key, or has a ru
     ("rollout", "top_p"): (0.9, []),
     ("reference", "device"): ("cpu", []),
     ("reference", "weights_rendezvous"): ("tcp://127.0.0.1:1234", []),
+    ("teacher", "device"): ("cpu", []),
+    ("teacher", "model"): ("smollm2-135m", []),
     ("reward", "options"): ({"mode": "strict"}, []),
     ("reward", "memory_limit_bytes"): (1 << 30, []),
     ("trainer", "weights_host"): ("10.0.0.1", []),
@@ -72,12 +76,17 @@ def _other_value(field, default):
 
 
 def _recipe(*overrides):
-    return load_recipe(RECIPES / "tiny_ci.yaml", ["reference.enabled=true", *overrides])
+    return load_recipe(RECIPES / "tiny_ci.yaml", ["reference.enabled=true", *DISTILL, *overrides])
 
 
-def _spec(recipe, kind):
+DISTILL = ("teacher.model=tiny-llama", "advantage.distill_coef=0.5")
+
+
+def _spec(recipe, stage):
+    """The spec of ``stage`` (``rollout``, ``reward``, ``reference``, ``teacher``, ...: its
+    name before ``-<i>`` or ``.<reward name>``)."""
     specs = stage_specs(recipe, BusConfig(bootstrap_servers="127.0.0.1:9"), Path("runs/x"))
-    return next(s for s in specs if s.kind == kind)
+    return next(s for s in specs if s.name.split("-")[0].split(".")[0] == stage)
 
 
 @pytest.mark.parametrize("kind", list(STAGES))
@@ -223,3 +232,23 @@ def test_the_telemetry_block_reaches_the_trainer():
                                         "wandb_entity": None}
     with pytest.raises(RecipeError, match="telemetry.wandb"):
         _recipe("telemetry.wandb=cloud")
+
+
+def test_distillation_needs_a_teacher_and_a_coefficient_and_a_group_estimator():
+    """``teacher:`` and ``advantage.distill_coef`` come together; the teacher stage is the
+    reference stage with role teacher, frozen, its own model; a batch estimator (whose
+    advantages the trainer recomputes) is refused."""
+    base = ["reference.enabled=false"]
+    spec = _spec(load_recipe(RECIPES / "tiny_ci.yaml", [*base, *DISTILL]), "teacher")
+    assert spec.kind == "reference"
+    assert (spec.config["role"], spec.config["model"], spec.config["follow_every"]) == \
+        ("teacher", "tiny-llama", 0)
+    for one in DISTILL:
+        with pytest.raises(RecipeError, match="needs both a teacher: block and"):
+            load_recipe(RECIPES / "tiny_ci.yaml", [*base, one])
+    with pytest.raises(RecipeError, match="batch estimator 'reinforce_pp'"):
+        load_recipe(RECIPES / "tiny_ci.yaml", [*base, *DISTILL, "advantage.estimator=reinforce_pp"])
+    with pytest.raises(RecipeError, match="teacher.follow_every: unknown key"):
+        load_recipe(RECIPES / "tiny_ci.yaml", [*base, *DISTILL, "teacher.follow_every=1"])
+    agg = _spec(load_recipe(RECIPES / "tiny_ci.yaml", [*base, *DISTILL]), "aggregate")
+    assert agg.config["advantage"]["distill_coef"] == 0.5

@@ -35,6 +35,8 @@ def test_loop_stalled_names_the_cause():
 def test_input_group_of_each_stage_kind():
     assert input_group("r", "reward", "reward.correct") == ("r.reward.correct", ["r.rollouts"])
     assert input_group("r", "aggregate", "aggregate") == ("r.aggregate", ["r.rollouts", "r.rewards"])
+    assert input_group("r", "reference", "teacher") == ("r.teacher", ["r.rollouts"])
+    assert input_group("r", "reference", "reference") == ("r.reference", ["r.rollouts"])
     assert input_group("r", "trainer", "trainer") is None
     assert input_group("r", "rollout", "rollout-0") is None
 

@@ -95,3 +95,21 @@ def test_split_groups_deals_every_group_once_balanced(n_groups, n, seed):
 def test_split_groups_rejects_no_ranks():
     with pytest.raises(ValueError, match="n >= 1"):
         split_groups([], 0)
+
+
+def test_teacher_kl_is_the_mean_over_loss_tokens_of_rows_with_a_teacher():
+    from relax.trainer.batching import teacher_kl
+
+    g = train_sample_table(2, group_size=2)
+    assert teacher_kl([x for _, x in group_by_key(g, "group_id")]) is None  # no teacher log-probs anywhere
+    rows = g.to_pylist()
+    for i, r in enumerate(rows):
+        n = len(r["response_ids"])
+        r["loss_mask"] = [1] * (n - 1) + [0]
+        # rows 0 and 2 have a teacher 0.5 / 1.5 nats below the student; rows 1, 3 none
+        r["teacher_logprobs"] = None if i % 2 else [lp - (0.5 if i == 0 else 1.5)
+                                                     for lp in r["logprobs"]]
+    t = pa.Table.from_pylist(rows, schema=g.schema)
+    n0, n2 = len(rows[0]["response_ids"]) - 1, len(rows[2]["response_ids"]) - 1
+    want = (0.5 * n0 + 1.5 * n2) / (n0 + n2)
+    assert teacher_kl([x for _, x in group_by_key(t, "group_id")]) == pytest.approx(want, abs=1e-6)
