@@ -27,7 +27,9 @@ Budgets: ``max_turns`` model turns (then ``turn_budget`` unless the environment 
 done; the environment still scores the last turn, its observation is not appended),
 ``max_total_tokens`` response tokens in all (model + environment; then
 ``token_budget``). A model turn cut at ``max_new_tokens`` ends the episode with
-``length``; an episode the environment ends has the last turn's reason (``stop``).
+``length`` (or ``token_budget`` when the total budget cut it); the environment still
+scores such a turn (its observation is dropped). An episode the environment ends has
+the last turn's reason (``stop``).
 Without partial rollout, every turn of an episode uses one policy_version (the engine's
 ``hold()`` defers weight swaps until the group finishes).
 """
@@ -39,6 +41,11 @@ from dataclasses import dataclass, field, replace
 from typing import Protocol, runtime_checkable
 
 from relax.consumers.engines.base import Engine, SamplingParams
+
+
+CUT = ("length", "token_budget")
+"""Finish reasons of a model turn cut by a budget: the environment still scores the turn
+(its observation is dropped), as a single-turn reward scores a truncated answer."""
 
 
 @runtime_checkable
@@ -237,6 +244,9 @@ def run_episodes(
             for i in active:
                 e = episodes[i]
                 if e.finish_reason is not None:
+                    if e.finish_reason in CUT and len(e.rewards) < len(e.texts):
+                        # a turn cut by a budget ends the episode, and is still scored
+                        e.rewards.append(envs[i].step(e.texts[-1])[2])
                     continue
                 obs, done, reward = envs[i].step(e.texts[-1])
                 e.rewards.append(reward)

@@ -27,7 +27,7 @@ import yaml
 from relax.infra.broker import LocalBroker
 from relax.infra.controller import Controller
 from relax.infra.preflight import preflight
-from relax.infra.recipe import Recipe
+from relax.infra.recipe import ENVIRONMENT_REWARD, Recipe
 from relax.infra.report import step_rows
 from relax.infra.run_watch import (
     MetricsFollower,
@@ -96,7 +96,8 @@ def _evaluate(recipe: Recipe, model: str, rows: list[dict]):
     from relax.infra.evaluate import greedy_accuracy
 
     ev = recipe.eval
-    reward = ev.reward or next(r for r in recipe.rewards if r.weight)
+    reward = ev.reward or next(r for r in recipe.rewards
+                               if r.weight and r.fn != ENVIRONMENT_REWARD)
     return greedy_accuracy(model, rows, reward_fn=reward.fn, reward_options=reward.options,
                            prompt_template=recipe.rollout.prompt_template,
                            max_new_tokens=ev.max_new_tokens, batch_size=ev.batch_size,

@@ -32,7 +32,7 @@ import difflib
 import inspect
 from pathlib import Path
 
-from relax.infra.recipe import Recipe, RecipeError, RewardSpec
+from relax.infra.recipe import ENVIRONMENT_REWARD, Recipe, RecipeError, RewardSpec
 
 HUB_TIMEOUT_S = 5.0
 """Time limit of the Hub metadata request for a model that is neither built in, a folder,
@@ -55,7 +55,10 @@ def preflight(recipe: Recipe) -> None:
     """
     _check_reward_names(recipe)
     for i, spec in enumerate(recipe.rewards):
-        _check_reward_fn(f"rewards.{i}", spec)
+        if spec.fn != ENVIRONMENT_REWARD:
+            _check_reward_fn(f"rewards.{i}", spec)
+    if recipe.rollout.environment is not None:
+        _check_environment("rollout.environment", recipe.rollout.environment)
     if recipe.eval is not None and recipe.eval.reward is not None:
         _check_reward_fn("eval.reward", recipe.eval.reward)
     if recipe.data.source is not None:
@@ -86,6 +89,15 @@ def _check_reward_names(recipe: Recipe) -> None:
     if acc is not None and acc not in names:
         raise _fail("trainer.accuracy_reward", f"{acc!r} is not the name of a reward in rewards[] "
                     f"({', '.join(names)}){_did_you_mean(acc, names)}")
+
+
+def _check_environment(key: str, spec: str) -> None:
+    from relax.consumers.environments import ENVIRONMENTS, load_environment_factory
+
+    try:
+        load_environment_factory(spec)
+    except ValueError as e:
+        raise _fail(key, f"{e}{_did_you_mean(spec, ENVIRONMENTS)}") from None
 
 
 def _check_reward_fn(key: str, spec: RewardSpec) -> None:

@@ -51,6 +51,8 @@ from relax.trainer.config import TrainerConfig
 from relax.trainer.telemetry import TelemetryConfig
 
 STAGES = ("rollout", "reward", "reference", "teacher", "aggregate", "trainer")
+ENVIRONMENT_REWARD = "environment"
+"""``rewards[].fn`` of the reward the rollout environment gives (no reward stage)."""
 """Stage names of a run (each one or more processes)."""
 
 
@@ -71,7 +73,8 @@ class EvalConfig(StrictModel):
 
     ``source`` is read like a data source; prompts that also appear in the training
     data are removed, then the first ``size`` are used. Correct = the reward ``reward``
-    (default: the first counted reward) gives a value > ``threshold``."""
+    (default: the first counted reward not given by the environment) gives a value >
+    ``threshold``."""
 
     source: str
     size: int = Field(200, ge=1)
@@ -208,6 +211,17 @@ class Recipe(StrictModel):
         if slow:  # a reward call may take its timeout_s inside one turn of the stage loop
             raise ValueError(f"stall_timeout_s {self.stall_timeout_s:g} must exceed the "
                              f"timeout_s of rewards {slow}")
+        env = [r.name for r in self.rewards if r.fn == ENVIRONMENT_REWARD]
+        if len(env) > 1:
+            raise ValueError(f"rewards: one reward may have fn {ENVIRONMENT_REWARD!r}, got {env}")
+        if env and self.rollout.environment is None:
+            raise ValueError(f"rewards: {env[0]!r} has fn {ENVIRONMENT_REWARD!r} (the rollout "
+                             "environment's reward) but rollout.environment is not set")
+        if self.eval is not None and self.eval.reward is None and not any(
+                r.weight and r.fn != ENVIRONMENT_REWARD for r in self.rewards):
+            raise ValueError("eval.reward: every counted reward is the environment's (fn: "
+                             "environment), which greedy single-turn eval cannot call; set "
+                             "eval.reward")
         if not any(r.weight for r in self.rewards):
             raise ValueError("rewards: at least one reward needs a weight != 0")
         distill = self.advantage.distill_coef > 0
@@ -223,6 +237,10 @@ class Recipe(StrictModel):
             raise ValueError(f"trainer.model {self.trainer.model!r} differs from model "
                              f"{self.model!r}: set only model")
         return self
+
+    def environment_reward(self) -> str | None:
+        """The name of the reward with ``fn: environment``, or None."""
+        return next((r.name for r in self.rewards if r.fn == ENVIRONMENT_REWARD), None)
 
     def resources_of(self, stage: str) -> Resources:
         """Resources of ``stage`` (defaults when the recipe gives none)."""

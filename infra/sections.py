@@ -44,7 +44,8 @@ def section_of(config: type[BaseModel], title: str, wiring: frozenset[str], doc:
 
 
 ROLLOUT_WIRING = frozenset({"bus", "run", "dataset", "model", "engine_id", "instance_index",
-                            "num_instances", "rollouts_partitions", "busy_dir"})
+                            "num_instances", "rollouts_partitions", "busy_dir",
+                            "environment_reward"})
 REWARD_WIRING = frozenset({"bus", "run", "reward", "name"})
 REFERENCE_WIRING = frozenset({"bus", "run", "model", "role"})
 TEACHER_WIRING = frozenset({"bus", "run", "role", "member_id", "follow_every",
@@ -66,9 +67,11 @@ RewardSpec = section_of(
     RewardStageConfig, "RewardSpec", REWARD_WIRING,
     "One reward consumer: ``fn`` (a REWARD_FNS name or ``module:function``) scored under "
     "``name``; ``weight`` counts it in the final reward (0 = recorded only); every other "
-    "option of ``RewardStageConfig`` (``consumers/reward/stage.py``).",
+    "option of ``RewardStageConfig`` (``consumers/reward/stage.py``). ``fn: environment`` "
+    "is the reward of ``rollout.environment``: no consumer, the rollout stage writes it.",
     name=(str, Field(description="reward_name on the rows; the name every other key uses")),
-    fn=(str, Field(description="a REWARD_FNS name or module:function")),
+    fn=(str, Field(description="a REWARD_FNS name, module:function, or environment (the "
+                               "rollout environment's reward)")),
     weight=(float, Field(1.0, description="weight in the final reward (0 = recorded only)")))
 
 ReferenceSection = section_of(

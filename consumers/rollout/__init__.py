@@ -75,12 +75,8 @@ from relax.consumers.rollout.config import RolloutConfig
 from relax.consumers.rollout.credit import instance_budget, share
 from relax.consumers.rollout.metrics import WEIGHT_WAIT_S, RolloutStats
 from relax.consumers.rollout.prompts import _Item as _Item  # tests build queue items
-from relax.consumers.rollout.sampling import (
-    build_engine,
-    load_environment_factory,
-    rollout_batch,
-    sample_groups,
-)
+from relax.consumers.environments import load_environment_factory
+from relax.consumers.rollout.sampling import build_engine, rollout_batch, sample_groups
 from relax.consumers.rollout.stage import RolloutStage
 from relax.consumers.rollout.state import SavedState, saved_state
 from relax.streams.progress import TrainerProgress

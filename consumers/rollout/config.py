@@ -39,8 +39,13 @@ class RolloutConfig(BaseModel):
             stage goes on with the weights it has (logged).
         weights_rendezvous: ``tcp://host:port`` of the trainer's publisher, to join before
             its first announcement (default: learnt from the first announcement).
-        environment: ``module:function`` returning a new environment per sample
-            (multi-turn); None = single turn.
+        environment: a built-in environment (``calculator``, ``humaneval``) or
+            ``module:Class`` / ``module:function`` making a new one per sample
+            (:mod:`relax.consumers.environments`; multi-turn); None = single turn.
+        environment_options: keyword arguments of the environment's constructor.
+        environment_reward: write each episode's environment reward to ``<run>.rewards``
+            under this reward_name (the recipe's reward with ``fn: environment``; wired
+            by the launcher); None = the rewards stay in the rollout's metadata only.
         max_turns / max_total_tokens: multi-turn budgets (turns; response tokens).
         instance_index / num_instances: this instance among the rollout instances.
         rollouts_partitions: partitions of ``<run>.rollouts`` if the stage creates it.
@@ -79,6 +84,8 @@ class RolloutConfig(BaseModel):
     weights_rendezvous: str | None = None
     weights_wait_s: float = Field(300.0, gt=0)
     environment: str | None = None
+    environment_options: dict = Field(default_factory=dict)
+    environment_reward: str | None = None
     max_turns: int = Field(1, ge=1)
     max_total_tokens: int | None = Field(None, ge=1)
     instance_index: int = Field(0, ge=0)
@@ -99,6 +106,9 @@ class RolloutConfig(BaseModel):
             raise ValueError("engine 'sglang' needs sglang_url (http://host:port)")
         topics.check_name("run", self.run)
         topics.check_name("dataset", self.dataset)
+        if self.environment_reward is not None and self.environment is None:
+            raise ValueError(f"environment_reward {self.environment_reward!r} needs an "
+                             "environment")
         try:
             self.prompt_template.format(prompt="")
         except (KeyError, IndexError, ValueError) as e:

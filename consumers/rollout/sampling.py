@@ -4,33 +4,16 @@ one engine call (:func:`sample_groups`), and the ROLLOUTS rows of a group
 
 from __future__ import annotations
 
-import importlib
 import json
 import time
-from collections.abc import Callable
 
 import pyarrow as pa
 
 from relax.consumers.engines.base import Engine, SamplingParams
 from relax.consumers.multiturn import Episode
 from relax.consumers.rollout.config import RolloutConfig
-from relax.schemas.v1 import ROLLOUTS
+from relax.schemas.v1 import REWARDS, ROLLOUTS
 from relax.schemas.validate import validate
-
-
-def load_environment_factory(spec: str) -> Callable[[], object]:
-    """``module:function`` -> the function (called once per sample for a new environment).
-
-    Raises:
-        ValueError: not of the form ``module:function`` or not found (names it).
-    """
-    mod, sep, fn = spec.partition(":")
-    if not sep or not mod or not fn:
-        raise ValueError(f"environment must be 'module:function', got {spec!r}")
-    try:
-        return getattr(importlib.import_module(mod), fn)
-    except (ImportError, AttributeError) as e:
-        raise ValueError(f"environment {spec!r} cannot be loaded: {e}") from e
 
 
 def build_engine(cfg: RolloutConfig) -> Engine:
@@ -103,6 +86,27 @@ def rollout_batch(
         )
     batch = pa.RecordBatch.from_pylist(rows, schema=ROLLOUTS)
     validate(batch, "rollouts")
+    return batch
+
+
+def environment_reward(e: Episode) -> float | None:
+    """An episode's reward from its environment: the sum of the rewards its steps gave
+    (None when none gave one: the reward abstains)."""
+    given = [r for r in e.rewards if r is not None]
+    return float(sum(given)) if given else None
+
+
+def environment_reward_batch(rollouts: pa.RecordBatch, samples: list[Episode],
+                             reward_name: str) -> pa.RecordBatch:
+    """REWARDS rows (validated) of one group's episodes under ``reward_name``: value =
+    :func:`environment_reward`; ``details`` = the per-step rewards as JSON."""
+    rows = [dict(rollout_id=rid, group_id=gid, reward_name=reward_name,
+                 value=environment_reward(e), details=json.dumps({"step_rewards": e.rewards}),
+                 error=None, elapsed_s=0.0)
+            for rid, gid, e in zip(rollouts.column("rollout_id").to_pylist(),
+                                   rollouts.column("group_id").to_pylist(), samples)]
+    batch = pa.RecordBatch.from_pylist(rows, schema=REWARDS)
+    validate(batch, "rewards")
     return batch
 
 

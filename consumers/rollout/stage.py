@@ -23,10 +23,11 @@ from relax.consumers.rollout.config import RolloutConfig
 from relax.consumers.rollout.errors import route_prompt_error
 from relax.consumers.rollout.metrics import RolloutStats, emit_metrics
 from relax.consumers.rollout.prompts import PromptQueue, _Item, message_key
+from relax.consumers.environments import load_environment_factory
 from relax.consumers.rollout.sampling import (
     _ms,
     build_engine,
-    load_environment_factory,
+    environment_reward_batch,
     rollout_batch,
     sample_groups,
 )
@@ -58,7 +59,9 @@ class RolloutStage:
         self.trainer_version: int | None = None
         self.base_version: int | None = None
         self.groups_started = 0
-        self._env_factory = load_environment_factory(cfg.environment) if cfg.environment else None
+        self._env_factory = (load_environment_factory(cfg.environment, cfg.environment_options)
+                             if cfg.environment else None)
+        self.rewards_topic = topics.run_topic(cfg.run, topics.REWARDS)
         self._state_topic = topics.rollout_state_topic(cfg.run)
         self._prompts = PromptQueue(cfg, self._state_topic, self.stats)
         self._saved = SavedState()
@@ -279,6 +282,9 @@ class RolloutStage:
                 item.row, group_id, samples, self.cfg, self.cfg.engine_id, started, finished
             )
             producer.send(self.rollouts_topic, batch)
+            if self.cfg.environment_reward:  # the episodes' rewards are real rewards
+                producer.send(self.rewards_topic, environment_reward_batch(
+                    batch, samples, self.cfg.environment_reward))
             self._prompts.pending_gids.setdefault(message_key(item.delivery), []).append(group_id)
             self.stats.groups += 1
             self.stats.samples += len(samples)
@@ -309,6 +315,8 @@ class RolloutStage:
         errors = topics.errors_topic(self.prompts_topic)
         want = {self.rollouts_topic: self.cfg.rollouts_partitions, metrics: 1, errors: 1,
                 self._state_topic: 1}
+        if self.cfg.environment_reward:  # co-partitioned with the rollouts, like rewards
+            want[self.rewards_topic] = self.cfg.rollouts_partitions
         have = topic_partitions(self.cfg.bus, list(want))
         todo = {t: n for t, n in want.items() if not have.get(t)}
         if todo:

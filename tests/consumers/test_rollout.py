@@ -9,9 +9,9 @@ import time
 import pyarrow as pa
 import pytest
 import torch
-from testdata import prompt_rows
+from testdata import ScriptedEngine, prompt_rows
 
-from relax.consumers.engines.base import Generation, SamplingParams
+from relax.consumers.engines.base import SamplingParams
 from relax.consumers.multiturn import TemplateError, observation_ids, render_ids, run_episodes
 from relax.consumers.rollout import RolloutConfig, RolloutStage, instance_budget, rollout_batch
 from relax.streams.read import read_table
@@ -254,40 +254,6 @@ def test_a_restarted_stage_counts_the_groups_its_predecessor_left_in_flight(bus,
 # ---------------------------------------------------------------- multi-turn
 
 
-class _ScriptedEngine:
-    """An engine that answers each generate call with scripted texts (+ end-of-turn)."""
-
-    def __init__(self, tokenizer, turns: list[str], version: int = 0):
-        self.tokenizer, self.turns, self.calls = tokenizer, list(turns), []
-        self.engine_id, self.policy_version = "scripted", version
-        self.stop_token_ids = frozenset({tokenizer.eos_token_id})
-
-    def generate(self, prompts, params):
-        self.calls.append((prompts, params))
-        text = self.turns.pop(0)
-        ids = self.tokenizer.encode(text, add_special_tokens=False)
-        reason = "stop" if len(ids) < params.max_new_tokens else "length"
-        ids = (
-            ids + [self.tokenizer.eos_token_id]
-            if reason == "stop"
-            else ids[: params.max_new_tokens]
-        )
-        return [
-            Generation(
-                token_ids=ids,
-                logprobs=[-0.5] * len(ids),
-                finish_reason=reason,
-                policy_version_start=self.policy_version,
-                policy_version_end=self.policy_version,
-                text=self.tokenizer.decode(ids, skip_special_tokens=True),
-            )
-            for _ in prompts
-        ]
-
-    def update_weights(self, named_tensors, policy_version):
-        raise NotImplementedError
-
-
 class _ToolEnv:
     """Replies with a tool response for the first ``k`` turns, then ends the episode."""
 
@@ -314,7 +280,7 @@ def test_c22_incremental_tokenisation_equals_the_full_render(tokenizer, k):
     conversation (length difference 0; the newline after every <|im_end|> is there), and
     loss_mask is 1 exactly on the model's tokens (X <|im_end|> ... Z <|im_end|>)."""
     texts = [f"call tool {i}" for i in range(k)] + ["The answer is Z."]
-    engine = _ScriptedEngine(tokenizer, texts)
+    engine = ScriptedEngine(tokenizer, texts)
     row = prompt_rows(1)[0]
     env = _ToolEnv([f"Y{i}" for i in range(k)])
     (ep,) = run_episodes(
@@ -393,7 +359,7 @@ def test_non_prefix_stable_template_is_refused(tokenizer):
 
 def test_turn_and_token_budgets(tokenizer):
     row = prompt_rows(1)[0]
-    engine = _ScriptedEngine(tokenizer, ["a b c"] * 3)
+    engine = ScriptedEngine(tokenizer, ["a b c"] * 3)
     (ep,) = run_episodes(
         engine,
         tokenizer,
@@ -405,7 +371,7 @@ def test_turn_and_token_budgets(tokenizer):
     assert ep.finish_reason == "turn_budget"
     assert [t["role"] for t in ep.turns] == ["assistant", "user"] * 2 + ["assistant"]
     assert ep.rewards == [0.0, 0.0, 0.0]
-    engine = _ScriptedEngine(tokenizer, ["a b c d e f g h"] * 3)
+    engine = ScriptedEngine(tokenizer, ["a b c d e f g h"] * 3)
     (ep,) = run_episodes(
         engine,
         tokenizer,
@@ -416,11 +382,12 @@ def test_turn_and_token_budgets(tokenizer):
         max_total_tokens=22,
     )
     assert ep.finish_reason == "token_budget" and len(ep.response_ids) <= 22
-    engine = _ScriptedEngine(tokenizer, ["a b c d e f g h i j k l m n o p"])
+    engine = ScriptedEngine(tokenizer, ["a b c d e f g h i j k l m n o p"])
     (ep,) = run_episodes(
         engine, tokenizer, [_ToolEnv(["y"])], row, SamplingParams(max_new_tokens=4), max_turns=3
     )
     assert ep.finish_reason == "length" and ep.loss_mask == [1] * 4
+    assert ep.rewards == [0.0]  # the cut turn is still scored (_ToolEnv gives 0.0)
 
 
 def test_multiturn_rows_through_the_hf_engine_hold_one_version(tokenizer):
@@ -514,7 +481,7 @@ def test_prompt_template_is_applied_before_the_chat_template(tokenizer):
         dataset="d",
         prompt_template="{prompt}\nReply with just the number.",
     )
-    engine = _ScriptedEngine(tokenizer, [])
+    engine = ScriptedEngine(tokenizer, [])
     stage = RolloutStage(cfg, engine=engine)
     row = prompt_rows(1)[0]
     from relax.consumers.rollout import _Item

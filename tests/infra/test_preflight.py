@@ -25,7 +25,8 @@ def _error(*overrides: str) -> str:
     return message
 
 
-@pytest.mark.parametrize("name", ["tiny_ci", "arith_grpo_smollm2"])
+@pytest.mark.parametrize("name", ["tiny_ci", "arith_grpo_smollm2", "calc_tool_grpo",
+                                  "humaneval_sandbox"])
 def test_shipped_recipes_pass(name):
     preflight(load_recipe(RECIPES / f"{name}.yaml"))
 

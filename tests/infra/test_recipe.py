@@ -45,6 +45,7 @@ SPECIAL = {  # options whose other value must come with another key, or has a ru
     ("rollout", "stop"): (["END"], []),
     ("rollout", "weights_rendezvous"): ("tcp://127.0.0.1:1234", []),
     ("rollout", "environment"): ("testdata:parity_env", []),
+    ("rollout", "environment_options"): ({"turns": 2}, ["rollout.environment=calculator"]),
     ("rollout", "device"): ("cpu", []),
     ("rollout", "top_p"): (0.9, []),
     ("reference", "device"): ("cpu", []),
@@ -252,3 +253,22 @@ def test_distillation_needs_a_teacher_and_a_coefficient_and_a_group_estimator():
         load_recipe(RECIPES / "tiny_ci.yaml", [*base, *DISTILL, "teacher.follow_every=1"])
     agg = _spec(load_recipe(RECIPES / "tiny_ci.yaml", [*base, *DISTILL]), "aggregate")
     assert agg.config["advantage"]["distill_coef"] == 0.5
+
+
+def test_the_environment_reward_is_written_by_the_rollout_stage():
+    """``fn: environment``: no reward stage; the rollout writes it under that name; it
+    needs rollout.environment, one at most, and eval needs a reward it can call."""
+    env = ['rewards=[{name: correct, fn: environment}]', "rollout.environment=calculator"]
+    specs = stage_specs(load_recipe(RECIPES / "tiny_ci.yaml", env),
+                        BusConfig(bootstrap_servers="127.0.0.1:9"), Path("runs/x"))
+    assert [s.kind for s in specs].count("reward") == 0
+    roll = next(s for s in specs if s.kind == "rollout")
+    assert roll.config["environment_reward"] == "correct"
+    assert roll.config["environment"] == "calculator"
+    with pytest.raises(RecipeError, match="rollout.environment is not set"):
+        load_recipe(RECIPES / "tiny_ci.yaml", env[:1])
+    with pytest.raises(RecipeError, match="one reward may have fn 'environment'"):
+        load_recipe(RECIPES / "tiny_ci.yaml", [
+            'rewards=[{name: a, fn: environment}, {name: b, fn: environment}]', env[1]])
+    with pytest.raises(RecipeError, match="eval.reward"):
+        load_recipe(RECIPES / "calc_tool_grpo.yaml", ["eval.source=x.jsonl"])

