@@ -43,7 +43,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from relax.schemas import topics
-from relax.schemas.v1 import REF_LOGPROBS, TEACHER_LOGPROBS
+from relax.schemas.v1 import SCHEMAS
 from relax.schemas.validate import validate
 from relax.streams.client import BusConfig, ensure_topics
 from relax.trainer.logprobs import token_logprobs
@@ -167,13 +167,8 @@ def ref_batch(
     Raises:
         ValueError: see :func:`response_logprobs`.
     """
-    out = _logprobs(model, rows, max_batch_tokens)
-    batch = pa.RecordBatch.from_pylist(
-        [{"rollout_id": r["rollout_id"], "group_id": r["group_id"], "ref_logprobs": lp,
-          "ref_policy_version": ref_policy_version} for r, lp in zip(rows, out)],
-        schema=REF_LOGPROBS)
-    validate(batch, "ref_logprobs")
-    return batch
+    return _batch(rows, _logprobs(model, rows, max_batch_tokens), "ref_logprobs",
+                  {"ref_policy_version": ref_policy_version})
 
 
 def teacher_batch(model, rows: list[dict], teacher_model: str,
@@ -184,12 +179,17 @@ def teacher_batch(model, rows: list[dict], teacher_model: str,
     Raises:
         ValueError: see :func:`response_logprobs`.
     """
-    out = _logprobs(model, rows, max_batch_tokens)
+    return _batch(rows, _logprobs(model, rows, max_batch_tokens), "teacher_logprobs",
+                  {"teacher_model": teacher_model})
+
+
+def _batch(rows: list[dict], logprobs: list[list[float]], schema: str,
+           extra: dict) -> pa.RecordBatch:
+    """Rows of ``schema`` (whose log-prob column has the schema's name), validated."""
     batch = pa.RecordBatch.from_pylist(
-        [{"rollout_id": r["rollout_id"], "group_id": r["group_id"], "teacher_logprobs": lp,
-          "teacher_model": teacher_model} for r, lp in zip(rows, out)],
-        schema=TEACHER_LOGPROBS)
-    validate(batch, "teacher_logprobs")
+        [{"rollout_id": r["rollout_id"], "group_id": r["group_id"], schema: lp, **extra}
+         for r, lp in zip(rows, logprobs)], schema=SCHEMAS[schema])
+    validate(batch, schema)
     return batch
 
 

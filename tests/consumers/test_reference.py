@@ -108,6 +108,27 @@ def test_c24_padding_never_comes_from_token_values(engine):
         response_logprobs(engine.model, [[1, 2]], [[49152]], 1.0)
 
 
+def _run_until(stage: ReferenceStage, bus, out_topic: str, n: int, timeout_s: float = 60):
+    """Run ``stage`` in a thread until ``out_topic`` holds ``n`` rows (or the timeout),
+    stop it, and return the topic's table."""
+    done = threading.Event()
+    t = threading.Thread(target=lambda: stage.run(done.is_set), daemon=True)
+    t.start()
+    try:
+        deadline = time.monotonic() + timeout_s
+        got = []
+        while len(got) < n and time.monotonic() < deadline:
+            time.sleep(0.3)
+            try:
+                got = read_table(bus, out_topic).to_pylist()
+            except (TimeoutError, ValueError):
+                got = []
+    finally:
+        done.set()
+        t.join(timeout=30)
+    return read_table(bus, out_topic)
+
+
 def test_reference_stage_on_the_broker(bus, unique, engine):
     """Rollouts in (two temperatures, one bad row in its own message), ref_logprobs out:
     every good rollout scored with its temperature, the bad record routed to the error topic."""
@@ -132,24 +153,8 @@ def test_reference_stage_on_the_broker(bus, unique, engine):
     stage = ReferenceStage(
         ReferenceConfig(bus=bus, run=unique, poll_timeout_s=0.3), model=engine.model
     )
-    done = threading.Event()
     out_topic = topics.run_topic(unique, "ref_logprobs")
-    t = threading.Thread(target=lambda: stage.run(done.is_set), daemon=True)
-    t.start()
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                got = read_table(bus, out_topic).to_pylist()
-            except (TimeoutError, ValueError):
-                got = []
-            if len(got) >= len(rows) or time.monotonic() > deadline:
-                break
-            time.sleep(0.3)
-    finally:
-        done.set()
-        t.join(timeout=30)
-    table = read_table(bus, out_topic)
+    table = _run_until(stage, bus, out_topic, len(rows))
     validate(table, "ref_logprobs")
     by_id = {r["rollout_id"]: r for r in table.to_pylist()}
     assert set(by_id) == {r["rollout_id"] for r in rows}
@@ -216,23 +221,8 @@ def test_teacher_stage_on_the_broker(bus, unique, engine):
     stage = ReferenceStage(ReferenceConfig(bus=bus, run=unique, role="teacher", model="t-folder",
                                            member_id="teacher-0", poll_timeout_s=0.3),
                            model=teacher)
-    done = threading.Event()
     out_topic = topics.run_topic(unique, "teacher_logprobs")
-    t = threading.Thread(target=lambda: stage.run(done.is_set), daemon=True)
-    t.start()
-    try:
-        deadline = time.monotonic() + 60
-        got = []
-        while len(got) < len(rows) and time.monotonic() < deadline:
-            time.sleep(0.3)
-            try:
-                got = read_table(bus, out_topic).to_pylist()
-            except (TimeoutError, ValueError):
-                got = []
-    finally:
-        done.set()
-        t.join(timeout=30)
-    table = read_table(bus, out_topic)
+    table = _run_until(stage, bus, out_topic, len(rows))
     validate(table, "teacher_logprobs")
     by_id = {r["rollout_id"]: r for r in table.to_pylist()}
     assert set(by_id) == {r["rollout_id"] for r in rows}
