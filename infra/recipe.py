@@ -36,6 +36,7 @@ import yaml
 from pydantic import BaseModel, Field, ValidationError, model_validator
 
 from relax.consumers.samples import AdvantageConfig
+from relax.infra.overrides import parse_override, set_dotted
 from relax.infra.sections import (
     AggregateSection,
     BusSection,
@@ -245,48 +246,6 @@ class Recipe(StrictModel):
     def resources_of(self, stage: str) -> Resources:
         """Resources of ``stage`` (defaults when the recipe gives none)."""
         return self.resources.get(stage, Resources())
-
-
-def set_dotted(tree: dict, path: str, value: Any) -> None:
-    """Set ``tree[a][b][c] = value`` for ``path = "a.b.c"`` (creating dicts); a number
-    indexes a list (``rewards.0.workers=2``).
-
-    Raises:
-        ValueError: a step of the path is not a section, or a list index is out of range.
-    """
-    keys = path.split(".")
-    node: Any = tree
-    for i, k in enumerate(keys):
-        last = i == len(keys) - 1
-        if isinstance(node, list):
-            if not k.isdigit() or int(k) >= len(node):
-                raise ValueError(f"override {path!r}: {k!r} is not an index of the "
-                                 f"{len(node)} entries of {'.'.join(keys[:i])}")
-            k = int(k)
-        elif not isinstance(node, dict):
-            raise ValueError(f"override {path!r}: {keys[i - 1]!r} is not a section")  # noqa: TRY004 (a bad override: callers report ValueError)
-        if last:
-            node[k] = value
-            return
-        nxt = node[k] if isinstance(node, list) else node.get(k)
-        if nxt is None:
-            nxt = node[k] = {}
-        node = nxt
-
-
-def parse_override(text: str) -> tuple[str, Any]:
-    """``"a.b=1e-5"`` -> ``("a.b", 1e-05)`` (the value is read as YAML).
-
-    Raises:
-        ValueError: without ``=`` or with an empty key.
-    """
-    key, eq, raw = text.partition("=")
-    if not eq or not key.strip():
-        raise ValueError(f"override {text!r}: expected key=value (e.g. trainer.steps=3)")
-    value = yaml.safe_load(raw) if raw.strip() else None
-    if isinstance(value, str) and re.fullmatch(r"[-+]?\d*\.?\d+([eE][-+]?\d+)?", value):
-        value = float(value)  # YAML 1.1 reads 2e-5 as a string
-    return key.strip(), value
 
 
 class RecipeError(ValueError):
