@@ -35,13 +35,18 @@ KEY_COLUMNS: dict[str, str | None] = {
     "rollouts": "group_id",
     "rewards": "group_id",
     "ref_logprobs": "group_id",
+    "teacher_logprobs": "group_id",
     "train_samples": "group_id",
     "metrics": "component",
     "progress": None,
     "weights": None,
+    "reward_changes": None,
     "errors": None,
 }
-"""Kafka key column of each schema (None = no key)."""
+"""Kafka key column of each schema (None = no key). Every schema of
+:data:`relax.schemas.v1.SCHEMAS` is here (``tests/streams/test_producer.py``): a schema
+the aggregator joins must be keyed by group_id, or its rows land in other partitions
+than their group's rollouts."""
 
 
 class DeliveryError(RuntimeError):

@@ -81,3 +81,14 @@ def test_flush_reports_the_calling_threads_failures(bus, unique):
     b.shutdown()
     assert p.stats.delivered == 1 and p.stats.failed == 1
     p.close()
+
+
+def test_every_schema_has_a_key_column_and_joined_ones_are_keyed_by_group():
+    """A schema missing from KEY_COLUMNS would be sent without a key: its rows would land
+    in any partition, away from their group's rollouts in the aggregator's join."""
+    from relax.schemas.v1 import SCHEMAS
+    from relax.streams.producer import KEY_COLUMNS
+
+    assert set(KEY_COLUMNS) == set(SCHEMAS)
+    for joined in ("rollouts", "rewards", "ref_logprobs", "teacher_logprobs"):
+        assert KEY_COLUMNS[joined] == "group_id", joined
