@@ -217,6 +217,8 @@ def run_episodes(
         start = env.reset(prompt_row)
         msgs = prompt_messages(prompt_row) if start is None else as_messages(start)
         episodes.append(Episode(prompt_ids=render_ids(tokenizer, msgs), messages=msgs))
+    if hasattr(engine, "apply_pending"):  # weights staged since the last group: use them
+        engine.apply_pending()
     hold = engine.hold() if hasattr(engine, "hold") else contextlib.nullcontext()
     with hold:
         for _turn in range(max_turns):

@@ -302,12 +302,16 @@ class HFEngine:
     @contextmanager
     def hold(self):
         """Defer weight swaps until the block ends (nested holds are counted), so several
-        generate calls (the turns of one episode) use one policy_version."""
+        generate calls (the turns of one episode) use one policy_version; the outermost
+        block's end is a safe point: staged weights are swapped in there (multi-turn
+        rollouts call generate only inside holds, so without it they would never be)."""
         self._holds += 1
         try:
             yield self
         finally:
             self._holds -= 1
+            if not self._holds:
+                self.apply_pending()
 
     # --------------------------------------------------------------- generation
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:

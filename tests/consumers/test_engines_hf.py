@@ -203,6 +203,8 @@ def test_update_weights_double_buffered_swap_between_generate_calls():
             assert torch.equal(p, live_before[n])
         (g,) = engine.generate([prompt], SamplingParams(max_new_tokens=3, seed=0))
         assert (g.policy_version_start, g.policy_version_end) == (0, 0)
+        assert engine.policy_version == 0 and engine.pending_version == 1
+    assert engine.policy_version == 1  # swapped in at the end of the hold
     (g,) = engine.generate([prompt], SamplingParams(max_new_tokens=6, temperature=0.8, seed=0))
     assert (g.policy_version_start, g.policy_version_end, g.token_policy_versions) == (1, 1, None)
     for n, p in engine.model.named_parameters():
