@@ -89,7 +89,7 @@ def trainer_metric_rows(policy_version: int, reward_mean: float, accuracy: float
 def produce_run(cfg, run: str, steps: int = 3, groups_per_step: int = 2, group_size: int = 4,
                 partitions: int = 2) -> dict[str, int]:
     """Write a short synthetic run onto the bus: for each step, rollouts (policy_version
-    = step), rewards, ref_logprobs, train_samples, a weights announcement and trainer
+    = step), rewards, ref and teacher logprobs, train_samples, a weights announcement and trainer
     metrics, then a reward change (attach ``format`` after the last step) and one error
     record in ``<run>.rollouts.errors``. Creates every per-run
     topic (``partitions`` each, errors topics 1). Returns ``{topic: rows written}``."""
@@ -122,6 +122,9 @@ def produce_run(cfg, run: str, steps: int = 3, groups_per_step: int = 2, group_s
         send("rollouts", rolls)
         send("rewards", rews)
         send("ref_logprobs", ref_logprob_rows(rolls))
+        send("teacher_logprobs", [dict(rollout_id=r["rollout_id"], group_id=r["group_id"],
+                                       teacher_logprobs=[-0.75] * len(r["response_ids"]),
+                                       teacher_model="teacher") for r in rolls])
         send("train_samples", train_sample_rows(rolls, rews))
         send("weights", weight_rows(step + 1))
         acc = sum(1 for w in rews if w["value"] > 0) / len(rews)

@@ -127,7 +127,7 @@ def test_dashboard_page_renders_charts_in_headless_chromium(bus, unique):
         assert page.text_content("#tile-errors") == "1"
         assert page.text_content("#tile-reward") == "0.500"
         assert "trainer" in page.text_content("#groups")
-        assert page.locator("#topics tr").count() == 8  # the run topics with rows
+        assert page.locator("#topics tr").count() == 9  # the run topics (testdata.produce_run)
         assert "updated" in page.text_content("#status")
         cells = page.locator("#timeline-chart rect.busy-cell")  # the trainer's 4 steps
         assert cells.count() == 4
