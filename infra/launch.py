@@ -55,6 +55,7 @@ def run_topics(recipe: Recipe) -> dict[str, int]:
     parts[topics.run_topic(recipe.run, topics.REWARD_CHANGES)] = 1
     parts[topics.changelog_topic(recipe.run)] = p
     parts[topics.rollout_state_topic(recipe.run)] = 1
+    parts[topics.rollout_claims_topic(recipe.run)] = 1
     for t in list(parts):
         parts[topics.errors_topic(t)] = 1
     prompts = topics.prompts_topic(recipe.data.dataset)

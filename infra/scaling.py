@@ -6,11 +6,11 @@ An operation asks for a number of rollout instances. It goes
     (or FAILED with the reason; CANCELLED while still PENDING)
 
 * STARTING: the controller starts the new instances and stops the removed ones
-  (:meth:`relax.infra.controller.Controller.replace_stages`). Every instance's credit
-  share depends on the number of instances (:func:`relax.consumers.rollout.credit.share`),
-  so the instances that stay are restarted with the new count; a restarted instance
-  inherits its predecessor's groups in flight (as after a crash) and Kafka moves the
-  prompt partitions, so no group in flight is lost.
+  (:meth:`relax.infra.controller.Controller.replace_stages`); the others go on (the
+  instances share one credit through the claim log, :mod:`relax.consumers.rollout.claims`,
+  whatever their number). Kafka moves the prompt partitions; a removed instance's
+  uncommitted prompts are sampled by another under the same group_ids, so no group in
+  flight is lost.
 * HEALTH_CHECKING: until the stage loop of every instance of the new set turns
   (its heartbeat reports a loop age).
 * WEIGHT_SYNCING: until every instance of the new set has reported, after the

@@ -43,8 +43,7 @@ def section_of(config: type[BaseModel], title: str, wiring: frozenset[str], doc:
     return create_model(title, __base__=base, __doc__=doc, **fields)
 
 
-ROLLOUT_WIRING = frozenset({"bus", "run", "dataset", "model", "engine_id", "instance_index",
-                            "num_instances", "rollouts_partitions", "busy_dir",
+ROLLOUT_WIRING = frozenset({"bus", "run", "dataset", "model", "engine_id", "rollouts_partitions", "busy_dir",
                             "environment_reward"})
 REWARD_WIRING = frozenset({"bus", "run", "reward", "name"})
 REFERENCE_WIRING = frozenset({"bus", "run", "model", "role"})

@@ -73,7 +73,7 @@ def stage_specs(recipe: Recipe, bus: BusConfig, run_dir: Path) -> list[StageSpec
         name = f"rollout-{i}"
         config = _checked(f"stage {name} (rollout)", RolloutConfig, dict(
             options, bus=busd, run=run, dataset=recipe.data.dataset, model=recipe.model,
-            engine_id=name, instance_index=i, num_instances=ro.instances,
+            engine_id=name,
             rollouts_partitions=recipe.partitions, busy_dir=busy_dir,
             environment_reward=recipe.environment_reward()))
         specs.append(StageSpec(name, "rollout", config, recipe.resources_of("rollout")))

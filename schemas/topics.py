@@ -48,12 +48,23 @@ epoch of each prompt partition, keyed ``<topic>:<partition>``, and per rollout i
 the groups it started and those not yet covered by a prompt commit, keyed
 ``started:<engine_id>``."""
 
+ROLLOUT_CLAIMS = "rollout_claims"
+"""``<run>.rollout_claims`` (internal; one partition, JSON records, never compacted): the
+rollout instances' claims on the run's credit, ``{claim, engine_id, group_ids,
+allowance}``. Every instance reads it in order and grants the same groups
+(:class:`relax.consumers.rollout.credit.ClaimLedger`)."""
+
 COMPACTED = (ROLLOUT_STATE, PROGRESS)
 """Internal topics created with ``cleanup.policy=compact``: every record is keyed and the
 latest record of a key is that key's whole state, so the broker may drop older ones.
 Not ``aggregate_changelog``: its records are deltas (a group's rollouts, then its rewards,
 then its emitted marker, all under the group_id), and compaction would keep only the
 last delta of a partial group."""
+
+KEPT = (AGGREGATE_CHANGELOG, ROLLOUT_CLAIMS)
+"""Internal logs a stage rebuilds its state from by reading every record: created with
+``retention.ms=-1`` (the broker's time retention would drop state a long run still
+needs)."""
 
 ERRORS_SUFFIX = ".errors"
 PROMPTS_PREFIX = "prompts."
@@ -95,6 +106,17 @@ def changelog_topic(run: str) -> str:
 def rollout_state_topic(run: str) -> str:
     """``<run>.rollout_state``, the rollout stage's durable state (see :data:`ROLLOUT_STATE`)."""
     return f"{check_name('run', run)}.{ROLLOUT_STATE}"
+
+
+def rollout_claims_topic(run: str) -> str:
+    """``<run>.rollout_claims``, the rollout instances' credit claims (see
+    :data:`ROLLOUT_CLAIMS`)."""
+    return f"{check_name('run', run)}.{ROLLOUT_CLAIMS}"
+
+
+def kept(topic: str) -> bool:
+    """Whether ``topic`` is an internal log of :data:`KEPT` (``<run>.<name>``)."""
+    return not topic.startswith(PROMPTS_PREFIX) and topic.partition(".")[2] in KEPT
 
 
 def compacted(topic: str) -> bool:

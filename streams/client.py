@@ -163,7 +163,8 @@ def topic_settings(cfg: BusConfig, topic: str, brokers: int) -> tuple[int, dict[
       ``min.insync.replicas`` ``cfg.min_insync_replicas`` or 2 from 3 replicas, else 1;
     - ``cleanup.policy=compact`` for :func:`relax.schemas.topics.compacted` topics; the
       others keep the broker's delete policy, with ``retention.ms`` from
-      ``cfg.retention_ms`` when set (else the broker's retention).
+      ``cfg.retention_ms`` when set (else the broker's retention), except
+      :func:`relax.schemas.topics.kept` logs: ``retention.ms=-1``.
 
     Raises:
         ValueError: the replication factor asked for exceeds ``brokers``.
@@ -176,6 +177,8 @@ def topic_settings(cfg: BusConfig, topic: str, brokers: int) -> tuple[int, dict[
     configs = {"max.message.bytes": str(cfg.request_bytes), "min.insync.replicas": str(isr)}
     if topic_names.compacted(topic):
         configs["cleanup.policy"] = "compact"
+    elif topic_names.kept(topic):
+        configs["retention.ms"] = "-1"
     elif cfg.retention_ms is not None:
         configs["retention.ms"] = str(cfg.retention_ms)
     return rf, configs

@@ -14,30 +14,30 @@ messages) goes to ``prompts.<dataset>.errors``; the stage goes on.
 
 Staleness budget (docs/architecture.md section 4,
 ``schemas.versions.in_flight_budget``; the arithmetic is in :mod:`.credit`): at most
-``B = (max_staleness + 1) * batch_groups`` groups may be sampled and not yet decided by
-the trainer. The stage counts the groups it started; the trainer's
-progress comes from two sources: its policy_version ``V`` in ``<run>.weights``
-announcements (it decides ``batch_groups`` groups per step) and its
-``groups_consumed`` / ``groups_needed`` metrics on ``<run>.metrics`` (groups trained or
-dropped as stale/filtered, and groups still needed to finish the run; see
-``schemas.metric_names``). A new group starts only while ``started < consumed +
-min(B, needed)`` with ``consumed = max((V - V0) * batch_groups, groups_consumed)``
-counted since the stage started (``V0`` = the trainer version then, 0 for a new run).
-Without the metrics this is ``started < (V - V0 + max_staleness + 1) * batch_groups``;
-with them, groups the trainer dropped are replaced instead of stalling the run, and no
-group beyond what the run still needs is sampled. While the budget is used up the stage
-pauses its prompt partitions (keeping its group membership) and waits for an
-announcement or new progress. Several rollout instances (``num_instances`` = n,
-``instance_index`` = i) split the same global credit: instance i may start
-``floor((C + n - 1 - i) / n)`` of ``C = consumed + min(B, needed)`` (the parts sum to
-``C``), each counting only its own groups; Kafka gives each instance its own prompt
-partitions. This is exact for n = 1 and balanced when the trainer consumes the
-instances' groups evenly; an instance whose groups are consumed faster than its
-share waits a little longer. After a restart an instance counts what its predecessor
-(same ``engine_id``) started and the trainer has not decided yet as started by itself:
-each instance records, on ``<run>.rollout_state`` after its groups are acknowledged,
-how many groups it started and which of them came from prompt messages not yet
-committed (those prompts come again after a restart and are skipped, not re-sampled).
+``B = (max_staleness + 1) * batch_groups`` groups of the run may be sampled and not yet
+decided by the trainer, every instance together. The trainer's progress comes from two
+sources: its policy_version ``V`` in ``<run>.weights`` announcements (it decides
+``batch_groups`` groups per step) and its ``groups_consumed`` / ``groups_needed`` on
+``<run>.progress`` (groups trained or dropped as stale/filtered since the run began, and
+groups still needed to finish the run). The run may have started ``consumed +
+min(B, needed)`` groups, ``consumed = groups_consumed`` (``V * batch_groups`` before the
+first report): groups the trainer dropped are replaced instead of stalling the run, and
+no group beyond what the run still needs is sampled. While the budget is used up the
+stage pauses its prompt partitions (keeping its group membership) and waits for an
+announcement or new progress.
+
+Dynamic credit: the instances share that one credit through the claim log
+``<run>.rollout_claims`` (:mod:`.claims`). Before sampling, an instance appends a claim
+(its group_ids and its view of the allowance) and reads the log up to it; every
+instance applies the claims in log order (:class:`.credit.ClaimLedger`), so they agree
+on every grant. A fast instance is never held back by a slow one's fixed share; an
+instance that joins reads the log and sees every group in flight; one that leaves holds
+no credit (its uncommitted prompts come to another instance, whose claim on the same
+group_ids is granted again for free). Nothing depends on the number of instances, so
+scaling starts and stops instances without restarting the others. Each instance records
+on ``<run>.rollout_state``, after its groups are acknowledged, which of them came from
+prompt messages not yet committed (those prompts come again after a restart or a
+rebalance and are skipped, not re-sampled).
 
 Weights: with ``follow_weights`` the HF engine subscribes to the weight broadcast
 (:class:`relax.streams.weights.WeightSubscriber`) and swaps at its safe points:
@@ -61,8 +61,9 @@ Metrics (``<run>.metrics``, component = ``engine_id``; names from
 (cumulative seconds waiting for announced weights).
 
 Modules: :mod:`.config` (:class:`RolloutConfig`), :mod:`.credit` (the credit maths, pure
-functions; its input, the trainer's progress, is read by
-:class:`relax.streams.progress.TrainerProgress`), :mod:`.state`
+functions and the claim ledger; its input, the trainer's progress, is read by
+:class:`relax.streams.progress.TrainerProgress`), :mod:`.claims` (the claim log),
+:mod:`.state`
 (``<run>.rollout_state``), :mod:`.prompts` (the prompt queue and epochs),
 :mod:`.sampling` (engine, :func:`sample_groups`, :func:`rollout_batch`), :mod:`.errors`
 (unrenderable prompts), :mod:`.metrics` (counters and metrics), :mod:`.stage` (the loop,
@@ -72,7 +73,8 @@ functions; its input, the trainer's progress, is read by
 from __future__ import annotations
 
 from relax.consumers.rollout.config import RolloutConfig
-from relax.consumers.rollout.credit import instance_budget, share
+from relax.consumers.rollout.claims import ClaimLog
+from relax.consumers.rollout.credit import ClaimLedger, run_allowance
 from relax.consumers.rollout.metrics import WEIGHT_WAIT_S, RolloutStats
 from relax.consumers.rollout.prompts import _Item as _Item  # tests build queue items
 from relax.consumers.environments import load_environment_factory
@@ -83,16 +85,17 @@ from relax.streams.progress import TrainerProgress
 
 __all__ = [
     "WEIGHT_WAIT_S",
+    "ClaimLedger",
+    "ClaimLog",
     "RolloutConfig",
     "RolloutStage",
     "RolloutStats",
     "SavedState",
     "TrainerProgress",
     "build_engine",
-    "instance_budget",
     "load_environment_factory",
     "rollout_batch",
     "sample_groups",
+    "run_allowance",
     "saved_state",
-    "share",
 ]

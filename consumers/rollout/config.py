@@ -47,7 +47,6 @@ class RolloutConfig(BaseModel):
             under this reward_name (the recipe's reward with ``fn: environment``; wired
             by the launcher); None = the rewards stay in the rollout's metadata only.
         max_turns / max_total_tokens: multi-turn budgets (turns; response tokens).
-        instance_index / num_instances: this instance among the rollout instances.
         rollouts_partitions: partitions of ``<run>.rollouts`` if the stage creates it.
         poll_timeout_s: prompt poll timeout (seconds).
         metrics_every_s: seconds between metric flushes.
@@ -88,8 +87,6 @@ class RolloutConfig(BaseModel):
     environment_reward: str | None = None
     max_turns: int = Field(1, ge=1)
     max_total_tokens: int | None = Field(None, ge=1)
-    instance_index: int = Field(0, ge=0)
-    num_instances: int = Field(1, ge=1)
     rollouts_partitions: int = Field(1, ge=1)
     poll_timeout_s: float = Field(0.5, gt=0)
     metrics_every_s: float = Field(5.0, gt=0)
@@ -98,10 +95,6 @@ class RolloutConfig(BaseModel):
 
     @model_validator(mode="after")
     def _check(self):
-        if self.instance_index >= self.num_instances:
-            raise ValueError(
-                f"instance_index {self.instance_index} must be < num_instances {self.num_instances}"
-            )
         if self.engine == "sglang" and not self.sglang_url:
             raise ValueError("engine 'sglang' needs sglang_url (http://host:port)")
         topics.check_name("run", self.run)

@@ -1,110 +1,76 @@
-"""The rollout stage's credit: how many groups an instance may start, how many of its
-groups are in flight, and how fresh the weights of a new group must be.
+"""The rollout stage's credit: how many groups the run may have started, which groups a
+claim on the shared claim log is granted, and how fresh the weights of a new group
+must be.
 
-Pure functions of plain numbers (no Kafka, no engine, no stage); counts are whole
-groups (one prompt sampled ``group_size`` times), versions are trainer
-policy_versions. The stage (:class:`relax.consumers.rollout.stage.RolloutStage`) reads
-its inputs from the bus and calls these.
+Pure functions and one small state machine (:class:`ClaimLedger`) over plain numbers
+and group_ids (no Kafka, no engine, no stage); counts are whole groups (one prompt
+sampled ``group_size`` times), versions are trainer policy_versions. The stage
+(:class:`relax.consumers.rollout.stage.RolloutStage`) reads their inputs from the bus
+(:mod:`relax.consumers.rollout.claims` for the claim log).
 
 Sources of the formulas:
 
 * the staleness budget ``B = (max_staleness + 1) * batch_groups``: docs/architecture.md
   section 4, :func:`relax.schemas.versions.in_flight_budget`;
-* the credit from the trainer's progress (``consumed + min(B, needed)``): docs/design-notes.md,
-  "Rollout credit from the trainer's progress";
-* the groups a restarted instance inherits: docs/design-notes.md, "A restarted rollout
-  instance inherits its predecessor's groups in flight";
-* the split over instances and the weights a new group needs: the package docstring
-  (:mod:`relax.consumers.rollout`, "Staleness budget" and "Weights").
+* the run's allowance from the trainer's progress (``consumed + min(B, needed)``):
+  docs/design-notes.md, "Rollout credit from the trainer's progress";
+* one credit for every instance, granted in the order of a shared log: docs/design-notes.md,
+  "Dynamic credit: claims on one ordered log".
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from relax.schemas.versions import in_flight_budget
 
 
-def share(total: int, instance_index: int = 0, num_instances: int = 1) -> int:
-    """Instance ``instance_index``'s part of ``total`` split over ``num_instances``
-    (near-equal parts that sum to ``total``)."""
-    return (total + num_instances - 1 - instance_index) // num_instances
+def groups_decided(trainer_version: int, batch_groups: int, groups_consumed: int | None) -> int:
+    """Groups the trainer decided (trained or dropped) since the run began: its own
+    ``groups_consumed`` report from ``<run>.progress`` when there is one, else
+    ``batch_groups`` per policy_version (a trainer that reported nothing yet)."""
+    if groups_consumed is not None:
+        return max(0, groups_consumed)
+    return max(0, trainer_version) * batch_groups
 
 
-def instance_budget(
+def run_allowance(
     trainer_version: int,
-    base_version: int,
     max_staleness: int,
     batch_groups: int,
-    instance_index: int = 0,
-    num_instances: int = 1,
     groups_consumed: int | None = None,
     groups_needed: int | None = None,
 ) -> int:
-    """Groups instance ``instance_index`` may have started in all (since it started).
+    """Groups the whole run may have started since it began, every rollout instance
+    together: ``consumed + min(B, needed)`` with ``consumed`` from
+    :func:`groups_decided`, ``B = in_flight_budget(max_staleness, batch_groups)`` and
+    ``needed`` the groups the trainer still needs (unlimited when unknown).
 
-    ``consumed`` = groups the trainer decided since then: ``groups_consumed`` (trained or
-    dropped, from ``<run>.progress``) when known, else ``batch_groups`` per
-    policy_version since ``base_version`` (a trainer that reports no progress). The run
-    may have ``consumed + min(B, needed)`` groups started,
-    ``B = in_flight_budget(max_staleness, batch_groups)`` and ``needed``
-    the groups the trainer still needs (unlimited when unknown); this instance gets its
-    :func:`share` of that (see :mod:`relax.consumers.rollout`, "Staleness budget").
+    ``groups_consumed`` is paired with the ``groups_needed`` of the same report: mixing
+    it with a count inferred from a newer policy_version would let the run start groups
+    it never trains.
 
     Raises:
         ValueError: ``max_staleness < 0`` or ``batch_groups < 1`` (from
             :func:`relax.schemas.versions.in_flight_budget`).
     """
-    if groups_consumed is not None:
-        # the trainer's own count, paired with the ``needed`` of the same report: mixing
-        # it with a count inferred from a newer policy_version would let the stage start
-        # groups the run never trains
-        consumed = groups_consumed
-    else:
-        consumed = max(0, trainer_version - base_version) * batch_groups
     cap = in_flight_budget(max_staleness, batch_groups)
     if groups_needed is not None:
         cap = min(cap, max(0, groups_needed))
-    return share(consumed + cap, instance_index, num_instances)
+    return groups_decided(trainer_version, batch_groups, groups_consumed) + cap
 
 
-def consumed_since(groups_consumed: int | None, consumed_at_start: int) -> int | None:
-    """Groups the trainer decided since the stage started: its latest ``groups_consumed``
-    report less the one it had written when the stage started (``consumed_at_start``,
-    0 when none), never below 0 (a trainer restarted from an older checkpoint reports
-    a lower count). None while the trainer has reported nothing."""
-    if groups_consumed is None:
-        return None
-    return max(0, groups_consumed - consumed_at_start)
+def credit_left(allowance: int, granted: int) -> int:
+    """Groups any instance may still claim now: the run's :func:`run_allowance` less the
+    groups granted so far on the claim log (``granted``). 0 or less: wait for the
+    trainer."""
+    return allowance - granted
 
 
-def credit_left(
-    trainer_version: int,
-    base_version: int,
-    max_staleness: int,
-    batch_groups: int,
-    groups_started: int,
-    instance_index: int = 0,
-    num_instances: int = 1,
-    groups_consumed: int | None = None,
-    groups_needed: int | None = None,
-) -> int:
-    """Groups instance ``instance_index`` may still start now: its
-    :func:`instance_budget` less the ``groups_started`` it counts (its own since it
-    started, plus :func:`inherited_in_flight`). 0 or less: wait for the trainer.
-
-    Raises:
-        ValueError: as :func:`instance_budget`.
-    """
-    allowed = instance_budget(
-        trainer_version,
-        base_version,
-        max_staleness,
-        batch_groups,
-        instance_index,
-        num_instances,
-        groups_consumed=groups_consumed,
-        groups_needed=groups_needed,
-    )
-    return allowed - groups_started
+def groups_in_flight(granted: int, decided: int) -> int:
+    """Groups granted (started by some instance) that the trainer has not decided yet,
+    never below 0 (``decided`` from :func:`groups_decided`)."""
+    return max(0, granted - decided)
 
 
 def groups_per_call(credit: int, groups_per_generate: int) -> int:
@@ -114,41 +80,41 @@ def groups_per_call(credit: int, groups_per_generate: int) -> int:
     return min(credit, groups_per_generate)
 
 
-def groups_in_flight(
-    trainer_version: int,
-    base_version: int,
-    batch_groups: int,
-    groups_started: int,
-    instance_index: int = 0,
-    num_instances: int = 1,
-    groups_consumed: int | None = None,
-) -> int:
-    """Groups instance ``instance_index`` started that the trainer has not decided yet
-    (its :func:`share` of the decided ones), never below 0.
+class ClaimLedger:
+    """The run's granted groups, rebuilt by every reader of the claim log in log order.
 
-    Unlike :func:`instance_budget`, ``consumed`` here is the larger of ``batch_groups``
-    per policy_version since ``base_version`` and ``groups_consumed`` (None = 0)."""
-    consumed = max(0, trainer_version - base_version)
-    consumed *= batch_groups
-    consumed = max(consumed, groups_consumed or 0)
-    mine = share(consumed, instance_index, num_instances)
-    return max(0, groups_started - mine)
+    A claim asks for some group_ids under the claimant's view of the run's allowance
+    (:func:`run_allowance`). :meth:`apply` grants, in the claim's order, the group_ids not
+    granted before while the granted count stays within that allowance; a group_id
+    granted before is granted again for free (a prompt delivered again after a crash or
+    a rebalance: the same group, counted once). Every reader applies the same claims in
+    the same order, so every instance agrees on every grant without talking to the
+    others, and a restarted one rebuilds the same ledger from the log.
 
+    Attributes:
+        granted: every group_id granted so far.
+    """
 
-def inherited_in_flight(
-    started_total: int,
-    consumed_at_start: int,
-    instance_index: int = 0,
-    num_instances: int = 1,
-) -> int:
-    """Groups a (re)started instance counts as started when it starts: its
-    :func:`share` of what every instance of the run started in all (``started_total``,
-    from ``<run>.rollout_state``) less the groups the trainer had decided then
-    (``consumed_at_start``), never below 0. They hold credit as if this instance had
-    started them: exact for one instance; with several, the instances together count
-    at least the groups really in flight (the others count their own as well), so an
-    instance removed by a scale-in leaves no group uncounted."""
-    return share(max(0, started_total - consumed_at_start), instance_index, num_instances)
+    def __init__(self) -> None:
+        self.granted: set[str] = set()
+
+    @property
+    def count(self) -> int:
+        """Groups granted so far (distinct group_ids)."""
+        return len(self.granted)
+
+    def apply(self, group_ids: Sequence[str], allowance: int) -> list[str]:
+        """Apply one claim; returns the group_ids of ``group_ids`` it holds after the
+        claim (granted now or before), in claim order."""
+        room = allowance - len(self.granted)
+        for g in group_ids:
+            if g in self.granted:
+                continue
+            if room <= 0:
+                break
+            self.granted.add(g)
+            room -= 1
+        return [g for g in group_ids if g in self.granted]
 
 
 def oldest_usable_version(
@@ -157,18 +123,15 @@ def oldest_usable_version(
     groups_in_flight: int,
     batch_groups: int,
     max_staleness: int,
-    num_instances: int = 1,
 ) -> int | None:
     """The oldest policy_version a group started now may be sampled with.
 
     The trainer's version is the newer of ``announced_version`` (``<run>.weights``) and
     ``reported_version`` (the policy_version of its ``groups_consumed`` report). A group
-    started now is consumed ``groups_in_flight * num_instances // batch_groups`` steps
-    later (the groups already in flight go first; ``groups_in_flight`` is this
-    instance's, taken as every instance's), and must then have staleness <=
+    started now is consumed ``groups_in_flight // batch_groups`` steps later (the run's
+    groups already in flight go first), and must then have staleness <=
     ``max_staleness``. None when both versions are unknown."""
     versions = [v for v in (announced_version, reported_version) if v is not None]
     if not versions:
         return None
-    ahead = groups_in_flight * num_instances // batch_groups
-    return max(versions) + ahead - max_staleness
+    return max(versions) + groups_in_flight // batch_groups - max_staleness

@@ -25,6 +25,7 @@ class RolloutStats:
     prompt_errors: int = 0
     epochs_started: int = 0
     repeated_prompts: int = 0
+    claims_refused: int = 0  # groups claimed that another instance's claim got first
 
 
 def emit_metrics(

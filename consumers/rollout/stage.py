@@ -19,6 +19,7 @@ from relax.consumers.multiturn import (
     run_episodes,
 )
 from relax.consumers.rollout import credit
+from relax.consumers.rollout.claims import ClaimLog
 from relax.consumers.rollout.config import RolloutConfig
 from relax.consumers.rollout.errors import route_prompt_error
 from relax.consumers.rollout.metrics import RolloutStats, emit_metrics
@@ -57,8 +58,7 @@ class RolloutStage:
         self.rollouts_topic = topics.run_topic(cfg.run, topics.ROLLOUTS)
         self.stats = RolloutStats()
         self.trainer_version: int | None = None
-        self.base_version: int | None = None
-        self.groups_started = 0
+        self.groups_started = 0  # by this instance since it started
         self._env_factory = (load_environment_factory(cfg.environment, cfg.environment_options)
                              if cfg.environment else None)
         self.rewards_topic = topics.run_topic(cfg.run, topics.REWARDS)
@@ -70,47 +70,46 @@ class RolloutStage:
         self._behind_since: float | None = None
         self._warned_behind = False
         self._progress: TrainerProgress | None = None
-        self._consumed0 = 0
+        self._claims: ClaimLog | None = None
         self._started_ids: set[str] = set()
         self._busy = BusyFlag(cfg.busy_dir, cfg.engine_id) if cfg.busy_dir else None
 
     # ---------------------------------------------------------------- budget
-    def _consumed(self) -> int | None:
-        p = self._progress
-        return None if p is None else credit.consumed_since(p.consumed, self._consumed0)
+    def _granted(self) -> int:
+        return 0 if self._claims is None else self._claims.granted
 
-    def budget(self) -> int:
-        """Groups this instance may still start now (:func:`credit.credit_left`)."""
-        return credit.credit_left(
+    def _reported(self, name: str) -> int | None:
+        return None if self._progress is None else getattr(self._progress, name)
+
+    def allowance(self) -> int:
+        """Groups the run may have started in all (:func:`credit.run_allowance`)."""
+        return credit.run_allowance(
             self.trainer_version or 0,
-            self.base_version or 0,
             self.cfg.max_staleness,
             self.cfg.batch_groups,
-            self.groups_started,
-            self.cfg.instance_index,
-            self.cfg.num_instances,
-            groups_consumed=self._consumed(),
-            groups_needed=None if self._progress is None else self._progress.needed,
+            groups_consumed=self._reported("consumed"),
+            groups_needed=self._reported("needed"),
         )
 
+    def budget(self) -> int:
+        """Groups any instance may still claim now (:func:`credit.credit_left` of the
+        run's allowance and the claim log's grants)."""
+        return credit.credit_left(self.allowance(), self._granted())
+
     def groups_in_flight(self) -> int:
-        """Groups this instance started that the trainer has not decided yet (its share;
-        :func:`credit.groups_in_flight`)."""
-        return credit.groups_in_flight(
-            self.trainer_version or 0,
-            self.base_version or 0,
-            self.cfg.batch_groups,
-            self.groups_started,
-            self.cfg.instance_index,
-            self.cfg.num_instances,
-            groups_consumed=self._consumed(),
-        )
+        """Groups of the run granted and not yet decided by the trainer
+        (:func:`credit.groups_in_flight`)."""
+        decided = credit.groups_decided(
+            self.trainer_version or 0, self.cfg.batch_groups, self._reported("consumed"))
+        return credit.groups_in_flight(self._granted(), decided)
 
     def _learn(self, reader, timeout_s: float) -> None:
         """Read announcements (waiting up to ``timeout_s``) and trainer progress."""
         self._read_announcements(reader, timeout_s)
         if self._progress is not None:
             self._progress.poll(0.0)
+        if self._claims is not None:
+            self._claims.poll(0.0)
 
     def _idle(self, consumer, wait: Callable[[], object]) -> None:
         """Wait without taking prompts: pause the assigned partitions, poll (the group
@@ -140,7 +139,6 @@ class RolloutStage:
             self.groups_in_flight(),
             self.cfg.batch_groups,
             self.cfg.max_staleness,
-            self.cfg.num_instances,
         )
 
     def _weights_behind(self) -> bool:
@@ -250,24 +248,28 @@ class RolloutStage:
         if not queue.items:
             return 0
         take = queue.items[: credit.groups_per_call(left, self.cfg.groups_per_generate)]
-        items, prompt_ids = [], []
+        wanted: dict[str, tuple[_Item, list[int]]] = {}
         for item in take:
             queue.items.remove(item)
             gid = f"{item.row['prompt_id']}:{item.epoch}"
-            if gid in self._started_ids:  # a redelivered or repeated prompt: group exists
+            if gid in self._started_ids or gid in wanted:  # redelivered or repeated: exists
                 self.stats.repeated_prompts += 1
                 continue
-            self._started_ids.add(gid)
             try:
-                prompt_ids.append(self._render(item))
-                items.append(item)
+                wanted[gid] = (item, self._render(item))
             except (TemplateError, ValueError, TypeError, KeyError) as e:
                 self.stats.prompt_errors += 1
                 route_prompt_error(producer, item, e, self.cfg.engine_id)
-        if items:
-            self._produce(items, prompt_ids, producer)
-        queue.finish(consumer, take)
-        return len(items)
+        granted = set(self._claims.claim(list(wanted), self.allowance())) if wanted else set()
+        back = [item for gid, (item, _) in wanted.items() if gid not in granted]
+        queue.items[:0] = back  # another instance took that credit first: later
+        self.stats.claims_refused += len(back)
+        self._started_ids.update(granted)
+        chosen = [v for gid, v in wanted.items() if gid in granted]
+        if chosen:
+            self._produce([i for i, _ in chosen], [ids for _, ids in chosen], producer)
+        queue.finish(consumer, [item for item in take if item not in back])
+        return len(chosen)
 
     def _produce(self, items, prompt_ids, producer) -> None:
         started = _ms()
@@ -355,6 +357,7 @@ class RolloutStage:
         )
         reader = AnnouncementReader(cfg.bus, cfg.run)
         self._progress = TrainerProgress(cfg.bus, cfg.run)
+        self._claims = ClaimLog(cfg.bus, cfg.run, cfg.engine_id, producer)
         metrics = MetricsWriter(producer, cfg.run, cfg.engine_id)
         if cfg.follow_weights and hasattr(self.engine, "update_weights") and cfg.engine == "hf":
             self._subscriber = WeightSubscriber(
@@ -368,16 +371,6 @@ class RolloutStage:
         try:
             self._learn(reader, 1.0)
             self._progress.poll(1.0)
-            self.base_version = self.trainer_version or 0
-            self.trainer_version = self.base_version
-            self._consumed0 = self._progress.consumed or 0
-            # what every instance so far started and the trainer has not decided is in
-            # flight: this instance holds its share of it as if it had started it (exact
-            # for one instance; with several, never less than the truth: a removed
-            # instance's groups in flight are counted, so none is sampled beyond need)
-            self.groups_started = credit.inherited_in_flight(
-                sum(self._saved.started.values()), self._consumed0, cfg.instance_index,
-                cfg.num_instances)
             rate = {"tokens": 0, "t": time.monotonic()}
 
             def periodic() -> None:
@@ -400,6 +393,7 @@ class RolloutStage:
                 self._subscriber.close()
             reader.close()
             self._progress.close()
+            self._claims.close()
             consumer.close()
             producer.close()
         return self.stats

@@ -3,24 +3,23 @@ weights followed from the broadcast, epochs; multi-turn accumulation (C22), budg
 
 from __future__ import annotations
 
-import threading
 import time
 
-import pyarrow as pa
 import pytest
 import torch
+from stagerun import StageRunner as _Runner
+from stagerun import publish_prompts as _publish_prompts
+from stagerun import trainer_progress as _trainer_progress
+from stagerun import wait_for as _wait
 from testdata import ScriptedEngine, prompt_rows
 
 from relax.consumers.engines.base import SamplingParams
 from relax.consumers.multiturn import TemplateError, observation_ids, render_ids, run_episodes
-from relax.consumers.rollout import RolloutConfig, RolloutStage, instance_budget, rollout_batch
+from relax.consumers.rollout import RolloutConfig, RolloutStage, rollout_batch
 from relax.streams.read import read_table
 from relax.schemas import metric_names as M
 from relax.schemas import topics
-from relax.schemas.v1 import PROMPTS
 from relax.schemas.validate import validate
-from relax.streams.client import ensure_topics
-from relax.streams.producer import BatchProducer
 
 
 @pytest.fixture(scope="module")
@@ -28,74 +27,6 @@ def tokenizer():
     from relax.trainer.models import load_tokenizer
 
     return load_tokenizer("tiny-llama")
-
-
-def _publish_prompts(bus, dataset: str, rows: list[dict], partitions: int = 1) -> None:
-    topic = topics.prompts_topic(dataset)
-    ensure_topics(bus, {topic: partitions})
-    p = BatchProducer(bus)
-    batch = pa.RecordBatch.from_pylist(rows, schema=PROMPTS)
-    validate(batch, "prompts")
-    p.send(topic, batch)
-    p.close()
-
-
-def _trainer_progress(bus, run: str, consumed: int, needed: int) -> None:
-    """Write the trainer's progress as the trainer does (``<run>.progress``)."""
-    from relax.streams.progress import PROGRESS_KEY, progress_row
-
-    p = BatchProducer(bus)
-    topic = topics.run_topic(run, topics.PROGRESS)
-    ensure_topics(bus, {topic: 1})
-    p.send(topic, progress_row(consumed, needed, 2), key=PROGRESS_KEY)
-    p.close()
-
-
-def _wait(cond, timeout_s: float = 90.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{what} not reached in {timeout_s}s")
-        time.sleep(0.05)
-
-
-class _Runner:
-    """Runs a stage in a thread; ``stop()`` ends it and re-raises its exception."""
-
-    def __init__(self, stage: RolloutStage, **kw):
-        self.stage, self.error, self._stop = stage, None, threading.Event()
-
-        def main():
-            try:
-                stage.run(self._stop.is_set, **kw)
-            except BaseException as e:  # re-raised in the test thread
-                self.error = e
-
-        self.thread = threading.Thread(target=main, daemon=True)
-        self.thread.start()
-
-    def check(self):
-        if self.error is not None:
-            raise self.error
-
-    def stop(self):
-        self._stop.set()
-        self.thread.join(timeout=60)
-        self.check()
-
-
-def test_budget_formula_splits_one_global_budget():
-    assert instance_budget(0, 0, 0, 2) == 2
-    assert instance_budget(3, 0, 1, 4) == 20  # (3 + 1 + 1) * 4
-    shares = [instance_budget(2, 0, 1, 5, i, 3) for i in range(3)]
-    assert sum(shares) == 20 and max(shares) - min(shares) <= 1
-    assert instance_budget(7, 7, 0, 3) == 3  # a stage started at trainer v7
-    # the trainer's credit: dropped groups are replaced, and nothing beyond what it needs
-    assert instance_budget(2, 0, 0, 2, groups_consumed=7) == 9  # 7 decided + B = 2
-    # the trainer's report is the truth, even behind its policy_version (no V * B floor)
-    assert instance_budget(2, 0, 0, 2, groups_consumed=3) == 5
-    assert instance_budget(2, 0, 1, 2, groups_consumed=4, groups_needed=1) == 5
-    assert instance_budget(2, 0, 1, 2, groups_consumed=4, groups_needed=0) == 4
 
 
 def test_rollout_stage_on_the_broker_respects_the_staleness_budget(

@@ -53,7 +53,9 @@ def test_scale_rollouts_1_2_1_in_a_live_run(kafka_broker, tmp_path):
         assert httpx.get(f"{url}/status", headers={"Authorization": "Bearer nope"}).status_code == 403
         assert "/rollout/scale_out" in httpx.get(f"{url}/openapi.json").json()["paths"]
         api = ApiClient(run_dir)
-        assert [e["name"] for e in api.get("/rollout/engines")] == ["rollout-0"]
+        engines = api.get("/rollout/engines")
+        assert [e["name"] for e in engines] == ["rollout-0"]
+        pid0 = engines[0]["pid"]
         with pytest.raises(httpx.HTTPStatusError, match="422"):  # 2 prompt partitions
             api.post("/rollout/scale_out", {"instances": 2})
 
@@ -63,12 +65,15 @@ def test_scale_rollouts_1_2_1_in_a_live_run(kafka_broker, tmp_path):
             ["PENDING", "STARTING", "HEALTH_CHECKING", "WEIGHT_SYNCING", "ACTIVE"]
         engines = api.get("/rollout/engines")
         assert [e["name"] for e in engines] == ["rollout-0", "rollout-1"], engines
+        # the instance that stays goes on: the credit does not depend on the count
+        assert engines[0]["pid"] == pid0, engines
         status = api.get("/status")
         assert status["rollout_instances"] == 2 and status["policy_version"] is not None
 
         op = scale_to(run_dir, 1, timeout_s=240, say=lambda _: None)
         assert op["state"] == "ACTIVE", op
-        assert [e["name"] for e in api.get("/rollout/engines")] == ["rollout-0"]
+        engines = api.get("/rollout/engines")
+        assert [e["name"] for e in engines] == ["rollout-0"] and engines[0]["pid"] == pid0
         assert proc.poll() is None, "the run ended before the scaling was done: more steps"
         proc.wait(timeout=500)
     finally:
