@@ -1,6 +1,7 @@
 """Blob store for values too large for one Kafka message (images, audio clips).
 
-A local folder or any ``pyarrow.fs`` URI (``s3://bucket/prefix``, ``file:///...``).
+A local folder or any ``pyarrow.fs`` URI (``s3://bucket/prefix?endpoint_override=...``,
+``file:///...``; :mod:`relax.streams.fsuri`).
 Blobs are content-addressed (sha256 of the bytes), so writing the same value
 twice stores it once and a redelivered record points at the same blob.
 """
@@ -11,6 +12,8 @@ import hashlib
 from pathlib import Path
 
 import pyarrow.fs as pafs
+
+from relax.streams.fsuri import child_uri, open_uri, public_uri
 
 
 class BlobStore:
@@ -23,10 +26,9 @@ class BlobStore:
     def __init__(self, root: str | Path):
         root = str(root)
         if "://" not in root:
-            Path(root).mkdir(parents=True, exist_ok=True)
             root = Path(root).resolve().as_uri()
         self.root_uri = root.rstrip("/")
-        self._fs, self._base = pafs.FileSystem.from_uri(self.root_uri)
+        self._fs, self._base = open_uri(self.root_uri)
         self._fs.create_dir(self._base, recursive=True)
 
     def put(self, data: bytes) -> str:
@@ -38,7 +40,7 @@ class BlobStore:
             with self._fs.open_output_stream(tmp) as f:
                 f.write(data)
             self._fs.move(tmp, path)
-        return f"{self.root_uri}/{digest}"
+        return child_uri(public_uri(self.root_uri), digest)
 
     @staticmethod
     def get(uri: str) -> bytes:
@@ -47,6 +49,6 @@ class BlobStore:
         Raises:
             FileNotFoundError: if the blob does not exist.
         """
-        fs, path = pafs.FileSystem.from_uri(uri)
+        fs, path = open_uri(uri)
         with fs.open_input_stream(path) as f:
             return f.read()

@@ -57,6 +57,11 @@ class TrainerConfig(BaseModel):
             background thread) every K versions and for the first: what a subscriber that
             starts late loads before it joins the next broadcast. Every step costs a
             538 MB write for SmolLM2-135M (CPU and page cache the other stages need).
+        weights_store: where those snapshots go: a folder or a ``pyarrow.fs`` URI
+            (``s3://bucket/prefix?endpoint_override=host:port&scheme=http``; credentials
+            from each host's environment; :mod:`relax.streams.weights.store`). None =
+            ``<run_dir>/weights``, which only engines on the trainer's host can read: a
+            run across hosts sets a store every host reaches.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -79,6 +84,7 @@ class TrainerConfig(BaseModel):
     batch_advantage_options: dict[str, float | bool] = Field(default_factory=dict)
     publish_bucket_bytes: int = Field(512 << 20, ge=1 << 10)
     weights_snapshot_every: int = Field(10, ge=1)
+    weights_store: str | None = None
 
     @model_validator(mode="after")
     def _check(self):

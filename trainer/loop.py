@@ -164,7 +164,8 @@ class TrainerStage:
         self._progress_metrics = MetricsWriter(self._progress_producer, cfg.run, "trainer")
         self.publisher = WeightPublisher(
             bus, cfg.run, host=cfg.weights_host or node_address(), port=cfg.weights_port,
-            checkpoint_dir=self.run_dir / "weights", checkpoint_every=t.weights_snapshot_every,
+            checkpoint_dir=t.weights_store or self.run_dir / "weights",
+            checkpoint_every=t.weights_snapshot_every,
             bucket_bytes=t.publish_bucket_bytes, producer=self.producer)
         self.source = SampleSource(bus, cfg.run, self.ledger, batch_groups=t.batch_groups,
                                    max_staleness=t.max_staleness, offsets=state.offsets,

@@ -13,8 +13,9 @@ Publisher (trainer), per policy_version ``v`` (:meth:`WeightPublisher.publish`):
    transport ``gloo``/``nccl``, rendezvous ``tcp://host:port``, group name); broadcast
    the flat bytes in buckets of whole tensors (default 512 MiB; a tensor larger than a
    bucket travels alone) from rank 0; then, every ``checkpoint_every`` versions, write
-   the flat bytes as one safetensors file into ``checkpoint_dir/v<version>/`` (temp
-   folder + atomic rename) and announce it again with ``transport=checkpoint`` and its
+   the flat bytes as one safetensors file into the snapshot store
+   (:mod:`relax.streams.weights.store`: a local folder or a ``pyarrow.fs`` URI such as
+   ``s3://...``) and announce it again with ``transport=checkpoint`` and its
    ``checkpoint_uri``.
 
 Device and backend: buffers on CPU use gloo, buffers on CUDA use nccl (imported
@@ -25,8 +26,6 @@ computed on host bytes (a device-to-host copy on CUDA).
 from __future__ import annotations
 
 import logging
-import os
-import shutil
 import threading
 import time
 import uuid
@@ -42,7 +41,6 @@ from relax.schemas.v1 import WEIGHTS
 from relax.schemas.validate import validate
 from relax.streams.client import BusConfig
 from relax.streams.weights.announce import ensure_weights_topic
-from relax.streams.weights.files import write_safetensors
 from relax.streams.weights.layout import (
     DEFAULT_BUCKET_BYTES,
     TensorEntry,
@@ -53,6 +51,7 @@ from relax.streams.weights.layout import (
     plan_buckets,
     total_bytes,
 )
+from relax.streams.weights.store import SnapshotStore
 from relax.streams.weights.rendezvous import (
     MEMBERSHIP_KEY,
     _broadcast,
@@ -91,8 +90,9 @@ class WeightPublisher:
         host: address subscribers use to reach the rendezvous store (and this process's
             gloo device); must be reachable from every subscriber's machine.
         port: rendezvous TCP port (0 = a free one; see :attr:`rendezvous`).
-        checkpoint_dir: folder of the checkpoint store (None = no checkpoints: late
-            joiners must wait for a broadcast).
+        checkpoint_dir: the snapshot store, a folder or a ``pyarrow.fs`` URI
+            (:class:`relax.streams.weights.store.SnapshotStore`; None = no snapshots:
+            late joiners must wait for a broadcast).
         checkpoint_every: write a checkpoint every K versions (version % K == 0, and the
             first published version).
         keep_checkpoints: how many of the newest checkpoints stay on disk (older ones
@@ -133,7 +133,8 @@ class WeightPublisher:
             raise ValueError(f"bucket_bytes must be >= 1, got {bucket_bytes}")
         self.cfg, self.run, self.host = cfg, run, host
         self.bucket_bytes, self.join_timeout_s = bucket_bytes, join_timeout_s
-        self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir else None
+        self.snapshots = (SnapshotStore(checkpoint_dir, keep_checkpoints) if checkpoint_dir
+                          else None)
         self.checkpoint_every, self.keep_checkpoints = checkpoint_every, keep_checkpoints
         self.topic = ensure_weights_topic(cfg, run)
         self._producer = producer or BatchProducer(cfg, producer_id=f"{run}-weights")
@@ -162,7 +163,7 @@ class WeightPublisher:
         self._late: Future | None = None
         self._closed = threading.Event()
         self.history: list[PublishStats] = []
-        if self.checkpoint_dir is not None:
+        if self.snapshots is not None:
             threading.Thread(target=self._watch_late_joiners, name="relax-weights-late",
                              daemon=True).start()
 
@@ -326,7 +327,7 @@ class WeightPublisher:
         # a member that missed the broadcast catches up from the store, not at the next
         # version: the trainer may be waiting for samples only that member can make
         if self._checkpoint_due(stats.policy_version) or (
-                stats.error is not None and self.checkpoint_dir is not None):
+                stats.error is not None and self.snapshots is not None):
             stats.checkpoint_uri = self._snapshot(stats.policy_version, digest, stats.group_name)
         return stats
 
@@ -362,31 +363,13 @@ class WeightPublisher:
                     return
 
     def _checkpoint_due(self, version: int) -> bool:
-        return self.checkpoint_dir is not None and (
+        return self.snapshots is not None and (
             version % self.checkpoint_every == 0 or version == self._first_version
         )
 
     def _write_checkpoint(self, version: int, digest: str) -> str:
-        target = self.checkpoint_dir / f"v{version:08d}"
-        if target.exists():
-            return str(target.resolve())
-        self.checkpoint_dir.mkdir(parents=True, exist_ok=True)
-        tmp = self.checkpoint_dir / f".v{version:08d}.tmp-{uuid.uuid4().hex[:6]}"
-        tmp.mkdir()
-        try:
-            write_safetensors(
-                tmp / "model.safetensors",
-                self._flat,
-                self._manifest,
-                {"policy_version": str(version), "checksum": digest},
-            )
-            os.rename(tmp, target)
-        finally:
-            if tmp.exists():
-                shutil.rmtree(tmp, ignore_errors=True)
-        for old in sorted(self.checkpoint_dir.glob("v*"))[:-self.keep_checkpoints]:
-            shutil.rmtree(old, ignore_errors=True)
-        return str(target.resolve())
+        return self.snapshots.write(version, self._flat, self._manifest,
+                                    {"policy_version": str(version), "checksum": digest})
 
     def close(self) -> None:
         """Finish the last publish, stop the background thread, close the producer.

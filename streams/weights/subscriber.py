@@ -20,13 +20,12 @@ import threading
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
-from pathlib import Path
 
 import torch
 
 from relax.streams.client import BusConfig
 from relax.streams.weights.announce import AnnouncementReader, _newest_live
-from relax.streams.weights.files import read_safetensors_flat
+from relax.streams.weights.store import read_snapshot
 from relax.streams.weights.layout import (
     TensorEntry,
     checksum,
@@ -327,8 +326,8 @@ class WeightSubscriber:
             ValueError: the file's tensors differ from the announced manifest.
             Either leaves the weights received before as they were.
         """
-        path = Path(row["checkpoint_uri"].removeprefix("file://")) / "model.safetensors"
-        flat, manifest = read_safetensors_flat(path)
+        path = row["checkpoint_uri"]
+        flat, manifest = read_snapshot(path)
         if checksum(flat) != row["checksum"]:
             self.stats.checksum_failures += 1
             raise ChecksumError(f"{path}: checksum differs from the announcement {row['checksum']}")

@@ -3,18 +3,19 @@ broker, the Ray head and the trainer on host a, two rollout instances on host b,
 reward and the aggregator on host c, placed by the recipe (``resources.<stage>.host``,
 each Ray node offering ``host:<name>``). Every byte between stages crosses the veth
 links: the bus to a's address, the weights from the trainer's rendezvous on a's address
-to the rollout engines on b. Skipped where network namespaces cannot be made (not root,
-no iproute2).
+to the rollout engines on b, the weight snapshots a late joiner loads from an
+S3-compatible server on a (moto's; ``trainer.weights_store``), read back on b. Skipped
+where network namespaces cannot be made (not root, no iproute2).
 
-Still shared, because the hosts share this machine's disk: the run folder (logs,
-checkpoints, the stages.json the test reads) and the weight snapshots a late joiner
-reads; see the note on issue 15."""
+Still shared, because the hosts share this machine's disk: the run folder (logs, the
+trainer's checkpoints, the stages.json the test reads); see the note on issue 15."""
 
 from __future__ import annotations
 
 import contextlib
 import json
 import os
+import subprocess
 import sys
 import uuid
 from pathlib import Path
@@ -38,6 +39,20 @@ for e, v in zip(t.column("engine_id").to_pylist(), t.column("policy_version_end"
     by.setdefault(e, []).append(v)
 print(json.dumps(by))
 """
+SNAPSHOT = """
+import json, sys
+from relax.streams.client import BusConfig
+from relax.streams.read import read_table
+from relax.streams.weights import checksum
+from relax.streams.weights.store import read_snapshot
+rows = [r for r in read_table(BusConfig(bootstrap_servers=sys.argv[1]),
+                              sys.argv[2] + ".weights").to_pylist()
+        if r["transport"] == "checkpoint"]
+newest = max(rows, key=lambda r: r["policy_version"])
+flat, _ = read_snapshot(newest["checkpoint_uri"])
+print(json.dumps({"uri": newest["checkpoint_uri"], "version": newest["policy_version"],
+                  "same": checksum(flat) == newest["checksum"], "bytes": flat.numel()}))
+"""
 
 
 @contextlib.contextmanager
@@ -56,7 +71,8 @@ def _forget_cluster(head: str):
 
 def test_stages_on_three_hosts(tmp_path):
     env = dict(os.environ, RAY_AUTH_MODE="disabled", RELAX_HOME=str(tmp_path / "home"),
-               RAY_USAGE_STATS_ENABLED="0",
+               RAY_USAGE_STATS_ENABLED="0", AWS_ACCESS_KEY_ID="test",
+               AWS_SECRET_ACCESS_KEY="test", AWS_REGION="us-east-1",
                PYTHONPATH=os.pathsep.join(filter(None, [str(TESTS), os.environ.get("PYTHONPATH")])))
     run = "mh" + uuid.uuid4().hex[:6]
     with Hosts(["a", "b", "c"]) as h, _forget_cluster(h.addr("a")):
@@ -66,6 +82,10 @@ def test_stages_on_three_hosts(tmp_path):
         bootstrap, ray_head = f"{a}:19092", f"{a}:6379"
         h.run("a", [sys.executable, "-m", "relax.infra.cli", "broker", "start", "--host", a,
                     "--port", "19092"], env=env, check=True, timeout=60)
+        h.popen("a", [sys.executable, "-m", "moto.server", "-H", a, "-p", "19000"], env=env,
+                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        store = (f"s3://relax-weights/{run}?endpoint_override={a}:19000&scheme=http"
+                 "&allow_bucket_creation=true")
         for name in h.names:
             head = ["--head", "--port=6379", "--include-dashboard=false"] if name == "a" \
                 else [f"--address={ray_head}"]
@@ -79,7 +99,8 @@ def test_stages_on_three_hosts(tmp_path):
                         PARITY_REWARD, f"ray_address={ray_head}", "rollout.instances=2",
                         "trainer.steps=4", "resources.trainer.host=a",
                         "resources.rollout.host=b", "resources.reward.host=c",
-                        "resources.aggregate.host=c", "--bootstrap", bootstrap,
+                        "resources.aggregate.host=c", f"trainer.weights_store={store}",
+                        "trainer.weights_snapshot_every=2", "--bootstrap", bootstrap,
                         "--timeout-s", "400"],
                   env=env, capture_output=True, text=True, timeout=500)
         logs = tmp_path / run / "logs"
@@ -101,3 +122,10 @@ def test_stages_on_three_hosts(tmp_path):
         assert set(by_engine) == {"rollout-0", "rollout-1"}, by_engine.keys()
         # the engines on b sampled with weights the trainer on a published after step 1
         assert max(max(v) for v in by_engine.values()) >= 2, by_engine
+        # the newest weight snapshot, read on b from the store on a: what a late joiner loads
+        snap = h.run("b", [sys.executable, "-c", SNAPSHOT, bootstrap, run], env=env,
+                     capture_output=True, text=True, timeout=120)
+        assert snap.returncode == 0, snap.stderr[-3000:]
+        got = json.loads(snap.stdout)
+        assert got["uri"].startswith(f"s3://relax-weights/{run}/v") and got["same"], got
+        assert got["version"] >= 2 and got["bytes"] > 0, got
