@@ -33,7 +33,11 @@ class TrainerConfig(BaseModel):
 
     Attributes:
         model: model name (``smollm2-135m``, ``tiny-llama``), folder or Hub id.
-        backend: ``torch`` (CPU/GPU, DDP) or ``megatron`` (GPU only).
+        backend: ``torch`` (CPU/GPU, DDP or FSDP2) or ``megatron`` (GPU only).
+        data_parallel: how the torch back end's ranks (``resources.trainer.processes``
+            > 1) share the model: ``ddp`` (every rank holds it all; gradients
+            all-reduced) or ``fsdp2`` (``fully_shard``: parameters, gradients and AdamW
+            state sharded over the ranks; :mod:`relax.trainer.backends.fsdp`).
         steps: optimizer steps of the run (policy_version goes 0 -> steps).
         batch_groups: GRPO groups per optimizer step (N).
         max_staleness: admit a sample iff staleness <= max_staleness (0 = on-policy).
@@ -67,6 +71,7 @@ class TrainerConfig(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
     model: str = "tiny-llama"
     backend: Literal["torch", "megatron"] = "torch"
+    data_parallel: Literal["ddp", "fsdp2"] = "ddp"
     steps: int = Field(3, ge=1)
     batch_groups: int = Field(2, ge=1)
     max_staleness: int = Field(1, ge=0)

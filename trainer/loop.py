@@ -202,6 +202,12 @@ class TrainerStage:
             w.flush()
             self._progress_producer.flush()
 
+    def _save_due(self, version: int) -> bool:
+        """A checkpoint is saved after the step that reaches ``version``: every
+        ``checkpoint_every`` versions and at the last step."""
+        t = self.cfg.trainer
+        return bool(t.checkpoint_every and version % t.checkpoint_every == 0) or version == t.steps
+
     def _save(self) -> None:
         with self.source.locked(), self._progress_lock:  # the input thread writes the ledger
             state = checkpoint.TrainerState(self.version, self.source.positions(),
@@ -223,11 +229,12 @@ class TrainerStage:
         adv_stats = advantage_metrics(groups)
         groups = informative_rows(groups) if self._skip_zero else groups
         counts = loss_counts(batch.groups)
+        save = self._save_due(self.version + 1)
         if self.ranks is not None:
             groups, counts = self.ranks.scatter(split_groups(groups, self.ranks.world_size),
-                                                counts)
+                                                counts, save)
         stats = self.backend.train_step(micro_batches(groups, t.max_tokens_per_microbatch),
-                                        counts=counts)
+                                        counts=counts, gather_optimizer=save)
         self.source.trained(batch, self.version)
         out = {**stats, **batch_metrics(batch, t.accuracy_reward, t.accuracy_threshold),
                **adv_stats}
@@ -237,8 +244,7 @@ class TrainerStage:
         self.version += 1
         with self._progress_lock:
             self.counters["groups_consumed"] += len(batch.groups)
-        due = t.checkpoint_every and self.version % t.checkpoint_every == 0
-        if due or self.version == t.steps:
+        if save:
             self._save()
         tp = time.perf_counter()
         self.publisher.publish(self.backend.named_tensors(), self.version)
@@ -265,8 +271,7 @@ class TrainerStage:
                 self.step(should_stop)
             if self.version >= self.cfg.trainer.steps:
                 self.publisher.wait()
-                self.backend.model.save_pretrained(self.run_dir / "final_model",
-                                                   safe_serialization=True)
+                self.backend.save_model(self.run_dir / "final_model")
                 self.metrics.add("done", 1.0, self.version)
                 self.metrics.flush()
                 self.producer.flush()

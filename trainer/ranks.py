@@ -96,10 +96,13 @@ class Ranks:
                 p.kill()
             p.wait()
 
-    def scatter(self, shares: list, counts: tuple[int, int]) -> tuple[list, tuple[int, int]]:
+    def scatter(self, shares: list, counts: tuple[int, int], gather_optimizer: bool = False
+                ) -> tuple[list, tuple[int, int]]:
         """Hand ``shares[r]`` (a list of group tables) to rank r; rank 0 keeps
         ``shares[0]`` and the batch's ``counts`` (the others get ``(0, 0)``: the back end
-        sums counts over the ranks). Returns rank 0's ``(share, counts)``.
+        sums counts over the ranks). ``gather_optimizer``: a checkpoint follows the step
+        (every rank then takes part in gathering the FSDP2 optimizer state). Returns
+        rank 0's ``(share, counts)``.
 
         Raises:
             ValueError: not one share per rank.
@@ -109,10 +112,10 @@ class Ranks:
             raise ValueError(f"{len(shares)} shares for {self.world_size} ranks")
         self._healthy = False  # until the collective returns
         mine = [None]
-        dist.scatter_object_list(mine, [(s, counts if r == 0 else (0, 0))
+        dist.scatter_object_list(mine, [(s, counts if r == 0 else (0, 0), gather_optimizer)
                                         for r, s in enumerate(shares)], src=0)
         self._healthy = True
-        return mine[0]
+        return mine[0][:2]
 
     def close(self, timeout_s: float = 30.0) -> None:
         """Tell the ranks to stop (when the group still works), wait for them, kill those
@@ -150,9 +153,9 @@ def follow(rank: int, world_size: int, port: int, trainer: TrainerConfig) -> int
         dist.scatter_object_list(work, None, src=0)
         if work[0] is None:
             break
-        groups, counts = work[0]
+        groups, counts, gather_optimizer = work[0]
         backend.train_step(micro_batches(groups, trainer.max_tokens_per_microbatch),
-                           counts=counts)
+                           counts=counts, gather_optimizer=gather_optimizer)
         steps += 1
     destroy_data_parallel()
     return steps

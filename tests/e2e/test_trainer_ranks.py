@@ -2,7 +2,9 @@
 the trainer stage, rank 1 its child process, gloo on loopback), the tiny recipe through
 the broker, rank 1 SIGKILLed mid-run: the trainer stage must fail, restart from its
 checkpoint with a new rank 1, and still account for every rollout with none trained
-twice; both incarnations of rank 1 take part in the steps."""
+twice; both incarnations of rank 1 take part in the steps. With DDP and with FSDP2
+(``trainer.data_parallel=fsdp2``: the restart shards rank 0's checkpoint to the new
+rank 1)."""
 
 from __future__ import annotations
 
@@ -34,10 +36,11 @@ def _whole(s: dict) -> None:
     assert s["trained"] + s["stale"] + s["filtered"] + s["errors"] == s["sampled"] > 0, s
 
 
-def test_a_killed_rank_restarts_the_trainer_and_loses_nothing(broker, tmp_path):
+@pytest.mark.parametrize("mode", ["ddp", "fsdp2"])
+def test_a_killed_rank_restarts_the_trainer_and_loses_nothing(broker, tmp_path, mode):
     recipe = tiny_recipe(broker, tmp_path, "dpkill" + uuid.uuid4().hex[:4],
                          "resources.trainer.processes=2", "trainer.steps=4",
-                         "trainer.checkpoint_every=1")
+                         "trainer.checkpoint_every=1", f"trainer.data_parallel={mode}")
     killed = []
 
     def on_step(step: dict, run_dir: Path) -> None:

@@ -23,6 +23,8 @@ of micro-batches (or none): they first agree on the largest count and a rank tha
 runs out does zero-weight passes on a one-token :func:`idle_batch` (loss mask 0:
 exact zero gradient), so every rank takes part in the same collectives. Metrics are
 summed over the ranks, so every rank reports the figures of the whole batch.
+With ``data_parallel: fsdp2`` the module is sharded instead of wrapped
+(:mod:`relax.trainer.backends.fsdp`): same steps, a fraction of the memory per rank.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from relax.trainer.backends import fsdp
 from relax.trainer.batching import MicroBatch
 from relax.trainer.config import TrainerConfig
 from relax.trainer.logprobs import token_logprobs
@@ -130,7 +133,11 @@ class TorchBackend:
         self.world_size = dist.get_world_size() if dist.is_initialized() else 1
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.module: torch.nn.Module = ResponseLogits(self.model)
-        if self.world_size > 1:
+        self.fsdp = self.world_size > 1 and cfg.data_parallel == "fsdp2"
+        if self.fsdp:
+            self._broadcast_tensors(0)  # FSDP2 shards what each rank holds
+            fsdp.shard(self.module, fsdp.decoder_layers(self.model), self.device)
+        elif self.world_size > 1:
             from torch.nn.parallel import DistributedDataParallel
 
             # buffers (rotary inv_freq) are deterministic: no broadcast at every forward
@@ -139,6 +146,11 @@ class TorchBackend:
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=o.lr, betas=o.betas,
                                            eps=o.eps, weight_decay=o.weight_decay)
         self.steps_done = 0
+        # FSDP2: rank 0's unsharded weights (and optimizer state when gathered), refreshed
+        # by collectives every rank takes part in
+        self._full = fsdp.full_model_state(self.module) if self.fsdp else None
+        self._full_optimizer: dict | None = None
+        self._loaded: tuple[dict, dict] | None = None
 
     def _lr(self) -> float:
         w = self.cfg.optim.warmup_steps
@@ -154,8 +166,8 @@ class TorchBackend:
         ent = token_entropy(logits, temperature=mb.temperature) if with_entropy else None
         return lp, ent
 
-    def train_step(self, mbs: list[MicroBatch],
-                   counts: tuple[int, int] | None = None) -> dict[str, float]:
+    def train_step(self, mbs: list[MicroBatch], counts: tuple[int, int] | None = None,
+                   gather_optimizer: bool = False) -> dict[str, float]:
         """One optimizer step over the micro-batches of a global batch.
 
         Args:
@@ -164,6 +176,8 @@ class TorchBackend:
                 (summed over ranks: the global counts); default: those of ``mbs``. Given
                 when rows that cannot contribute were left out
                 (:func:`relax.trainer.batching.informative_rows`).
+            gather_optimizer: with FSDP2, also gather the optimizer state to rank 0
+                after the step (every rank passes the same; a checkpoint follows).
 
         Returns:
             metrics: ``loss``, ``grad_norm``, ``lr``, ``train_s``, ``tokens_trained``,
@@ -193,14 +207,18 @@ class TorchBackend:
         if self.cfg.old_logprobs == "recompute":
             with torch.no_grad():
                 old = [self.logprobs(mb)[0].detach() for mb in mbs]
+                for _ in range(len(mbs), passes if self.fsdp else 0):  # same gathers
+                    self.logprobs(idle_batch())
         self.optimizer.zero_grad(set_to_none=True)
         sums: dict[str, float] = {"loss": 0.0, "policy_loss": 0.0}
         want_entropy = self.cfg.loss.entropy_coef != 0
         for i in range(passes):
             dmb = _to(mbs[i] if i < len(mbs) else idle_batch(), self.device)
             last = i == passes - 1  # DDP all-reduces in the last backward only
-            sync = self.module.no_sync() if self.world_size > 1 and not last else \
-                contextlib.nullcontext()
+            sync = self.module.no_sync() if self.world_size > 1 and not last and \
+                not self.fsdp else contextlib.nullcontext()
+            if self.fsdp:
+                fsdp.set_gradient_sync(self.module, last)
             with sync:
                 lp, ent = self.logprobs(dmb, with_entropy=want_entropy)
                 if old is not None and i < len(old):
@@ -228,23 +246,50 @@ class TorchBackend:
         clip = self.cfg.optim.grad_clip  # of the global (all-reduced) gradient
         norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(),
                                               clip if clip > 0 else math.inf)
+        if hasattr(norm, "full_tensor"):  # FSDP2: a DTensor
+            norm = norm.full_tensor()
         self.optimizer.step()
         self.steps_done += 1
+        if self.fsdp:
+            self._full = fsdp.full_model_state(self.module)
+            self._full_optimizer = (fsdp.full_optimizer_state(self.module, self.optimizer)
+                                    if gather_optimizer else None)
         sums.update(grad_norm=float(norm), lr=lr, tokens_trained=float(tokens),
                     rows_computed=float(rows), train_s=time.perf_counter() - t0)
         return sums
 
     def named_tensors(self) -> dict[str, torch.Tensor]:
-        """The weights to publish, ``{name: tensor}`` (detached views, no copy)."""
+        """The weights to publish, ``{name: tensor}`` (detached views, no copy; with
+        FSDP2 rank 0's unsharded copy from the last step, ``{}`` on the other ranks)."""
+        if self.fsdp:
+            return self._full
         return {k: v.detach() for k, v in self.model.state_dict().items()}
+
+    def save_model(self, folder: Path) -> None:
+        """The model as HF safetensors + config in ``folder`` (rank 0). With FSDP2, from
+        the unsharded copy, less tied duplicates (a tied LM head), as HF saves them."""
+        state = None
+        if self.fsdp:
+            own = {n for n, _ in self.model.named_parameters()}  # one name per tensor
+            own |= {n for n, _ in self.model.named_buffers()}
+            state = {k: v for k, v in self._full.items() if k in own}
+        self.model.save_pretrained(folder, safe_serialization=True, state_dict=state)
 
     def save(self, folder: Path) -> None:
         """Model as HF safetensors + config, optimizer state as a torch file (local only,
-        never on the bus), in ``folder``."""
+        never on the bus), in ``folder``. Rank 0 only.
+
+        Raises:
+            RuntimeError: with FSDP2, the last step did not gather the optimizer state
+                (``train_step(..., gather_optimizer=True)``).
+        """
         folder.mkdir(parents=True, exist_ok=True)
-        self.model.save_pretrained(folder, safe_serialization=True)
-        torch.save({"optimizer": self.optimizer.state_dict(), "steps_done": self.steps_done},
-                   folder / "optimizer.pt")
+        self.save_model(folder)
+        if self.fsdp and self._full_optimizer is None:
+            raise RuntimeError("FSDP2: the optimizer state was not gathered by the last step "
+                               "(train_step(gather_optimizer=True) before a checkpoint)")
+        opt = self._full_optimizer if self.fsdp else self.optimizer.state_dict()
+        torch.save({"optimizer": opt, "steps_done": self.steps_done}, folder / "optimizer.pt")
 
     def broadcast_state(self, src: int = 0) -> None:
         """Give every data-parallel rank rank ``src``'s weights, optimizer state and step
@@ -252,28 +297,60 @@ class TorchBackend:
         it; a no-op without a process group of more than one rank."""
         if self.world_size == 1:
             return
-        with torch.no_grad():
-            for t in [*self.model.parameters(), *self.model.buffers()]:
-                dist.broadcast(t.data, src)
+        if self.fsdp:
+            self._broadcast_fsdp_state()
+            return
+        self._broadcast_tensors(src)
         state = [{"optimizer": self.optimizer.state_dict(), "steps_done": self.steps_done}]
         dist.broadcast_object_list(state, src, device=self.device)
         if self.rank != src:
             self.optimizer.load_state_dict(state[0]["optimizer"])
             self.steps_done = int(state[0]["steps_done"])
 
+    def _broadcast_tensors(self, src: int) -> None:
+        with torch.no_grad():
+            for t in [*self.model.parameters(), *self.model.buffers()]:
+                dist.broadcast(t.data, src)
+
+    def _broadcast_fsdp_state(self) -> None:
+        """FSDP2's :meth:`broadcast_state`: rank 0's loaded checkpoint (if any) sharded to
+        every rank, then the unsharded copy refreshed."""
+        loaded = [self._loaded is not None]
+        dist.broadcast_object_list(loaded, 0, device=self.device)
+        if not loaded[0]:
+            return
+        model_state, opt = self._loaded if self.rank == 0 else (None, None)
+        fsdp.load_full_state(self.module, self.optimizer, model_state,
+                             None if opt is None else opt["optimizer"])
+        steps = [None if opt is None else int(opt["steps_done"])]
+        dist.broadcast_object_list(steps, 0, device=self.device)
+        self.steps_done, self._loaded = steps[0], None
+        self._full = fsdp.full_model_state(self.module)
+
     def load(self, folder: Path) -> None:
-        """Restore model weights and optimizer state saved by :meth:`save`."""
+        """Restore model weights and optimizer state saved by :meth:`save` (with FSDP2,
+        rank 0 reads them and :meth:`broadcast_state` hands every rank its shards).
+
+        Raises:
+            ValueError: the checkpoint's tensors are not the model's (names them).
+        """
         from safetensors.torch import load_file
 
         state = {}
         for f in sorted(folder.glob("*.safetensors")):
-            state.update(load_file(f, device=str(self.device)))
-        missing, unexpected = self.model.load_state_dict(state, strict=False)
+            state.update(load_file(f, device="cpu" if self.fsdp else str(self.device)))
+        names = set(self.model.state_dict())
+        missing, unexpected = names - set(state), set(state) - names
         tied = {k for k in missing if "lm_head" in k}
-        if set(missing) - tied or unexpected:
+        if missing - tied or unexpected:
             raise ValueError(f"checkpoint {folder} does not match the model: missing "
-                             f"{sorted(set(missing) - tied)[:5]}, unexpected {sorted(unexpected)[:5]}")
-        opt = torch.load(folder / "optimizer.pt", map_location=self.device, weights_only=True)
+                             f"{sorted(missing - tied)[:5]}, unexpected {sorted(unexpected)[:5]}")
+        opt = torch.load(folder / "optimizer.pt", map_location="cpu" if self.fsdp else
+                         self.device, weights_only=True)
+        if self.fsdp:
+            self._loaded = (state, opt)
+            return
+        self.model.load_state_dict(state, strict=False)
         self.optimizer.load_state_dict(opt["optimizer"])
         self.steps_done = int(opt["steps_done"])
 
