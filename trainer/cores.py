@@ -13,8 +13,11 @@ So the rollout marks its engine calls with a :class:`BusyFlag` (a file that exis
 while it generates) and the trainer's :class:`ElasticThreads` sets torch's intra-op
 threads to ``low`` while any flag of the folder exists and to ``high`` otherwise,
 checked between the model's layers in forward and backward (at most every
-``interval_s``). Only for stages that share a run folder on one host; a flag left by
-a killed process only costs speed until its stage restarts (the new BusyFlag removes it).
+``interval_s``). Only stages on the same host share flags: each host has its own
+sub-folder (:func:`host_folder`, named by :func:`node_address`), so a rollout on
+another host that writes into a shared run folder never slows this host's trainer.
+A flag left by a killed process only costs speed until its stage restarts (the new
+BusyFlag removes it).
 """
 
 from __future__ import annotations
@@ -24,6 +27,20 @@ import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
+
+
+def node_address() -> str:
+    """The address other hosts reach this process at: the Ray node's IP when this process
+    is a Ray worker (the address the cluster's nodes registered with), else 127.0.0.1."""
+    import ray
+
+    return ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1"
+
+
+def host_folder(folder: str | Path, host: str | None = None) -> Path:
+    """The flag folder of ``host`` (default :func:`node_address`) under the run's flag
+    folder ``folder``: ``<folder>/<host>`` (``:`` of an IPv6 address as ``_``)."""
+    return Path(folder) / (host or node_address()).replace(":", "_")
 
 
 class BusyFlag:
@@ -120,4 +137,4 @@ class ElasticThreads:
         return handles
 
 
-__all__ = ["BusyFlag", "ElasticThreads"]
+__all__ = ["BusyFlag", "ElasticThreads", "host_folder", "node_address"]

@@ -38,6 +38,7 @@ from relax.trainer.backends import build_backend
 from relax.trainer.batching import (informative_rows, loss_counts, micro_batches, split_groups,
                                    teacher_kl)
 from relax.trainer.config import TrainerConfig
+from relax.trainer.cores import node_address
 from relax.trainer.ledger import Ledger
 from relax.trainer.source import Batch, SampleSource
 from relax.trainer.telemetry import Telemetry, TelemetryConfig
@@ -54,7 +55,7 @@ class TrainerStageConfig(BaseModel):
         trainer: the trainer settings.
         weights_host: address subscribers reach the weight rendezvous at (announced with
             every version); None = this node's address as Ray knows it
-            (:func:`node_address`; 127.0.0.1 outside Ray and in single-host runs).
+            (:func:`relax.trainer.cores.node_address`; 127.0.0.1 outside Ray and in single-host runs).
         weights_port: rendezvous port (0 = free).
         telemetry: TensorBoard, Prometheus and W&B (recipe block ``telemetry:``,
             :class:`~relax.trainer.telemetry.TelemetryConfig`).
@@ -112,14 +113,6 @@ def advantage_metrics(groups: list) -> dict[str, float]:
                         for a in g.column("advantages").to_pylist()], np.float64)
     std = float(first.std(ddof=1)) if len(first) > 1 else 0.0
     return {M.ADVANTAGE_MEAN: float(first.mean()) if len(first) else 0.0, M.ADVANTAGE_STD: std}
-
-
-def node_address() -> str:
-    """The address other hosts reach this process at: the Ray node's IP when this process
-    is a Ray worker (the address the cluster's nodes registered with), else 127.0.0.1."""
-    import ray
-
-    return ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1"
 
 
 class TrainerStage:
@@ -180,10 +173,11 @@ class TrainerStage:
         self._skip_zero = not (loss.kl_coef and loss.kl_in == "loss") and loss.entropy_coef == 0
         self.threads = None
         if cfg.busy_dir and cfg.max_threads:
-            from relax.trainer.cores import ElasticThreads
+            from relax.trainer.cores import ElasticThreads, host_folder
 
             low = torch.get_num_threads()
-            self.threads = ElasticThreads(cfg.busy_dir, low=low, high=max(low, cfg.max_threads))
+            self.threads = ElasticThreads(host_folder(cfg.busy_dir), low=low,
+                                          high=max(low, cfg.max_threads))
             self.threads.install(self.backend.model)
 
     # -- progress for the rollout stage's credit

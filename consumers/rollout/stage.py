@@ -37,7 +37,7 @@ from relax.schemas import topics
 from relax.streams.client import ensure_topics
 from relax.streams.progress import TrainerProgress
 from relax.streams.stage import BusyWindow, run_loop
-from relax.trainer.cores import BusyFlag
+from relax.trainer.cores import BusyFlag, host_folder
 
 log = logging.getLogger(__name__)
 
@@ -72,7 +72,8 @@ class RolloutStage:
         self._progress: TrainerProgress | None = None
         self._claims: ClaimLog | None = None
         self._started_ids: set[str] = set()
-        self._busy = BusyFlag(cfg.busy_dir, cfg.engine_id) if cfg.busy_dir else None
+        self._busy = (BusyFlag(host_folder(cfg.busy_dir), cfg.engine_id) if cfg.busy_dir
+                      else None)
 
     # ---------------------------------------------------------------- budget
     def _granted(self) -> int:

@@ -41,6 +41,21 @@ def test_elastic_threads_follow_the_flags(tmp_path, restore_threads):
     assert et.seconds_at(1) > 0 and et.seconds_at(2) > 0
 
 
+def test_only_flags_of_the_same_host_count(tmp_path, restore_threads):
+    """The run folder may be shared by hosts: a rollout on host b flags b's folder,
+    which the trainer on host a never reads."""
+    from relax.trainer.cores import host_folder, node_address
+
+    assert node_address() == "127.0.0.1"  # not a Ray worker here
+    assert host_folder(tmp_path) == tmp_path / "127.0.0.1"
+    assert host_folder(tmp_path, "fe80::1") == tmp_path / "fe80__1"
+    on_a = ElasticThreads(host_folder(tmp_path, "10.0.0.1"), low=1, high=2, interval_s=0.0)
+    with BusyFlag(host_folder(tmp_path, "10.0.0.2"), "rollout-0").busy():
+        assert on_a.update() == 2  # b is busy: a's trainer takes both cores
+        with BusyFlag(host_folder(tmp_path, "10.0.0.1"), "rollout-1").busy():
+            assert on_a.update() == 1
+
+
 def test_elastic_threads_check_at_most_every_interval(tmp_path, restore_threads):
     et = ElasticThreads(tmp_path, low=1, high=2, interval_s=3600)
     assert et.update() == 2
