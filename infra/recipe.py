@@ -106,6 +106,10 @@ class Resources(StrictModel):
         1, ge=1, description="trainer only: data-parallel ranks on the trainer's host "
         "(trainer/ranks.py; gloo on CPU, nccl on GPU); more rollout processes come from "
         "rollout.instances")
+    rank_hosts: list[str] | None = Field(
+        None, description="trainer only: the host of each rank 1..processes-1 (Ray nodes "
+        "offering 'host:<name>'; each rank asks for num_cpus there); None = child processes "
+        "on the trainer's host")
 
     @model_validator(mode="after")
     def _check_threads(self):
@@ -198,6 +202,17 @@ class Recipe(StrictModel):
         if placed and not self.ray_address:
             raise ValueError(f"resources.<stage>.host (set for {placed}) needs ray_address: a "
                              f"Ray cluster whose nodes offer the resources host:<name>")
+        tr = self.resources_of("trainer")
+        other = sorted(s for s, r in self.resources.items() if r.rank_hosts and s != "trainer")
+        if other:
+            raise ValueError(f"resources: rank_hosts is for the trainer only, set for {other}")
+        if tr.rank_hosts is not None:
+            if len(tr.rank_hosts) != tr.processes - 1:
+                raise ValueError(f"resources.trainer.rank_hosts: one host per rank 1.."
+                                 f"{tr.processes - 1}, got {len(tr.rank_hosts)}")
+            if not self.ray_address:
+                raise ValueError("resources.trainer.rank_hosts needs ray_address: a Ray "
+                                 "cluster whose nodes offer the resources host:<name>")
         if self.resources_of("trainer").processes > 1 and self.trainer.backend != "torch":
             raise ValueError("resources.trainer.processes > 1 needs trainer.backend 'torch'")
         ms = self.trainer.max_staleness

@@ -51,7 +51,7 @@ TEACHER_WIRING = frozenset({"bus", "run", "role", "member_id", "follow_every",
                             "weights_rendezvous"})
 AGGREGATE_WIRING = frozenset({"run", "partitions", "advantage"})
 TRAINER_WIRING = frozenset({"run", "run_dir", "trainer", "busy_dir", "max_threads",
-                            "processes", "telemetry"})
+                            "processes", "rank_hosts", "rank_num_cpus", "telemetry"})
 BUS_WIRING = frozenset({"bootstrap_servers", "max_message_bytes", "blob_store"})
 """Per stage, the fields of its config the launcher fills (from the recipe's top level,
 ``data``, ``advantage``, ``resources`` and the process's place in the run); every other

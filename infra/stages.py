@@ -107,6 +107,8 @@ def stage_specs(recipe: Recipe, bus: BusConfig, run_dir: Path) -> list[StageSpec
     config = _checked("stage trainer (trainer)", TrainerStageConfig, dict(
         stage, run=run, run_dir=str(run_dir), trainer=trainer, busy_dir=busy_dir,
         max_threads=max_threads, processes=recipe.resources_of("trainer").processes,
+        rank_hosts=recipe.resources_of("trainer").rank_hosts,
+        rank_num_cpus=recipe.resources_of("trainer").num_cpus,
         telemetry=recipe.telemetry.model_dump()))
     specs.append(StageSpec("trainer", "trainer", config, recipe.resources_of("trainer")))
     return specs

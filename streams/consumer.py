@@ -292,7 +292,7 @@ class BatchConsumer:
             kafka.errors.KafkaError: a non-retriable error, or a retriable one (the
                 broker unreachable) that lasted past :data:`COMMIT_RETRY_S`.
         """
-        from kafka.errors import CommitFailedError, KafkaError
+        from kafka.errors import CommitFailedError, KafkaError, RebalanceInProgressError
         from kafka.structs import OffsetAndMetadata
 
         if self._errors is not None:  # routed by whichever thread polled
@@ -310,6 +310,13 @@ class BatchConsumer:
             except CommitFailedError as e:  # group rebalanced: the new owner re-reads them
                 log.warning("commit failed after a rebalance (records will be redelivered): %s",
                             e)
+                return {}
+            except RebalanceInProgressError as e:
+                # a member joined or left (Tansu answers a commit with this while the group
+                # rebalances; kafka-python raises it as not retriable): the offsets stay
+                # committable, for the next commit once this member holds its partitions
+                # again, or the new owner re-reads them
+                log.warning("commit skipped: the group is rebalancing (%s)", e)
                 return {}
             except KafkaError as e:  # a broker restarting: its log is durable, wait for it
                 if not e.retriable or time.monotonic() > deadline:

@@ -10,7 +10,9 @@ weights; every rank holds the same weights after each step.
 
 Rendezvous is TCP on ``master_addr:master_port`` (rank 0 listens there): every rank
 must be given the same address and port. :func:`free_port` picks one on loopback
-for single-host runs and tests.
+for single-host runs and tests. Ranks on several hosts (``resources.trainer.rank_hosts``)
+use rank 0's routable address; gloo then binds each rank's device to the interface
+that reaches it (:func:`gloo_interface`), not to whatever the host name resolves to.
 """
 
 from __future__ import annotations
@@ -35,6 +37,33 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])
+
+
+def interface_of(ip: str) -> str | None:
+    """The name of the network interface holding address ``ip`` (None: none here)."""
+    import psutil
+
+    for name, addrs in psutil.net_if_addrs().items():
+        if any(a.address == ip for a in addrs):
+            return name
+    return None
+
+
+def gloo_interface(master_addr: str, master_port: int) -> None:
+    """Point gloo (``GLOO_SOCKET_IFNAME``) at the interface this host reaches
+    ``master_addr`` through, unless it is loopback or already set: gloo otherwise binds
+    to the address of the host name, which on a host with several interfaces (or a
+    network namespace) may be one the other ranks cannot reach."""
+    import os
+
+    from relax.streams.weights.rendezvous import local_ip_towards
+
+    if "GLOO_SOCKET_IFNAME" in os.environ:
+        return
+    ip = local_ip_towards(master_addr, master_port)
+    name = None if ip.startswith("127.") else interface_of(ip)
+    if name is not None:
+        os.environ["GLOO_SOCKET_IFNAME"] = name
 
 
 def init_data_parallel(rank: int, world_size: int, master_addr: str = "127.0.0.1",
@@ -80,6 +109,8 @@ def init_data_parallel(rank: int, world_size: int, master_addr: str = "127.0.0.1
         local = rank % torch.cuda.device_count() if local_rank is None else local_rank
         torch.cuda.set_device(local)
         device = f"cuda:{local}"
+    if backend == "gloo":
+        gloo_interface(master_addr, master_port)
     timeout = timedelta(seconds=timeout_s)
     store = dist.TCPStore(master_addr, master_port, world_size, is_master=rank == 0,
                           timeout=timeout, wait_for_workers=False)

@@ -61,8 +61,11 @@ class TrainerStageConfig(BaseModel):
             :class:`~relax.trainer.telemetry.TelemetryConfig`).
         busy_dir / max_threads: take up to ``max_threads`` torch threads while no rollout
             engine flags ``busy_dir`` (co-located stages, ``relax.trainer.cores``); None = off.
-        processes: data-parallel ranks on this host (``relax.trainer.ranks``); this
-            process is rank 0.
+        processes: data-parallel ranks (``relax.trainer.ranks``); this process is
+            rank 0.
+        rank_hosts: the host of each rank 1..processes-1 (Ray tasks on the nodes that
+            offer ``host:<name>``, each asking for ``rank_num_cpus``); None = child
+            processes on this host.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -75,6 +78,8 @@ class TrainerStageConfig(BaseModel):
     busy_dir: str | None = None
     max_threads: int | None = None
     processes: int = Field(1, ge=1)
+    rank_hosts: list[str] | None = None
+    rank_num_cpus: float = Field(1.0, ge=0)
 
 
 def batch_metrics(batch: Batch, accuracy_reward: str | None, threshold: float) -> dict[str, float]:
@@ -133,7 +138,8 @@ class TrainerStage:
             from relax.trainer.ranks import Ranks
 
             self.ranks = Ranks(cfg.processes, t, self.run_dir / "logs",
-                               torch_threads=torch.get_num_threads())
+                               torch_threads=torch.get_num_threads(), hosts=cfg.rank_hosts,
+                               num_cpus=cfg.rank_num_cpus)
         self.backend = build_backend(t)
         self.ledger = Ledger()
         state = checkpoint.TrainerState(policy_version=0)

@@ -1,10 +1,12 @@
-"""The trainer's data-parallel ranks on one host (``resources.trainer.processes: N``).
+"""The trainer's data-parallel ranks (``resources.trainer.processes: N``).
 
 The trainer stage is rank 0: it alone reads ``train_samples`` (one consumer, one
 ledger, one set of offsets in its checkpoints, so exactly-once and staleness work as
 with one process), publishes weights and saves checkpoints. It starts ranks
 1..N-1 as child processes (``python -m relax.trainer.ranks``, like ``torchrun`` on one
-node) and, every step, deals the global batch's groups out to the ranks
+node), or, with ``resources.trainer.rank_hosts``, as Ray tasks on the named hosts
+(rank 0 listens on its node's address; each rank's gloo binds to the interface that
+reaches it, :func:`relax.trainer.distributed.gloo_interface`), and, every step, deals the global batch's groups out to the ranks
 (:func:`relax.trainer.batching.split_groups`, balanced by tokens) with one
 ``scatter_object_list``; each rank runs forward/backward on its share and DDP
 all-reduces the gradients, so every rank ends the step with the same weights
@@ -34,6 +36,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from relax.trainer.config import TrainerConfig
+from relax.trainer.cores import node_address
 from relax.trainer.distributed import destroy_data_parallel, free_port, init_data_parallel
 
 log = logging.getLogger(__name__)
@@ -47,6 +50,10 @@ class Ranks:
         trainer: the trainer settings every rank builds its back end from.
         log_dir: each child writes ``trainer-rank<r>.log`` here.
         torch_threads: torch threads of each child (None: torch's default).
+        hosts: the host of each rank 1..N-1 (Ray tasks on the nodes offering
+            ``host:<name>``, this process being a Ray worker); None = child processes
+            on this host.
+        num_cpus: CPUs each remote rank asks Ray for.
 
     Raises:
         ValueError: ``world_size < 2``.
@@ -56,14 +63,22 @@ class Ranks:
     """
 
     def __init__(self, world_size: int, trainer: TrainerConfig, log_dir: Path,
-                 torch_threads: int | None = None):
+                 torch_threads: int | None = None, hosts: list[str] | None = None,
+                 num_cpus: float = 1.0):
         if world_size < 2:
             raise ValueError(f"Ranks needs world_size >= 2, got {world_size}")
+        if hosts is not None and len(hosts) != world_size - 1:
+            raise ValueError(f"{len(hosts)} hosts for ranks 1..{world_size - 1}")
         self.world_size = world_size
-        port = free_port()
+        master = node_address() if hosts else "127.0.0.1"
+        port = free_port(master)
         log_dir.mkdir(parents=True, exist_ok=True)
         self.procs = []
-        for r in range(1, world_size):
+        self.remote: list = []  # Ray object refs of the remote ranks' tasks
+        for r, host in enumerate(hosts or [], 1):
+            self.remote.append(_start_remote(r, world_size, port, master, trainer, host,
+                                             num_cpus, torch_threads, log_dir))
+        for r in range(1, world_size) if not hosts else ():
             cmd = [sys.executable, "-m", "relax.trainer.ranks", "--rank", str(r),
                    "--world-size", str(world_size), "--port", str(port),
                    "--parent", str(os.getpid()), "--trainer", trainer.model_dump_json()]
@@ -73,13 +88,14 @@ class Ranks:
                 self.procs.append(subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT))
         self.log_dir = log_dir
         try:
-            init_data_parallel(0, world_size, master_port=port, check=self._children_alive)
+            init_data_parallel(0, world_size, master_addr=master, master_port=port,
+                               check=self._children_alive)
         except BaseException:
             self._kill_children()
             raise
         self._healthy = True
         log.info("data-parallel trainer: %d ranks (children %s)", world_size,
-                 [p.pid for p in self.procs])
+                 [p.pid for p in self.procs] or [f"{h} (Ray)" for h in hosts or []])
 
     def _children_alive(self) -> None:
         """Raise when a child rank exited before the process group formed (rank 0 would
@@ -89,12 +105,30 @@ class Ranks:
                 raise RuntimeError(f"trainer rank {r} exited with {p.returncode} before the "
                                    f"process group formed; see "
                                    f"{self.log_dir / f'trainer-rank{r}.log'}")
+        if self.remote:
+            import ray
+
+            done, _ = ray.wait(self.remote, num_returns=len(self.remote), timeout=0)
+            for ref in done:
+                r = self.remote.index(ref) + 1
+                try:
+                    ray.get(ref)
+                    why = "ended"
+                except ray.exceptions.RayError as e:
+                    why = f"failed: {e}"
+                raise RuntimeError(f"trainer rank {r} (Ray task) {why} before the process "
+                                   f"group formed; see {self.log_dir / f'trainer-rank{r}.log'}")
 
     def _kill_children(self) -> None:
         for p in self.procs:
             if p.poll() is None:
                 p.kill()
             p.wait()
+        if self.remote:
+            import ray
+
+            for ref in self.remote:
+                ray.cancel(ref, force=True)
 
     def scatter(self, shares: list, counts: tuple[int, int], gather_optimizer: bool = False
                 ) -> tuple[list, tuple[int, int]]:
@@ -129,6 +163,13 @@ class Ranks:
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait()
+        if self.remote:
+            import ray
+
+            _, late = ray.wait(self.remote, num_returns=len(self.remote),
+                               timeout=max(0.0, deadline - time.monotonic()))
+            for ref in late:
+                ray.cancel(ref, force=True)
         destroy_data_parallel()
 
 
@@ -138,13 +179,49 @@ def _exit_with_parent(parent: int) -> None:
     os._exit(3)  # rank 0 is gone: no one will ever scatter to this rank again
 
 
-def follow(rank: int, world_size: int, port: int, trainer: TrainerConfig) -> int:
+def _start_remote(rank: int, world_size: int, port: int, master: str, trainer: TrainerConfig,
+                  host: str, num_cpus: float, threads: int | None, log_dir: Path):
+    """Start rank ``rank`` as a Ray task on the node offering ``host:<host>``; returns
+    its object ref (the steps it took)."""
+    import ray
+
+    task = ray.remote(_remote_rank).options(num_cpus=num_cpus, max_retries=0,
+                                            resources={f"host:{host}": 0.001})
+    return task.remote(rank, world_size, port, master, trainer.model_dump_json(), threads,
+                       str(log_dir / f"trainer-rank{rank}.log"))
+
+
+def _remote_rank(rank: int, world_size: int, port: int, master: str, trainer_json: str,
+                 threads: int | None, log_file: str) -> int:
+    """A rank in a Ray worker on another host: log to ``log_file`` (the run folder) and
+    :func:`follow`."""
+    handler = logging.FileHandler(log_file)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
+    root = logging.getLogger()
+    root.addHandler(handler)
+    root.setLevel(logging.INFO)
+    try:
+        if threads:
+            import torch
+
+            torch.set_num_threads(threads)
+        log.info("rank %d on %s joins rank 0 at %s:%d", rank, node_address(), master, port)
+        steps = follow(rank, world_size, port, TrainerConfig(**json.loads(trainer_json)), master)
+        log.info("rank %d done after %d steps", rank, steps)
+        return steps
+    finally:
+        root.removeHandler(handler)
+        handler.close()
+
+
+def follow(rank: int, world_size: int, port: int, trainer: TrainerConfig,
+           master_addr: str = "127.0.0.1") -> int:
     """A child rank: join the group, build the back end, take rank 0's state, then train
     each share rank 0 scatters until it sends None. Returns the steps taken."""
     from relax.trainer.backends import build_backend
     from relax.trainer.batching import micro_batches
 
-    init_data_parallel(rank, world_size, master_port=port)
+    init_data_parallel(rank, world_size, master_addr=master_addr, master_port=port)
     backend = build_backend(trainer)
     backend.broadcast_state()
     steps = 0

@@ -122,6 +122,7 @@ class PromptQueue:
 
     def maybe_next_epoch(self, consumer) -> None:
         """Rewind partitions whose prompts were all sampled, if ``epochs`` allows."""
+        from kafka.errors import RebalanceInProgressError
         from kafka.structs import OffsetAndMetadata
 
         kc = consumer.kafka
@@ -140,16 +141,28 @@ class PromptQueue:
             # the new epoch is durable before any offset of it is committed: a restart
             # never samples an epoch's group_ids twice (at worst, killed between the two
             # writes, it skips that epoch)
-            self.producer.send_value(self._state_topic, json.dumps(
-                {"topic": tp.topic, "partition": tp.partition, "epoch": epoch + 1}).encode(),
-                key=f"{tp.topic}:{tp.partition}".encode())
-            self.producer.flush()
+            self._save_epoch(tp, epoch + 1)
+            try:
+                kc.commit({tp: OffsetAndMetadata(0, "", -1)})
+            except RebalanceInProgressError as e:
+                # a member joined or left meanwhile: the partition stays in epoch `epoch`
+                # at its end (as committed), for whichever member holds it next
+                log.warning("%s: %s[%d] stays in epoch %d: the group is rebalancing (%s)",
+                            self.cfg.engine_id, tp.topic, tp.partition, epoch, e)
+                self._save_epoch(tp, epoch)
+                continue
             consumer._tracker.forget([tp])  # offsets restart at 0 for the next epoch
             kc.seek(tp, 0)
-            kc.commit({tp: OffsetAndMetadata(0, "", -1)})
             self.epoch[tp] = epoch + 1
             self.stats.epochs_started += 1
             log.info("%s: %s[%d] epoch %d", self.cfg.engine_id, tp.topic, tp.partition, epoch + 1)
+
+    def _save_epoch(self, tp, epoch: int) -> None:
+        """Record ``epoch`` of partition ``tp`` on ``<run>.rollout_state`` (flushed)."""
+        self.producer.send_value(self._state_topic, json.dumps(
+            {"topic": tp.topic, "partition": tp.partition, "epoch": epoch}).encode(),
+            key=f"{tp.topic}:{tp.partition}".encode())
+        self.producer.flush()
 
     def exhausted(self, consumer) -> bool:
         """Every prompt partition assigned to ``consumer`` has been sampled for all epochs

@@ -1,6 +1,7 @@
 """A run across three hosts (network namespaces on this machine, ``tests/hosts.py``): the
-broker, the Ray head and the trainer on host a, two rollout instances on host b, the
-reward and the aggregator on host c, placed by the recipe (``resources.<stage>.host``,
+broker, the Ray head and the trainer (rank 0) on host a, two rollout instances on host b,
+the reward, the aggregator and the trainer's rank 1 (FSDP2 over gloo, a Ray task) on
+host c, placed by the recipe (``resources.<stage>.host``,
 each Ray node offering ``host:<name>``). Every byte between stages crosses the veth
 links: the bus to a's address, the weights from the trainer's rendezvous on a's address
 to the rollout engines on b, the weight snapshots a late joiner loads from an
@@ -90,7 +91,7 @@ def test_stages_on_three_hosts(tmp_path):
             head = ["--head", "--port=6379", "--include-dashboard=false"] if name == "a" \
                 else [f"--address={ray_head}"]
             r = h.run(name, [RAY, "start", *head, f"--node-ip-address={h.addr(name)}",
-                             "--num-cpus=2", f'--resources={{"host:{name}": 1000}}',
+                             "--num-cpus=3", f'--resources={{"host:{name}": 1000}}',
                              "--disable-usage-stats"], env=env, timeout=180,
                       capture_output=True, text=True)
             assert r.returncode == 0, f"ray start on {name}: {r.stdout[-1500:]}{r.stderr[-3000:]}"
@@ -100,7 +101,9 @@ def test_stages_on_three_hosts(tmp_path):
                         "trainer.steps=4", "resources.trainer.host=a",
                         "resources.rollout.host=b", "resources.reward.host=c",
                         "resources.aggregate.host=c", f"trainer.weights_store={store}",
-                        "trainer.weights_snapshot_every=2", "--bootstrap", bootstrap,
+                        "trainer.weights_snapshot_every=2", "resources.trainer.processes=2",
+                        "resources.trainer.rank_hosts=[c]", "trainer.data_parallel=fsdp2",
+                        "--bootstrap", bootstrap,
                         "--timeout-s", "400"],
                   env=env, capture_output=True, text=True, timeout=500)
         logs = tmp_path / run / "logs"
@@ -122,6 +125,10 @@ def test_stages_on_three_hosts(tmp_path):
         assert set(by_engine) == {"rollout-0", "rollout-1"}, by_engine.keys()
         # the engines on b sampled with weights the trainer on a published after step 1
         assert max(max(v) for v in by_engine.values()) >= 2, by_engine
+        # the trainer's rank 1 ran on c and took every step with rank 0 on a
+        rank1 = (logs / "trainer-rank1.log").read_text()
+        assert f"rank 1 on {h.addr('c')} joins rank 0 at {a}:" in rank1, rank1[-2000:]
+        assert "rank 1 done after 4 steps" in rank1, rank1[-2000:]
         # the newest weight snapshot, read on b from the store on a: what a late joiner loads
         snap = h.run("b", [sys.executable, "-c", SNAPSHOT, bootstrap, run], env=env,
                      capture_output=True, text=True, timeout=120)

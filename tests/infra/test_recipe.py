@@ -209,6 +209,10 @@ def test_bus_settings_are_recipe_keys():
     (["resources.trainer.processes=2", "trainer.backend=megatron"], "needs trainer.backend 'torch'"),
     (["resources.rollout.host=b"], r"host \(set for \['rollout'\]\) needs ray_address"),
     (["resources.rollout.host=b c"], "resources.rollout.host"),
+    (["resources.trainer.processes=3", "resources.trainer.rank_hosts=[b]",
+      "ray_address=h:1"], r"one host per rank 1\.\.2, got 1"),
+    (["resources.trainer.processes=2", "resources.trainer.rank_hosts=[b]"], "needs ray_address"),
+    (["resources.rollout.rank_hosts=[b]"], r"rank_hosts is for the trainer only"),
 ])
 def test_placement_and_processes_are_checked(overrides, match):
     with pytest.raises(RecipeError, match=match):
@@ -220,6 +224,10 @@ def test_trainer_processes_and_hosts_reach_the_stages():
                 "resources.rollout.host=b")
     assert _spec(r, "trainer").config["processes"] == 2
     assert _spec(r, "rollout").resources.host == "b"
+    r = _recipe("resources.trainer.processes=3", "ray_address=10.0.0.1:6379",
+                "resources.trainer.rank_hosts=[b, c]", "resources.trainer.num_cpus=2")
+    cfg = _spec(r, "trainer").config
+    assert cfg["rank_hosts"] == ["b", "c"] and cfg["rank_num_cpus"] == 2.0
 
 
 def test_the_telemetry_block_reaches_the_trainer():
