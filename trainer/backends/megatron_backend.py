@@ -1,8 +1,9 @@
-"""megatron-core back end (TP/PP/CP/EP): GPU only, not implemented in this release.
+"""megatron-core back end (TP/PP/CP/EP): not implemented in this release.
 
-megatron-core's forward, schedules and optimizer assume CUDA, and no GPU is available where relax is developed, so this back end is
-a declared seam: the recipe value ``trainer.backend: megatron`` reaches here and
-fails with a clear error instead of silently running something else.
+The weight conversion it needs is built and checked against megatron-core's own
+GPTModel (:mod:`relax.trainer.backends.megatron_convert`, ``tests/trainer/test_megatron.py``).
+The training step is not: the recipe value ``trainer.backend: megatron`` reaches here
+and fails with a clear error instead of silently running something else.
 """
 
 from __future__ import annotations
