@@ -103,9 +103,9 @@ class Resources(StrictModel):
         description="run on the Ray node that offers the custom resource 'host:<host>' "
         "(`ray start --resources '{\"host:<host>\": 1000}'`); None = wherever Ray places it")
     processes: int = Field(
-        1, ge=1, description="trainer only: data-parallel ranks on the trainer's host "
-        "(trainer/ranks.py; gloo on CPU, nccl on GPU); more rollout processes come from "
-        "rollout.instances")
+        1, ge=1, description="trainer only: trainer ranks (trainer/ranks.py; gloo on CPU, "
+        "nccl on GPU): data-parallel with backend torch, tp x pp with backend megatron; more "
+        "rollout processes come from rollout.instances")
     rank_hosts: list[str] | None = Field(
         None, description="trainer only: the host of each rank 1..processes-1 (Ray nodes "
         "offering 'host:<name>'; each rank asks for num_cpus there); None = child processes "
@@ -213,8 +213,13 @@ class Recipe(StrictModel):
             if not self.ray_address:
                 raise ValueError("resources.trainer.rank_hosts needs ray_address: a Ray "
                                  "cluster whose nodes offer the resources host:<name>")
-        if self.resources_of("trainer").processes > 1 and self.trainer.backend != "torch":
-            raise ValueError("resources.trainer.processes > 1 needs trainer.backend 'torch'")
+        if self.trainer.backend == "megatron":
+            mp = self.trainer.megatron
+            if tr.processes != mp.tp * mp.pp:
+                raise ValueError(f"trainer.backend megatron with trainer.megatron tp={mp.tp} x "
+                                 f"pp={mp.pp} runs {mp.tp * mp.pp} trainer processes: set "
+                                 f"resources.trainer.processes: {mp.tp * mp.pp}, got "
+                                 f"{tr.processes}")
         ms = self.trainer.max_staleness
         if self.mode == "sync" and ms != 0:
             raise ValueError(f"mode 'sync' needs max_staleness 0, got {ms}")

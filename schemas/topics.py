@@ -45,8 +45,8 @@ input rows of groups not yet emitted and an ``emitted`` marker per group)."""
 ROLLOUT_STATE = "rollout_state"
 """``<run>.rollout_state``: the rollout stage's durable state (internal; JSON records): the
 epoch of each prompt partition, keyed ``<topic>:<partition>``, and per rollout instance
-the groups it started and those not yet covered by a prompt commit, keyed
-``started:<engine_id>``."""
+the groups not yet covered by a prompt commit, keyed ``started:<engine_id>`` (the key of
+earlier releases, kept so that compaction replaces their records)."""
 
 ROLLOUT_CLAIMS = "rollout_claims"
 """``<run>.rollout_claims`` (internal; one partition, JSON records, never compacted): the

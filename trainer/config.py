@@ -28,12 +28,29 @@ class OptimConfig(BaseModel):
     warmup_steps: int = Field(0, ge=0)
 
 
+class MegatronConfig(BaseModel):
+    """Model parallelism of the megatron back end (``trainer.backend: megatron``).
+
+    Attributes:
+        tp: tensor-parallel size (the model's query groups must divide by it).
+        pp: pipeline-parallel size; only 1 is built (megatron-core's pipeline schedules
+            assume CUDA, and no GPU was available to build and check them).
+    The trainer stage runs ``tp * pp`` processes (``resources.trainer.processes``).
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    tp: int = Field(1, ge=1)
+    pp: int = Field(1, ge=1, le=1)
+
+
 class TrainerConfig(BaseModel):
     """The trainer stage.
 
     Attributes:
         model: model name (``smollm2-135m``, ``tiny-llama``), folder or Hub id.
-        backend: ``torch`` (CPU/GPU, DDP or FSDP2) or ``megatron`` (GPU only).
+        backend: ``torch`` (CPU/GPU, DDP or FSDP2) or ``megatron`` (megatron-core GPTModel,
+            tensor parallel; the ``megatron`` install extra).
+        megatron: its parallel sizes (:class:`MegatronConfig`).
         data_parallel: how the torch back end's ranks (``resources.trainer.processes``
             > 1) share the model: ``ddp`` (every rank holds it all; gradients
             all-reduced) or ``fsdp2`` (``fully_shard``: parameters, gradients and AdamW
@@ -72,6 +89,7 @@ class TrainerConfig(BaseModel):
     model: str = "tiny-llama"
     backend: Literal["torch", "megatron"] = "torch"
     data_parallel: Literal["ddp", "fsdp2"] = "ddp"
+    megatron: MegatronConfig = Field(default_factory=MegatronConfig)
     steps: int = Field(3, ge=1)
     batch_groups: int = Field(2, ge=1)
     max_staleness: int = Field(1, ge=0)

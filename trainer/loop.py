@@ -61,8 +61,8 @@ class TrainerStageConfig(BaseModel):
             :class:`~relax.trainer.telemetry.TelemetryConfig`).
         busy_dir / max_threads: take up to ``max_threads`` torch threads while no rollout
             engine flags ``busy_dir`` (co-located stages, ``relax.trainer.cores``); None = off.
-        processes: data-parallel ranks (``relax.trainer.ranks``); this process is
-            rank 0.
+        processes: trainer ranks (``relax.trainer.ranks``): data-parallel with the torch
+            back end, tensor-parallel (``tp * pp``) with megatron; this process is rank 0.
         rank_hosts: the host of each rank 1..processes-1 (Ray tasks on the nodes that
             offer ``host:<name>``, each asking for ``rank_num_cpus``); None = child
             processes on this host.
@@ -231,8 +231,9 @@ class TrainerStage:
         counts = loss_counts(batch.groups)
         save = self._save_due(self.version + 1)
         if self.ranks is not None:
-            groups, counts = self.ranks.scatter(split_groups(groups, self.ranks.world_size),
-                                                counts, save)
+            n = self.ranks.world_size  # megatron: every TP rank takes the whole batch
+            shares = [groups] * n if t.backend == "megatron" else split_groups(groups, n)
+            groups, counts = self.ranks.scatter(shares, counts, save)
         stats = self.backend.train_step(micro_batches(groups, t.max_tokens_per_microbatch),
                                         counts=counts, gather_optimizer=save)
         self.source.trained(batch, self.version)

@@ -65,7 +65,6 @@ class RolloutStage:
         self._state_topic = topics.rollout_state_topic(cfg.run)
         self._prompts = PromptQueue(cfg, self._state_topic, self.stats)
         self._saved = SavedState()
-        self._started_total = 0  # groups this engine_id started, all its incarnations
         self._subscriber = None
         self._behind_since: float | None = None
         self._warned_behind = False
@@ -292,19 +291,18 @@ class RolloutStage:
             self.stats.groups += 1
             self.stats.samples += len(samples)
             self.stats.tokens += sum(sum(e.loss_mask) for e in samples)
-        self._started_total += len(items)
-        self._save_started(producer)
+        self._save_pending(producer)
 
-    def _save_started(self, producer) -> None:
-        """Record the groups started and those whose prompts are not yet committed, after
-        the groups themselves are acknowledged: a successor then neither loses their
-        credit nor samples their prompts again (a record lost in a kill is harmless: the
-        successor re-samples exactly the groups it does not count)."""
+    def _save_pending(self, producer) -> None:
+        """Record the groups whose prompts are not yet committed, after the groups
+        themselves are acknowledged: a successor then does not sample those prompts again
+        (a record lost in a kill is harmless: the successor re-samples exactly the groups
+        it does not know of; the claim log keeps their credit)."""
         producer.flush()
         pending = [g for gids in self._prompts.pending_gids.values() for g in gids]
         producer.send_value(self._state_topic, json.dumps(
-            {"engine_id": self.cfg.engine_id, "started": self._started_total,
-             "pending": pending}).encode(), key=f"started:{self.cfg.engine_id}".encode())
+            {"engine_id": self.cfg.engine_id, "pending": pending}).encode(),
+            key=f"started:{self.cfg.engine_id}".encode())
         producer.flush()
 
     # ---------------------------------------------------------------- run loop
@@ -339,7 +337,6 @@ class RolloutStage:
         self.ensure_topics()
         self._saved = saved_state(cfg.bus, self._state_topic)
         self._prompts.saved_epochs = self._saved.epochs
-        self._started_total = self._saved.started.get(cfg.engine_id, 0)
         # the groups of prompts that will come again were produced already: not again.
         # Every engine's: after a scale-in or a rebalance, another instance's pending
         # prompts come here

@@ -1,6 +1,8 @@
 """The rollout stage's durable state on ``<run>.rollout_state`` (see
 :data:`relax.schemas.topics.ROLLOUT_STATE`): per-partition epochs, and per instance the
-groups it started and those whose prompts are not yet committed."""
+groups whose prompts are not yet committed. Records of earlier releases also carry a
+``started`` count (it once sized each instance's share of the credit; the claim log
+``<run>.rollout_claims`` does that now): it is read past and ignored."""
 
 from __future__ import annotations
 
@@ -16,13 +18,11 @@ class SavedState:
 
     Attributes:
         epochs: ``{(prompt topic, partition): epoch}``.
-        started: ``{engine_id: groups started by that instance, all its incarnations}``.
         pending: ``{engine_id: group_ids it produced whose prompt messages were not yet
             committed}`` (a restart would get those prompts again).
     """
 
     epochs: dict[tuple[str, int], int] = field(default_factory=dict)
-    started: dict[str, int] = field(default_factory=dict)
     pending: dict[str, list[str]] = field(default_factory=dict)
 
 
@@ -32,7 +32,7 @@ def saved_state(bus: BusConfig, topic: str) -> SavedState:
 
     Raises:
         ValueError: a record that is neither ``{topic, partition, epoch}`` nor
-            ``{engine_id, started, pending}`` JSON (names its offset).
+            ``{engine_id, pending}`` JSON (names its offset).
     """
     from relax.streams.read import read_partition
 
@@ -43,10 +43,9 @@ def saved_state(bus: BusConfig, topic: str) -> SavedState:
             if "epoch" in r:
                 out.epochs[(r["topic"], int(r["partition"]))] = int(r["epoch"])
             else:
-                out.started[r["engine_id"]] = int(r["started"])
                 out.pending[r["engine_id"]] = [str(g) for g in r["pending"]]
         except (ValueError, KeyError, TypeError) as e:
             raise ValueError(f"{topic}@{m.offset}: expected {{topic, partition, epoch}} or "
-                             f"{{engine_id, started, pending}} JSON, got {m.value[:80]!r}: "
+                             f"{{engine_id, pending}} JSON, got {m.value[:80]!r}: "
                              f"{e}") from e
     return out

@@ -206,7 +206,10 @@ def test_bus_settings_are_recipe_keys():
 
 @pytest.mark.parametrize(("overrides", "match"), [
     (["resources.rollout.processes=2"], r"processes is for the trainer only.*\['rollout'\]"),
-    (["resources.trainer.processes=2", "trainer.backend=megatron"], "needs trainer.backend 'torch'"),
+    (["resources.trainer.processes=2", "trainer.backend=megatron"],
+     r"tp=1 x pp=1 runs 1 trainer processes: set resources.trainer.processes: 1, got 2"),
+    (["trainer.backend=megatron", "trainer.megatron.tp=2"], r"processes: 2, got 1"),
+    (["trainer.megatron.pp=2"], r"trainer.megatron.pp"),
     (["resources.rollout.host=b"], r"host \(set for \['rollout'\]\) needs ray_address"),
     (["resources.rollout.host=b c"], "resources.rollout.host"),
     (["resources.trainer.processes=3", "resources.trainer.rank_hosts=[b]",
@@ -220,6 +223,10 @@ def test_placement_and_processes_are_checked(overrides, match):
 
 
 def test_trainer_processes_and_hosts_reach_the_stages():
+    r = _recipe("trainer.backend=megatron", "trainer.megatron.tp=2",
+                "resources.trainer.processes=2")
+    cfg = _spec(r, "trainer").config
+    assert cfg["processes"] == 2 and cfg["trainer"]["megatron"] == {"tp": 2, "pp": 1}
     r = _recipe("resources.trainer.processes=2", "ray_address=10.0.0.1:6379",
                 "resources.rollout.host=b")
     assert _spec(r, "trainer").config["processes"] == 2

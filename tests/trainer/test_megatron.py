@@ -1,10 +1,22 @@
-"""The megatron back end's weight conversion (``relax.trainer.backends.megatron_convert``):
-HF -> Megatron TP shards -> HF is exact, and the shards hold what megatron-core expects
-(query groups interleaved and kept whole per TP rank, [gate; up] per rank, vocabulary
-padding as zero rows). Tiny models built from transformers configs, random weights:
-grouped-query attention, an odd vocabulary, tied and untied heads, Qwen2's QKV bias."""
+"""The megatron back end (issue 18).
+
+Weight conversion (``relax.trainer.backends.megatron_convert``): HF -> Megatron TP shards
+-> HF is exact, and the shards hold what megatron-core expects (query groups interleaved
+and kept whole per TP rank, [gate; up] per rank, vocabulary padding as zero rows). Tiny
+models built from transformers configs, random weights: grouped-query attention, an odd
+vocabulary, tied and untied heads, Qwen2's QKV bias.
+
+The back end (``relax.trainer.backends.megatron_backend``): its TP ranks run as
+subprocesses (this file as a script) over gloo on loopback, load the shards into
+megatron-core 0.16.1's own GPTModel (``load_state_dict``: every name and shape must be
+megatron-core's) and take two AdamW steps on the same batches as the torch back end:
+log-probs, entropy, losses and the updated weights in HF names within 1e-5 (fp32), at
+TP 1 and 2; a TP-2 checkpoint resumes at TP 1; and a TP-2 ``relax train`` run through
+the broker. Skipped without the ``megatron`` extra."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 import torch
@@ -104,37 +116,79 @@ def test_a_tp_size_that_splits_a_query_group_is_refused():
     assert Layout(1, 4, 4, 16, 1025, True, divisible_by=128).padded_vocab(2) == 1280
 
 
-def _mcore_shapes(tp: int, rank: int, port: int, out: str) -> None:
-    """One TP rank: build megatron-core's GPTModel (local spec, CPU initialisation, gloo)
-    for the qwen2 test model's shapes and save ``{name: shape}`` of its state dict."""
-    import os
-
-    import torch.distributed as dist
-    from megatron.core import parallel_state
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.models.gpt.gpt_model import GPTModel
-    from megatron.core.transformer.transformer_config import TransformerConfig
-
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=tp)
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
-    cfg = TransformerConfig(
-        num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2,
-        ffn_hidden_size=96, gated_linear_unit=True, activation_func=torch.nn.functional.silu,
-        normalization="RMSNorm", add_bias_linear=False, add_qkv_bias=True,
-        use_cpu_initialization=True, tensor_model_parallel_size=tp, params_dtype=torch.float32)
-    model = GPTModel(cfg, get_gpt_layer_local_spec(normalization="RMSNorm"), vocab_size=1024,
-                     max_sequence_length=64, share_embeddings_and_output_weights=False,
-                     position_embedding_type="rope")
-    torch.save({k: tuple(v.shape) for k, v in model.state_dict().items()
-                if not k.endswith("_extra_state")}, f"{out}/tp{tp}_rank{rank}.pt")
+# ---------------------------------------------------------------------------- the back end
+STEP_CFG = {"optim": {"lr": 1e-4, "grad_clip": 0.5}, "old_logprobs": "recompute",
+            "loss": {"entropy_coef": 0.01}, "seed": 3}
+"""Clipping on (the norm is ~1.9), recomputed pi_old, an entropy term: every path of a
+step. lr 1e-4: AdamW's first steps move each weight by ~lr whatever its gradient's size,
+so a wrong gradient (sign, layout) shows as ~1e-4, 10x the tolerance, while fp32 noise
+on gradients near AdamW's eps (1e-8) stays ~1e-6 (at lr 1e-3 it reaches 1e-5)."""
+BUDGET, TEMPERATURE, TOL = 40, 0.7, 1e-5
 
 
-@pytest.mark.parametrize("tp", [1, 2])
-def test_the_shards_have_megatron_cores_names_and_shapes(tmp_path, tp):
-    """Against megatron-core itself (the ``megatron`` extra; skipped without it): every
-    tensor of each rank's GPTModel, by name and shape, and nothing else."""
-    pytest.importorskip("megatron.core")
+def _step_batches() -> list[list]:
+    """Two global batches of 4 groups x 3 rows (token ids < 200, temperature 0.7)."""
+    import pyarrow as pa
+    from testdata import train_sample_table
+
+    from relax.streams.codec import group_by_key
+
+    out = []
+    for seed in (5, 6):
+        t = train_sample_table(4, group_size=3, seed=seed)
+        t = t.set_column(t.schema.get_field_index("temperature"), "temperature",
+                         pa.array([TEMPERATURE] * t.num_rows))
+        out.append([g for _, g in group_by_key(t, "group_id")])
+    return out
+
+
+def _steps(backend, load: str | None, save: str | None) -> dict:
+    """Log-probs/entropy of the first batch before any step, then the two steps (or the
+    second only, after loading ``load``); a checkpoint after step 1 goes to ``save``."""
+    from relax.trainer.batching import micro_batches
+
+    batches = [micro_batches(g, BUDGET) for g in _step_batches()]
+    out: dict = {"stats": [], "weights": []}
+    if load:
+        backend.load(Path(load))
+        backend.broadcast_state()
+        batches = batches[1:]
+    else:
+        with torch.no_grad():
+            pairs = [backend.logprobs(mb, with_entropy=True) for mb in batches[0]]
+        out["logprobs"] = [lp for lp, _ in pairs]
+        out["entropy"] = [e for _, e in pairs]
+    for i, mbs in enumerate(batches):
+        out["stats"].append(backend.train_step(mbs, gather_optimizer=bool(save) and i == 0))
+        out["weights"].append({k: v.clone() for k, v in backend.named_tensors().items()})
+        if save and i == 0 and dist_rank() == 0:
+            backend.save(Path(save))
+    return out
+
+
+def dist_rank() -> int:
+    from relax.trainer.distributed import rank_and_world
+
+    return rank_and_world()[0]
+
+
+def _megatron_worker(tp: int, rank: int, port: int, model_dir: str, out: str,
+                     load: str = "", save: str = "") -> None:
+    """One TP rank of the megatron back end: :func:`_steps`, rank 0 writes ``out``."""
+    from relax.trainer.backends.megatron_backend import MegatronBackend
+    from relax.trainer.config import TrainerConfig
+    from relax.trainer.distributed import init_data_parallel
+
+    if tp > 1:
+        init_data_parallel(rank, tp, master_port=port)
+    b = MegatronBackend(TrainerConfig(model=model_dir, backend="megatron", megatron={"tp": tp},
+                                      **STEP_CFG))
+    res = _steps(b, load or None, save or None)
+    if rank == 0:
+        torch.save(res, out)
+
+
+def _run_megatron(tp: int, model_dir: Path, out: Path, load: str = "", save: str = "") -> dict:
     import subprocess
     import sys
 
@@ -142,19 +196,151 @@ def test_the_shards_have_megatron_cores_names_and_shapes(tmp_path, tp):
 
     port = free_port()
     procs = [subprocess.Popen([sys.executable, __file__, str(tp), str(r), str(port),
-                               str(tmp_path)], stderr=subprocess.PIPE, text=True)
-             for r in range(tp)]
-    for p in procs:
-        assert p.wait(timeout=240) == 0, p.stderr.read()[-3000:]
-    model = _model("qwen2", False)
-    lay = Layout.from_hf_config(model.config)
-    shards = hf_to_megatron({k: v.detach() for k, v in model.state_dict().items()}, lay, tp)
-    for r, shard in enumerate(shards):
-        want = torch.load(tmp_path / f"tp{tp}_rank{r}.pt")
-        assert {k: tuple(v.shape) for k, v in shard.items()} == want
+                               str(model_dir), str(out), load, save],
+                              stderr=subprocess.PIPE, text=True) for r in range(tp)]
+    errs = [p.communicate(timeout=300)[1] for p in procs]
+    for p, err in zip(procs, errs):
+        assert p.returncode == 0, err[-4000:]
+    return torch.load(out)
+
+
+def _reference(model_dir: Path) -> dict:
+    from relax.trainer.backends.torch_backend import TorchBackend
+    from relax.trainer.config import TrainerConfig
+
+    return _steps(TorchBackend(TrainerConfig(model=str(model_dir), **STEP_CFG)), None, None)
+
+
+def _max_diff(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys(), sorted(a.keys() ^ b.keys())
+    return max(float((a[k] - b[k]).abs().max()) for k in a)
+
+
+CASES_STEP = [(1, "llama", True), (2, "llama", True), (2, "qwen2", False)]
+"""(tp, family, tied): grouped-query attention (4 heads, 2 groups) and a vocabulary of
+1003 (padded to 1024) in all; Qwen2 adds the QKV bias and an untied LM head."""
+
+
+@pytest.fixture(scope="module")
+def step_runs(tmp_path_factory):
+    """Each case of ``CASES_STEP`` run by the megatron back end (its TP ranks in
+    subprocesses; a checkpoint after step 1) and by the torch back end, on the same
+    model and batches; and the tp=2 Llama checkpoint resumed at tp=1."""
+    pytest.importorskip("megatron.core")
+    root = tmp_path_factory.mktemp("megatron")
+    runs = {}
+    for tp, family, tied in CASES_STEP:
+        model_dir = root / family
+        if not model_dir.exists():
+            _model(family, tied).save_pretrained(model_dir)
+            runs[family] = _reference(model_dir)
+        runs[(tp, family)] = _run_megatron(tp, model_dir, root / f"{family}{tp}.pt",
+                                           save=str(root / f"ckpt-{family}{tp}"))
+    runs["resumed"] = _run_megatron(1, root / "llama", root / "resumed.pt",
+                                    load=str(root / "ckpt-llama2"))
+    runs["initial"] = {k: v.detach() for k, v in _model("llama", True).state_dict().items()}
+    return runs
+
+
+def _real(values: list, masks: list) -> torch.Tensor:
+    """The values at real response tokens (padding positions differ by design: the torch
+    back end masks them out of attention, megatron's right-padded rows do not)."""
+    return torch.cat([v[m.bool()] for v, m in zip(values, masks)])
+
+
+@pytest.mark.parametrize(("tp", "family", "tied"), CASES_STEP)
+def test_megatron_logprobs_loss_and_step_match_the_torch_back_end(step_runs, tp, family, tied):
+    from relax.trainer.batching import micro_batches
+
+    got, ref = step_runs[(tp, family)], step_runs[family]
+    masks = [mb.response_mask for mb in micro_batches(_step_batches()[0], BUDGET)]
+    for key in ("logprobs", "entropy"):
+        diff = (_real(got[key], masks) - _real(ref[key], masks)).abs().max()
+        assert diff <= TOL, (key, float(diff))
+    for g, r in zip(got["stats"], ref["stats"]):
+        for k in ("loss", "policy_loss", "entropy", "ppo_kl"):
+            assert abs(g[k] - r[k]) <= TOL, (k, g[k], r[k])
+        # torch's clip_grad_norm_ sums in float32 (~8e-6 relative off the float64 value)
+        assert abs(g["grad_norm"] - r["grad_norm"]) <= 2e-5 * r["grad_norm"]
+        assert g["tokens_trained"] == r["tokens_trained"] and g["lr"] == r["lr"]
+    for w_got, w_ref in zip(got["weights"], ref["weights"]):  # HF names and shapes, all
+        assert _max_diff(w_got, w_ref) <= TOL
+
+
+def test_the_steps_moved_the_weights_by_far_more_than_the_tolerance(step_runs):
+    """Against a test that cannot fail: two steps at lr 1e-4 move weights by ~2e-4."""
+    assert _max_diff(step_runs["llama"]["weights"][1], step_runs["initial"]) > 10 * TOL
+
+
+def test_a_tp2_checkpoint_resumes_at_tp1_with_the_same_second_step(step_runs):
+    """The checkpoint holds HF weights and the AdamW moments by HF name: a tp=1 back end
+    restored from the tp=2 one takes the second step of the uninterrupted run."""
+    resumed, ref = step_runs["resumed"], step_runs["llama"]
+    assert abs(resumed["stats"][0]["loss"] - ref["stats"][1]["loss"]) <= TOL
+    assert _max_diff(resumed["weights"][0], ref["weights"][1]) <= TOL
+
+
+def test_settings_the_back_end_cannot_build_are_refused():
+    from transformers import GPT2Config, LlamaConfig
+
+    from relax.trainer.backends.megatron_model import transformer_config
+    from relax.trainer.config import TrainerConfig
+
+    with pytest.raises(ValueError, match="model_type 'gpt2'"):
+        transformer_config(GPT2Config(), 1)
+    scaled = LlamaConfig(rope_parameters={"rope_type": "linear", "factor": 2.0,
+                                          "rope_theta": 1e4})
+    with pytest.raises(ValueError, match="RoPE type 'linear'"):
+        transformer_config(scaled, 1)
+    with pytest.raises(ValueError, match="pp"):
+        TrainerConfig(backend="megatron", megatron={"tp": 1, "pp": 2})
+    pytest.importorskip("megatron.core")
+    from relax.trainer.backends.megatron_backend import MegatronBackend
+
+    with pytest.raises(ValueError, match=r"tp=2 x pp=1 needs 2 trainer processes.*got 1"):
+        MegatronBackend(TrainerConfig(backend="megatron", megatron={"tp": 2}))
+
+
+@pytest.mark.e2e
+def test_a_tp2_megatron_run_through_the_broker(broker, tmp_path):
+    """``relax train`` of the tiny recipe with ``trainer.backend=megatron``, tp=2 (rank 0
+    the trainer stage, rank 1 its child, gloo on loopback): every rollout accounted, both
+    ranks take every step, the rollout engine samples with the weights the megatron back
+    end published (policy_version >= 1 on the rollouts), and the final model is an HF
+    model whose weights moved."""
+    pytest.importorskip("megatron.core")
+    import uuid
+
+    from testdata import tiny_recipe
+
+    from relax.infra.launch import train
+    from relax.streams.client import BusConfig
+    from relax.streams.read import read_table
+    from relax.trainer.models import load_model
+
+    run = "mgtp2" + uuid.uuid4().hex[:4]
+    recipe = tiny_recipe(broker, tmp_path, run, "trainer.backend=megatron",
+                         "trainer.megatron.tp=2", "resources.trainer.processes=2")
+    s = train(recipe, say=lambda _: None, timeout_s=500)
+    assert s["steps"] == 3 and s["balanced"], s
+    assert s["trained"] + s["stale"] + s["filtered"] + s["errors"] == s["sampled"] > 0, s
+    logs = Path(s["run_dir"]) / "logs"
+    assert "rank 1 done after 3 steps" in (logs / "trainer-rank1.log").read_text()
+    versions = read_table(BusConfig(bootstrap_servers=broker), f"{run}.rollouts"
+                          ).column("policy_version_start").to_pylist()
+    assert max(versions) >= 1, versions
+    final = load_model(str(Path(s["run_dir"]) / "final_model")).state_dict()
+    start = load_model("tiny-llama").state_dict()
+    assert final.keys() == start.keys()
+    assert max(float((final[k] - start[k]).abs().max()) for k in final) > 1e-5
+    opt = torch.load(Path(s["run_dir"]) / "checkpoints" / "step_000003" / "optimizer.pt",
+                     weights_only=True)
+    assert opt["steps_done"] == 3 and set(opt["optimizer"]["by_hf_name"]) == {"exp_avg",
+                                                                              "exp_avg_sq"}
 
 
 if __name__ == "__main__":
     import sys
 
-    _mcore_shapes(*(int(a) for a in sys.argv[1:4]), sys.argv[4])
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # testdata
+    _megatron_worker(*(int(a) for a in sys.argv[1:4]), *sys.argv[4:])

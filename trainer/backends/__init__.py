@@ -1,5 +1,6 @@
 """Trainer back ends, chosen when the trainer is built: ``torch`` (HF model; CPU or
-GPU; DDP over gloo/nccl) and ``megatron`` (megatron-core; GPU only, imported lazily).
+GPU; DDP or FSDP2 over gloo/nccl) and ``megatron`` (megatron-core, tensor parallel; CPU
+or GPU; imported lazily: the ``megatron`` install extra).
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ def build_backend(cfg, **kwargs):
 
     Raises:
         ValueError: for an unknown name (lists the valid ones).
-        RuntimeError: ``megatron`` without CUDA.
+        ImportError: ``megatron`` without megatron-core installed.
     """
     if cfg.backend == "torch":
         from relax.trainer.backends.torch_backend import TorchBackend

@@ -97,6 +97,12 @@ def split_qkv(qkv: torch.Tensor, lay: Layout) -> tuple[torch.Tensor, torch.Tenso
             v.reshape(lay.groups * d, *rest))
 
 
+def replicated(name: str) -> bool:
+    """Whether the Megatron tensor ``name`` is the same on every TP rank (the norms); all
+    the others are split (module docstring)."""
+    return "layernorm" in name or "layer_norm" in name
+
+
 def _names(i: int, te: bool) -> dict[str, str]:
     """Megatron names of layer ``i``'s tensors, by role."""
     p = f"decoder.layers.{i}."

@@ -38,10 +38,16 @@ import torch
 import torch.distributed as dist
 
 from relax.trainer.backends import fsdp
+from relax.trainer.backends.step import (
+    add_metrics,
+    fill_missing_grads,
+    micro_batch_loss,
+    set_learning_rate,
+    to_device,
+)
 from relax.trainer.batching import MicroBatch
 from relax.trainer.config import TrainerConfig
 from relax.trainer.logprobs import token_logprobs
-from relax.trainer.losses import compute_policy_loss
 from relax.trainer.losses.aggregate import mask_counts
 from relax.trainer.losses.entropy import token_entropy
 
@@ -152,16 +158,11 @@ class TorchBackend:
         self._full_optimizer: dict | None = None
         self._loaded: tuple[dict, dict] | None = None
 
-    def _lr(self) -> float:
-        w = self.cfg.optim.warmup_steps
-        scale = min(1.0, (self.steps_done + 1) / w) if w else 1.0
-        return self.cfg.optim.lr * scale
-
     def logprobs(self, mb: MicroBatch, with_entropy: bool = False):
         """``([B, R] log-probs, [B, R] entropy or None)`` of the response tokens under the
         current weights (differentiable; float32 for a float32 model). With DDP, a
         forward with grad enabled must be followed by a backward on every rank."""
-        logits = self.module(_to(mb, self.device))
+        logits = self.module(to_device(mb, self.device))
         lp = token_logprobs(logits, mb.targets.to(self.device), mb.temperature)
         ent = token_entropy(logits, temperature=mb.temperature) if with_entropy else None
         return lp, ent
@@ -200,9 +201,7 @@ class TorchBackend:
             every = torch.stack(every)
             tokens, seqs, rows = (int(x) for x in every[:, :3].sum(0))
             passes = int(every[:, 3].max())
-        lr = self._lr()
-        for g in self.optimizer.param_groups:
-            g["lr"] = lr
+        lr = set_learning_rate(self.optimizer, self.cfg.optim, self.steps_done)
         old = None
         if self.cfg.old_logprobs == "recompute":
             with torch.no_grad():
@@ -213,7 +212,7 @@ class TorchBackend:
         sums: dict[str, float] = {"loss": 0.0, "policy_loss": 0.0}
         want_entropy = self.cfg.loss.entropy_coef != 0
         for i in range(passes):
-            dmb = _to(mbs[i] if i < len(mbs) else idle_batch(), self.device)
+            dmb = to_device(mbs[i] if i < len(mbs) else idle_batch(), self.device)
             last = i == passes - 1  # DDP all-reduces in the last backward only
             sync = self.module.no_sync() if self.world_size > 1 and not last and \
                 not self.fsdp else contextlib.nullcontext()
@@ -221,28 +220,17 @@ class TorchBackend:
                 fsdp.set_gradient_sync(self.module, last)
             with sync:
                 lp, ent = self.logprobs(dmb, with_entropy=want_entropy)
-                if old is not None and i < len(old):
-                    old_lp = old[i]
-                elif self.cfg.old_logprobs == "rollout":
-                    old_lp = dmb.rollout_logprobs
-                else:
-                    old_lp = lp.detach()
-                loss, metrics = compute_policy_loss(
-                    self.cfg.loss, lp, old_lp, dmb.advantages, dmb.loss_mask,
-                    rollout_logprobs=dmb.rollout_logprobs, ref_logprobs=dmb.ref_logprobs,
-                    entropy=ent, global_tokens=max(tokens, 1), global_seqs=max(seqs, 1))
+                loss, metrics = micro_batch_loss(
+                    self.cfg, dmb, lp, ent, old[i] if old is not None and i < len(old) else None,
+                    tokens, seqs)
                 (loss * self.world_size).backward()
-            sums["loss"] += float(loss.detach())
-            for k, v in metrics.items():
-                sums[k] = sums.get(k, 0.0) + float(v)
+            add_metrics(sums, loss, metrics)
         if self.world_size > 1:  # same keys on every rank: same config, same pass count
             keys = sorted(sums)
             t = torch.tensor([sums[k] for k in keys], dtype=torch.float64, device=self.device)
             dist.all_reduce(t)
             sums = dict(zip(keys, t.tolist()))
-        for p in self.model.parameters():  # rows left out contribute exact zeros
-            if p.grad is None and p.requires_grad:
-                p.grad = torch.zeros_like(p)
+        fill_missing_grads(self.model.parameters())  # rows left out contribute exact zeros
         clip = self.cfg.optim.grad_clip  # of the global (all-reduced) gradient
         norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(),
                                               clip if clip > 0 else math.inf)
@@ -353,10 +341,3 @@ class TorchBackend:
         self.model.load_state_dict(state, strict=False)
         self.optimizer.load_state_dict(opt["optimizer"])
         self.steps_done = int(opt["steps_done"])
-
-
-def _to(mb: MicroBatch, device: torch.device) -> MicroBatch:
-    if device.type == "cpu":
-        return mb
-    return MicroBatch(**{k: (v.to(device) if isinstance(v, torch.Tensor) else v)
-                         for k, v in mb.__dict__.items()})

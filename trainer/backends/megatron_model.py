@@ -1,0 +1,185 @@
+"""megatron-core's GPTModel for a Hugging Face Llama/Qwen2-family model, and the response
+log-probs of a micro-batch computed with vocab-parallel cross entropy.
+
+The model is megatron-core's own ``GPTModel`` with its local layer spec (plain torch
+modules; Transformer Engine is not needed and not on the CPU), built from the HF config
+(:func:`transformer_config`) and loaded with the TP shard of the HF weights
+(:mod:`relax.trainer.backends.megatron_convert`).
+
+Sequences: every row is its prompt followed by its response, **right-padded**
+(:func:`row_sequences`), so that token j sits at position j: megatron-core applies RoPE
+by index (``rotary_pos_emb(seq_len)``, not by ``position_ids``), so the left padding the
+torch back end uses for its shared-prefix pass would shift positions. The causal mask is
+explicit (megatron's default mask is built on ``"cuda"``); padding at the end of a row is
+never attended to by a real token of that row. Each row is computed in full (no
+shared-prompt key/value cache as in the torch back end): ``B x (P + R)`` tokens.
+
+Log-probs: the hidden states of the positions that predict response tokens (position
+``p_len - 1 + t`` predicts response token t) go through the vocab-parallel output layer
+(``[B, R, V / tp]`` logits per rank; the columns of the vocabulary padding are masked
+out, so the softmax is over the tokenizer's vocabulary exactly as in the HF model), then
+``log pi = -vocab_parallel_cross_entropy(logits / T, targets)`` (megatron-core; the
+same temperature-scaled full-vocabulary log-probs as
+:func:`relax.trainer.logprobs.token_logprobs`, public case C12).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from relax.trainer.backends.megatron_convert import Layout
+from relax.trainer.batching import MicroBatch
+
+FAMILIES = ("llama", "qwen2")
+"""HF ``model_type`` values the back end builds (SmolLM2 is Llama)."""
+
+
+def _rope_theta(config) -> float:
+    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) \
+        or {}
+    kind = params.get("rope_type", params.get("type", "default"))
+    if kind != "default":
+        raise ValueError(f"{config.model_type}: RoPE type {kind!r} ({params}) is not supported "
+                         f"by the megatron back end (plain RoPE only)")
+    return float(params.get("rope_theta") or getattr(config, "rope_theta", 10000.0))
+
+
+def transformer_config(hf_config, tp: int, dtype: torch.dtype = torch.float32):
+    """megatron-core ``TransformerConfig`` of an HF Llama/Qwen2 config at tensor-parallel
+    size ``tp``: RMSNorm, SiLU-gated MLP, grouped-query attention, QKV bias for Qwen2,
+    no dropout, no fusion (the CPU has none), CPU initialisation.
+
+    Raises:
+        ValueError: another model family, an activation other than SiLU, MLP or output
+            biases, attention dropout, RoPE scaling (names the field).
+    """
+    c = hf_config
+    if c.model_type not in FAMILIES:
+        raise ValueError(f"model_type {c.model_type!r}: the megatron back end builds "
+                         f"{', '.join(FAMILIES)}")
+    if c.hidden_act != "silu":
+        raise ValueError(f"hidden_act {c.hidden_act!r}: expected 'silu'")
+    if getattr(c, "mlp_bias", False):
+        raise ValueError("mlp_bias: not supported by the megatron back end")
+    if getattr(c, "attention_dropout", 0.0):
+        raise ValueError(f"attention_dropout {c.attention_dropout}: expected 0")
+    _rope_theta(c)
+    qkv_bias = c.model_type == "qwen2" or bool(getattr(c, "attention_bias", False))
+    lay = Layout.from_hf_config(c)
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    return TransformerConfig(
+        num_layers=c.num_hidden_layers, hidden_size=c.hidden_size,
+        num_attention_heads=c.num_attention_heads, num_query_groups=lay.groups,
+        kv_channels=lay.head_dim, ffn_hidden_size=c.intermediate_size,
+        gated_linear_unit=True, activation_func=torch.nn.functional.silu,
+        normalization="RMSNorm", layernorm_epsilon=c.rms_norm_eps,
+        add_bias_linear=False, add_qkv_bias=qkv_bias,
+        attention_dropout=0.0, hidden_dropout=0.0,
+        bias_activation_fusion=False, masked_softmax_fusion=False, bias_dropout_fusion=False,
+        apply_rope_fusion=False, gradient_accumulation_fusion=False, persist_layer_norm=False,
+        use_cpu_initialization=True, perform_initialization=False,
+        tensor_model_parallel_size=tp, params_dtype=dtype, bf16=dtype == torch.bfloat16)
+
+
+def build_gpt(hf_config, tp: int, dtype: torch.dtype = torch.float32):
+    """An (uninitialised) megatron-core ``GPTModel`` for ``hf_config``, this rank's TP
+    shard; model parallelism must be initialised (``parallel_state``)."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_model import GPTModel
+
+    lay = Layout.from_hf_config(hf_config)
+    return GPTModel(transformer_config(hf_config, tp, dtype),
+                    get_gpt_layer_local_spec(normalization="RMSNorm"),
+                    vocab_size=lay.padded_vocab(tp),
+                    max_sequence_length=hf_config.max_position_embeddings,
+                    share_embeddings_and_output_weights=lay.tied,
+                    position_embedding_type="rope", rotary_base=_rope_theta(hf_config),
+                    parallel_output=True)
+
+
+def row_sequences(mb: MicroBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's prompt then response, right-padded with 0.
+
+    Returns:
+        ``(ids [B, P + R] int64, p_len [B] int64)``: row b's prompt is ``ids[b, :p_len[b]]``
+        and its response token t is at ``p_len[b] + t`` (so it is predicted at
+        ``p_len[b] - 1 + t``).
+    """
+    rows = mb.prompt_of_row
+    full = torch.cat([mb.prompt_ids[rows], mb.response_ids], dim=1)      # [B, P + R]
+    p_len = mb.prompt_mask.sum(-1)[rows]                                 # [B]
+    width = full.shape[1]
+    shift = mb.prompt_ids.shape[1] - p_len                               # left padding
+    idx = torch.arange(width, device=full.device)[None, :] + shift[:, None]
+    ids = torch.where(idx < width, full.gather(1, idx.clamp(max=width - 1)), 0)
+    return ids, p_len
+
+
+def response_logits(gpt, mb: MicroBatch, vocab: int) -> torch.Tensor:
+    """``[B, R, V / tp]`` vocab-parallel logits (float32) of this TP rank that predict
+    each response token; columns of the vocabulary padding (ids >= ``vocab``) are -inf.
+
+    Runs megatron-core's embedding, RoPE and decoder (with the final norm) on the
+    right-padded rows (:func:`row_sequences`) under an explicit causal mask, then its
+    vocab-parallel output layer on the response positions only.
+    """
+    from megatron.core import parallel_state
+
+    ids, p_len = row_sequences(mb)
+    b, s = ids.shape
+    pos = torch.arange(s, device=ids.device)
+    emb = gpt.embedding(input_ids=ids, position_ids=pos[None, :].expand(b, s))   # [S, B, H]
+    causal = torch.triu(torch.ones(s, s, dtype=torch.bool, device=ids.device), 1)[None, None]
+    hidden = gpt.decoder(hidden_states=emb, attention_mask=causal,
+                         rotary_pos_emb=gpt.rotary_pos_emb(s))                   # [S, B, H]
+    r = mb.response_ids.shape[1]
+    at = p_len[:, None] - 1 + torch.arange(r, device=ids.device)[None, :]         # [B, R]
+    h = hidden[at.T, torch.arange(b, device=ids.device)[None, :]]                  # [R, B, H]
+    weight = gpt.shared_embedding_or_output_weight() if gpt.share_embeddings_and_output_weights \
+        else None
+    logits, _ = gpt.output_layer(h, weight=weight)                                 # [R, B, V/tp]
+    logits = logits.transpose(0, 1).contiguous().float()
+    part = logits.shape[-1]
+    start = parallel_state.get_tensor_model_parallel_rank() * part
+    if start + part > vocab:
+        pad = torch.arange(start, start + part, device=logits.device) >= vocab
+        logits = logits.masked_fill(pad, float("-inf"))
+    return logits
+
+
+def vocab_parallel_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float
+                            ) -> torch.Tensor:
+    """``[B, R]`` float32 ``log softmax(logits / T)[targets]`` over the whole (TP-split)
+    vocabulary: megatron-core's ``vocab_parallel_cross_entropy``, negated. Differentiable.
+
+    Args:
+        logits: ``[B, R, V / tp]`` this rank's float32 logits (:func:`response_logits`).
+        targets: ``[B, R]`` int64 token ids in the full vocabulary.
+        temperature: sampling temperature (> 0).
+    """
+    from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+
+    x = logits / temperature if temperature != 1.0 else logits.clone()  # CE works in place
+    return -vocab_parallel_cross_entropy(x, targets)
+
+
+def vocab_parallel_entropy(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """``[B, R]`` float32 entropy (nats) of ``softmax(logits / T)`` over the TP-split
+    vocabulary: ``H = m + log s - w / s`` with ``m`` the global max, ``s = sum exp(x - m)``
+    and ``w = sum exp(x - m) x``, the sums all-reduced over the tensor-parallel group
+    (megatron-core's ``reduce_from_tensor_model_parallel_region``: backward is the
+    identity, right because every TP rank computes the same loss). Differentiable.
+    """
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import reduce_from_tensor_model_parallel_region
+
+    x = logits / temperature
+    m = x.detach().amax(-1)
+    dist.all_reduce(m, op=dist.ReduceOp.MAX, group=parallel_state.get_tensor_model_parallel_group())
+    e = torch.exp(x - m[..., None])  # 0 on the vocabulary padding (-inf)
+    finite = torch.where(torch.isfinite(x), x, 0.0)  # so that 0 * x is 0, not nan, both ways
+    s = reduce_from_tensor_model_parallel_region(e.sum(-1))
+    w = reduce_from_tensor_model_parallel_region((e * finite).sum(-1))
+    return m + torch.log(s) - w / s
