@@ -32,6 +32,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from relax.infra.allocator import retain_freed_memory
 from relax.infra.stages import StageSpec
 from relax.infra.watch import StageWatch, input_group, input_stalled, loop_stalled
 from relax.streams.client import BusConfig
@@ -134,11 +135,13 @@ class Controller:
             # stalls the whole parallel region (measured: trainer step 10 % slower)
             os.environ.setdefault("RAY_worker_niceness", "0")
             # address "local": a new Ray of our own, even where `ray start` left a cluster
-            # (or its stale address file) on this machine
-            ray.init(address="local", num_cpus=max(os.cpu_count() or 1, int(want + 0.999)),
-                     num_gpus=None, include_dashboard=False, log_to_driver=False,
-                     _node_ip_address="127.0.0.1", object_store_memory=128 << 20,
-                     configure_logging=False)
+            # (or its stale address file) on this machine; its workers keep their freed
+            # memory (no page faults on every step's buffers: allocator.py)
+            with retain_freed_memory():
+                ray.init(address="local", num_cpus=max(os.cpu_count() or 1, int(want + 0.999)),
+                         num_gpus=None, include_dashboard=False, log_to_driver=False,
+                         _node_ip_address="127.0.0.1", object_store_memory=128 << 20,
+                         configure_logging=False)
         self._ray_started = True
 
     def _start(self, spec: StageSpec, restarts: int = 0) -> _Running:

@@ -17,6 +17,7 @@ loop itself does not branch on them.
 from __future__ import annotations
 
 import logging
+import resource
 import threading
 import time
 from collections import Counter
@@ -109,6 +110,14 @@ def batch_metrics(batch: Batch, accuracy_reward: str | None, threshold: float) -
     for k, n in Counter(batch.staleness).items():
         out[M.staleness_hist_name(k)] = float(n)
     return out
+
+
+def cpu_usage(before, after) -> dict[str, float]:
+    """This process's user and kernel CPU seconds and minor page faults between two
+    ``resource.getrusage`` readings (all its threads)."""
+    return {M.TRAIN_CPU_USER_S: after.ru_utime - before.ru_utime,
+            M.TRAIN_CPU_SYS_S: after.ru_stime - before.ru_stime,
+            M.TRAIN_PAGE_FAULTS: float(after.ru_minflt - before.ru_minflt)}
 
 
 def advantage_metrics(groups: list) -> dict[str, float]:
@@ -234,8 +243,10 @@ class TrainerStage:
             n = self.ranks.world_size  # megatron: every TP rank takes the whole batch
             shares = [groups] * n if t.backend == "megatron" else split_groups(groups, n)
             groups, counts = self.ranks.scatter(shares, counts, save)
+        before = resource.getrusage(resource.RUSAGE_SELF)
         stats = self.backend.train_step(micro_batches(groups, t.max_tokens_per_microbatch),
                                         counts=counts, gather_optimizer=save)
+        stats.update(cpu_usage(before, resource.getrusage(resource.RUSAGE_SELF)))
         self.source.trained(batch, self.version)
         out = {**stats, **batch_metrics(batch, t.accuracy_reward, t.accuracy_threshold),
                **adv_stats}
