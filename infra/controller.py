@@ -96,6 +96,25 @@ class _Running:
     watch: StageWatch = field(default_factory=lambda: StageWatch(time.monotonic()))
 
 
+def start_local_ray(num_cpus: int) -> None:
+    """Start a local Ray of our own bound to 127.0.0.1, with at least ``num_cpus`` CPUs
+    (the machine's count otherwise; the stages' ``num_cpus`` only schedule), no
+    dashboard, its workers at nice 0 and keeping their freed memory. Address
+    "local": a new Ray even where ``ray start`` left a cluster (or its stale address
+    file) on this machine."""
+    import ray
+
+    # Ray starts its workers at nice 15; then the broker and the driver (nice 0)
+    # preempt a stage's torch threads at will, and one preempted OpenMP thread
+    # stalls the whole parallel region (measured: trainer step 10 % slower)
+    os.environ.setdefault("RAY_worker_niceness", "0")
+    with retain_freed_memory():  # no page faults on every step's buffers: allocator.py
+        ray.init(address="local", num_cpus=max(os.cpu_count() or 1, num_cpus),
+                 num_gpus=None, include_dashboard=False, log_to_driver=False,
+                 _node_ip_address="127.0.0.1", object_store_memory=128 << 20,
+                 configure_logging=False)
+
+
 class StageFailed(RuntimeError):
     """A stage failed more than ``max_restarts`` times (its last error is the message)."""
 
@@ -129,41 +148,41 @@ class Controller:
         if self.address:
             ray.init(address=self.address, log_to_driver=False)
         else:
-            want = sum(s.resources.num_cpus for s in self.specs)
-            # Ray starts its workers at nice 15; then the broker and the driver (nice 0)
-            # preempt a stage's torch threads at will, and one preempted OpenMP thread
-            # stalls the whole parallel region (measured: trainer step 10 % slower)
-            os.environ.setdefault("RAY_worker_niceness", "0")
-            # address "local": a new Ray of our own, even where `ray start` left a cluster
-            # (or its stale address file) on this machine; its workers keep their freed
-            # memory (no page faults on every step's buffers: allocator.py)
-            with retain_freed_memory():
-                ray.init(address="local", num_cpus=max(os.cpu_count() or 1, int(want + 0.999)),
-                         num_gpus=None, include_dashboard=False, log_to_driver=False,
-                         _node_ip_address="127.0.0.1", object_store_memory=128 << 20,
-                         configure_logging=False)
+            start_local_ray(int(sum(s.resources.num_cpus for s in self.specs) + 0.999))
         self._ray_started = True
 
-    def _start(self, spec: StageSpec, restarts: int = 0) -> _Running:
-        import ray
-
+    def _launch(self, spec: StageSpec):
+        """A new actor for ``spec`` (its process starts in the background)."""
         cls = _actor_class()
         place = {f"host:{spec.resources.host}": 0.001} if spec.resources.host else None
-        actor = cls.options(name=None, num_cpus=spec.resources.num_cpus,
-                            num_gpus=spec.resources.num_gpus, resources=place).remote(
+        return cls.options(name=None, num_cpus=spec.resources.num_cpus,
+                           num_gpus=spec.resources.num_gpus, resources=place).remote(
             {"name": spec.name, "kind": spec.kind, "config": spec.config,
              "resources": spec.resources.model_dump()},
             self.bus.model_dump(), str(self.run_dir / "logs" / f"{spec.name}.log"))
-        pid, node = ray.get([actor.pid.remote(), actor.node_ip.remote()], timeout=120)
-        r = _Running(spec, actor, actor.run.remote(), pid, restarts, node)
-        log.info("started %s (pid %d, restart %d)", spec.name, pid, restarts)
-        return r
+
+    def _run(self, launched: list[tuple[StageSpec, object]], restarts: int = 0) -> list[_Running]:
+        """Wait (120 s at most) until every launched actor answers, then start each one's
+        ``run``: the processes start side by side, not one after another."""
+        import ray
+
+        where = ray.get([m.remote() for _, a in launched for m in (a.pid, a.node_ip)],
+                        timeout=120)
+        out = []
+        for i, (spec, actor) in enumerate(launched):
+            pid, node = where[2 * i], where[2 * i + 1]
+            out.append(_Running(spec, actor, actor.run.remote(), pid, restarts, node))
+            log.info("started %s (pid %d, restart %d)", spec.name, pid, restarts)
+        return out
+
+    def _start(self, spec: StageSpec, restarts: int = 0) -> _Running:
+        return self._run([(spec, self._launch(spec))], restarts)[0]
 
     def start(self) -> None:
         """Start Ray (if needed) and every stage."""
         self._init_ray()
-        for spec in self.specs:
-            self.stages[spec.name] = self._start(spec)
+        for r in self._run([(spec, self._launch(spec)) for spec in self.specs]):
+            self.stages[r.spec.name] = r
         self._write_state()
 
     def _write_state(self) -> None:
@@ -212,8 +231,8 @@ class Controller:
         return finished
 
     def _restart(self, name: str, why: str) -> None:
-        """Replace stage ``name`` by a new actor, or fail the run when its restarts are
-        used up.
+        """Kill stage ``name``'s actor and start a new one, or fail the run when its
+        restarts are used up (killed all the same: :meth:`stop` would wait for it).
 
         Raises:
             StageFailed: ``max_restarts`` restarts were used already.
@@ -221,10 +240,10 @@ class Controller:
         import ray
 
         r = self.stages[name]
+        ray.kill(r.actor, no_restart=True)  # stuck or dead: nothing to ask it to stop
         if r.restarts >= self.max_restarts:
             raise StageFailed(f"stage {name} failed {r.restarts + 1} times; last: {why}")
         log.warning("stage %s %s: restarting", name, why)
-        ray.kill(r.actor, no_restart=True)
         new = self._start(r.spec, r.restarts + 1)
         new.history = r.history + [f"{time.strftime('%H:%M:%S')} {why}; restarted"]
         self.stages[name] = new

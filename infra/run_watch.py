@@ -25,6 +25,10 @@ WATCH_EVERY_S = 5.0
 and the broker check."""
 BROKER_GONE_S = 120.0
 """A run whose broker does not answer for this long fails (seconds)."""
+BROKER_LOST_STOP_S = 5.0
+"""Seconds the stages of a run whose broker is gone or lost its state get to stop before
+they are killed: their producers retry against a broker that no longer knows them, and
+there is no offset left to commit (a clean stop waits 60 s)."""
 
 log = logging.getLogger(__name__)
 
@@ -186,13 +190,17 @@ class RunWatch:
         except (KafkaError, TimeoutError) as e:
             self.unreachable_since = self.unreachable_since or time.monotonic()
             if time.monotonic() - self.unreachable_since > BROKER_GONE_S:
-                raise self.failed(RunFailed, f"lost its broker: {bootstrap} has not "
-                                  f"answered for {BROKER_GONE_S:.0f}s ({e})") from None
+                err = self.failed(RunFailed, f"lost its broker: {bootstrap} has not "
+                                  f"answered for {BROKER_GONE_S:.0f}s ({e})")
+                self.controller.stop(timeout_s=BROKER_LOST_STOP_S)
+                raise err from None
             return False
         self.unreachable_since = None
         if broker_state_lost(self.seen_records, records):
-            raise self.failed(RunFailed, broker_lost_text(
+            err = self.failed(RunFailed, broker_lost_text(
                 self.recipe, self.run_dir, bootstrap, self.seen_records, records))
+            self.controller.stop(timeout_s=BROKER_LOST_STOP_S)
+            raise err
         self.seen_records = max(self.seen_records or 0, records or 0)
         return True
 

@@ -111,7 +111,29 @@ def _relax_home(tmp_path_factory, monkeypatch):
 
 
 @pytest.fixture(scope="session")
-def tiny_run(broker, tmp_path_factory):
+def local_ray(tmp_path_factory):
+    """One local Ray for the session's in-process runs: a run's controller finds it up,
+    uses it and leaves it up, which saves the ~6 s a Ray takes to start and stop on 2
+    cores in each run (the ``relax train`` subprocesses still start their own)."""
+    import ray
+
+    from relax.infra.controller import start_local_ray
+
+    home = tmp_path_factory.getbasetemp() / "relax_home"  # what _relax_home gives each test
+    home.mkdir(exist_ok=True)
+    old = os.environ.get("RELAX_HOME")
+    os.environ["RELAX_HOME"] = str(home)  # the stage processes inherit Ray's environment
+    start_local_ray(8)
+    if old is None:
+        os.environ.pop("RELAX_HOME")
+    else:
+        os.environ["RELAX_HOME"] = old
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def tiny_run(broker, local_ray, tmp_path_factory):
     """``(recipe, summary)`` of recipes/tiny_ci.yaml run end to end through the session
     broker (every stage its own process); its topics stay on the broker for the tests
     that read them (archive, monitor, dashboard, recompute-loss)."""

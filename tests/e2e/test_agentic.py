@@ -15,7 +15,7 @@ from testdata import RECIPES
 from relax.streams.client import BusConfig
 from relax.streams.read import read_table
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.usefixtures("local_ray")]
 
 TINY = ("model=tiny-llama", "trainer.steps=2", "rollout.group_size=4",
         "rollout.groups_per_generate=2", "trainer.batch_groups=2", "trainer.num_threads=1")

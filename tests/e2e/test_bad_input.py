@@ -41,7 +41,7 @@ from relax.schemas import SCHEMAS, topics
 from relax.streams.client import BusConfig, producer_kwargs, topic_partitions
 from relax.streams.codec import encode
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.usefixtures("local_ray")]
 
 CORPUS = Path(__file__).resolve().parents[1] / "data" / "bad"
 

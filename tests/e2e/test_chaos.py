@@ -17,7 +17,7 @@ from testdata import tiny_recipe
 
 from relax.infra.chaos import Kill, chaos_run, plan_kills
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.usefixtures("local_ray")]
 
 
 def _assert_whole(r):
@@ -136,4 +136,4 @@ def test_local_broker_restart_stops_the_run_with_what_was_lost(tmp_path):
     assert len(handles) == 2
     msg = str(e.value)
     assert "lost its broker's state" in msg and "checkpoint" in msg, msg
-    assert time.monotonic() - t0 < 200, msg
+    assert time.monotonic() - t0 < 120, msg  # 36 s on 2 cores (the stages get 5 s to stop)

@@ -20,7 +20,7 @@ from relax.streams.client import BusConfig
 from relax.streams.read import read_table
 from relax.trainer.advantage import compute_advantages
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.usefixtures("local_ray")]
 
 COEF = 0.5
 

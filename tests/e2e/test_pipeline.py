@@ -16,7 +16,7 @@ from testdata import PARITY_REWARD, RECIPES, tiny_recipe
 from relax.trainer import checkpoint
 from relax.trainer.ledger import Ledger
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.usefixtures("local_ray")]
 
 
 def _ledger(run_dir) -> Ledger:

@@ -20,7 +20,7 @@ from relax.streams.read import read_table
 from relax.trainer import checkpoint
 from relax.trainer.ledger import Ledger
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.usefixtures("local_ray")]
 
 CLI = [sys.executable, "-m", "relax.infra.cli", "reward"]
 

@@ -20,7 +20,7 @@ from testdata import tiny_recipe
 
 from relax.infra.launch import train
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.usefixtures("local_ray")]
 
 
 def _child_ranks(pid: int) -> list[int]:

@@ -172,36 +172,44 @@ def dist_rank() -> int:
     return rank_and_world()[0]
 
 
-def _megatron_worker(tp: int, rank: int, port: int, model_dir: str, out: str,
-                     load: str = "", save: str = "") -> None:
-    """One TP rank of the megatron back end: :func:`_steps`, rank 0 writes ``out``."""
+def _megatron_worker(tp: int, rank: int, port: int, jobs: str) -> None:
+    """One TP rank of the megatron back end running each job of the JSON list ``jobs``
+    (``[model_dir, out, load, save]``; :func:`_steps`) in turn on one process group;
+    rank 0 writes each ``out``."""
+    import json
+
     from relax.trainer.backends.megatron_backend import MegatronBackend
     from relax.trainer.config import TrainerConfig
     from relax.trainer.distributed import init_data_parallel
 
     if tp > 1:
         init_data_parallel(rank, tp, master_port=port)
-    b = MegatronBackend(TrainerConfig(model=model_dir, backend="megatron", megatron={"tp": tp},
-                                      **STEP_CFG))
-    res = _steps(b, load or None, save or None)
-    if rank == 0:
-        torch.save(res, out)
+    for model_dir, out, load, save in json.loads(jobs):
+        b = MegatronBackend(TrainerConfig(model=model_dir, backend="megatron",
+                                          megatron={"tp": tp}, **STEP_CFG))
+        res = _steps(b, load or None, save or None)
+        if rank == 0:
+            torch.save(res, out)
 
 
-def _run_megatron(tp: int, model_dir: Path, out: Path, load: str = "", save: str = "") -> dict:
+def _run_megatron(tp: int, jobs: list[tuple[Path, Path, str, str]]) -> list[dict]:
+    """``jobs`` (model folder, output file, checkpoint to load, checkpoint to save) run
+    one after another by one launch of ``tp`` rank processes (the ~13 s import of
+    megatron-core paid once); their results in order."""
+    import json
     import subprocess
     import sys
 
     from relax.trainer.distributed import free_port
 
     port = free_port()
-    procs = [subprocess.Popen([sys.executable, __file__, str(tp), str(r), str(port),
-                               str(model_dir), str(out), load, save],
+    spec = json.dumps([[str(x) for x in job] for job in jobs])
+    procs = [subprocess.Popen([sys.executable, __file__, str(tp), str(r), str(port), spec],
                               stderr=subprocess.PIPE, text=True) for r in range(tp)]
     errs = [p.communicate(timeout=300)[1] for p in procs]
     for p, err in zip(procs, errs):
         assert p.returncode == 0, err[-4000:]
-    return torch.load(out)
+    return [torch.load(job[1]) for job in jobs]
 
 
 def _reference(model_dir: Path) -> dict:
@@ -229,15 +237,17 @@ def step_runs(tmp_path_factory):
     pytest.importorskip("megatron.core")
     root = tmp_path_factory.mktemp("megatron")
     runs = {}
-    for tp, family, tied in CASES_STEP:
-        model_dir = root / family
-        if not model_dir.exists():
-            _model(family, tied).save_pretrained(model_dir)
-            runs[family] = _reference(model_dir)
-        runs[(tp, family)] = _run_megatron(tp, model_dir, root / f"{family}{tp}.pt",
-                                           save=str(root / f"ckpt-{family}{tp}"))
-    runs["resumed"] = _run_megatron(1, root / "llama", root / "resumed.pt",
-                                    load=str(root / "ckpt-llama2"))
+    for family, tied in {(f, t) for _, f, t in CASES_STEP}:
+        _model(family, tied).save_pretrained(root / family)
+        runs[family] = _reference(root / family)
+    by_tp: dict[int, list] = {}
+    for tp, family, _ in CASES_STEP:
+        by_tp.setdefault(tp, []).append(((tp, family), (root / family, root / f"{family}{tp}.pt",
+                                                        "", root / f"ckpt-{family}{tp}")))
+    by_tp[1].append(("resumed", (root / "llama", root / "resumed.pt", root / "ckpt-llama2", "")))
+    for tp in sorted(by_tp, reverse=True):  # tp 2 first: the tp-1 launch resumes its checkpoint
+        keys, jobs = zip(*by_tp[tp])
+        runs.update(zip(keys, _run_megatron(tp, list(jobs))))
     runs["initial"] = {k: v.detach() for k, v in _model("llama", True).state_dict().items()}
     return runs
 
@@ -302,7 +312,7 @@ def test_settings_the_back_end_cannot_build_are_refused():
 
 
 @pytest.mark.e2e
-def test_a_tp2_megatron_run_through_the_broker(broker, tmp_path):
+def test_a_tp2_megatron_run_through_the_broker(broker, local_ray, tmp_path):
     """``relax train`` of the tiny recipe with ``trainer.backend=megatron``, tp=2 (rank 0
     the trainer stage, rank 1 its child, gloo on loopback): every rollout accounted, both
     ranks take every step, the rollout engine samples with the weights the megatron back
@@ -343,4 +353,4 @@ if __name__ == "__main__":
     import sys
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # testdata
-    _megatron_worker(*(int(a) for a in sys.argv[1:4]), *sys.argv[4:])
+    _megatron_worker(*(int(a) for a in sys.argv[1:4]), sys.argv[4])
