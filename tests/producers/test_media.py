@@ -201,3 +201,45 @@ def test_cli_publishes_chat_messages_with_image_parts(broker, unique, tmp_path):
     (row,) = read_table(BusConfig(bootstrap_servers=broker), topic).to_pylist()
     assert row["messages"] == [{"role": "user", "content": "<relax:image>What colour?"}]
     assert row["media"][0]["data"] == png() and row["media"][0]["kind"] == "image"
+
+
+def test_spoken_arithmetic_is_synthesised_and_published_as_16khz_wav(broker, unique):
+    """``speech_arith:`` speaks each question with espeak-ng (the numbers are only in the
+    audio) and ``--audio-field audio`` publishes it: 16 kHz PCM, ~1-2 s, not silence."""
+    import shutil
+
+    import numpy as np
+    from typer.testing import CliRunner
+
+    from relax.infra.cli import app
+    from relax.producers.speech import INSTRUCTION, questions
+
+    if shutil.which("espeak-ng") is None:
+        pytest.skip("espeak-ng is not installed (.ci/run installs it: apt-get install espeak-ng)")
+    topic = f"prompts.{unique}"
+    res = CliRunner().invoke(app, ["publish", "speech_arith:?size=4&seed=3", "--topic", topic,
+                                   "--prompt-field", "question", "--label-field", "answer",
+                                   "--audio-field", "audio", "--bootstrap", broker])
+    assert res.exit_code == 0, res.output
+    rows = sorted(read_table(BusConfig(bootstrap_servers=broker), topic).to_pylist(),
+                  key=lambda r: json.loads(r["metadata"])["line"])
+    want = questions(4, 3)
+    assert [(json.loads(r["metadata"])["fields"]["spoken"], r["label"]) for r in rows] == want
+    assert {r["prompt"] for r in rows} == {INSTRUCTION} and len({r["prompt_id"] for r in rows}) == 4
+    for r in rows:
+        (item,) = r["media"]
+        assert (item["kind"], item["mime"]) == ("audio", "audio/wav")
+        with wave.open(io.BytesIO(item["data"])) as w:
+            assert (w.getframerate(), w.getnchannels(), w.getsampwidth()) == (16_000, 1, 2)
+            pcm = np.frombuffer(w.readframes(w.getnframes()), dtype="<i2") / 32768.0
+        assert 0.5 < len(pcm) / 16_000 < 4.0 and float(np.sqrt((pcm ** 2).mean())) > 0.01
+
+
+def test_spoken_questions_are_the_same_for_a_seed_and_check_their_operators():
+    from relax.producers.speech import questions
+
+    assert questions(5, 1) == questions(5, 1) != questions(5, 2)
+    assert all(str(eval(q.replace("what is ", "").replace("plus", "+").replace("minus", "-")))
+               == a for q, a in questions(20, 0))
+    with pytest.raises(ValueError, match=r"ops='/': expected some of \+-\*"):
+        questions(1, 0, ops="/")
