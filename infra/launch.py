@@ -75,9 +75,13 @@ def _publish_data(recipe: Recipe, bus: BusConfig, say: Callable[[str], None]) ->
     if recipe.data.source is None:
         raise ValueError(f"{topic} is empty and data.source is not set: publish prompts first "
                          f"(relax publish SOURCE --topic {topic})")
-    res = publish(bus, recipe.data.source, topic, prompt_field=recipe.data.prompt_field,
-                  label_field=recipe.data.label_field, limit=recipe.data.limit,
-                  partitions=recipe.data.partitions, progress=False)
+    from relax.producers.media import MediaOptions
+
+    d = recipe.data
+    fields = tuple((f, k) for f, k in ((d.image_field, "image"), (d.audio_field, "audio")) if f)
+    res = publish(bus, d.source, topic, prompt_field=d.prompt_field, label_field=d.label_field,
+                  limit=d.limit, partitions=d.partitions, progress=False,
+                  media=MediaOptions(fields=fields))
     say(f"prompts: published={res.published} errors={res.errors} topic={topic}")
 
 

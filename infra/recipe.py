@@ -59,12 +59,16 @@ ENVIRONMENT_REWARD = "environment"
 
 class DataConfig(StrictModel):
     """Training prompts: published into ``prompts.<dataset>`` before the run if the topic
-    is empty (a file, a saved HF dataset, ``hf://...`` or ``reasoning_gym:TASK?...``)."""
+    is empty (a file, a saved HF dataset, ``hf://...`` or ``reasoning_gym:TASK?...``);
+    ``image_field`` / ``audio_field``: columns holding media (``relax publish
+    --image-field``)."""
 
     dataset: str
     source: str | None = None
     prompt_field: str = "question"
     label_field: str | None = "answer"
+    image_field: str | None = None
+    audio_field: str | None = None
     limit: int | None = Field(None, ge=1)
     partitions: int = Field(4, ge=1)
 

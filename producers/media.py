@@ -40,17 +40,15 @@ import wave
 from dataclasses import dataclass
 from pathlib import Path
 
+from relax.schemas.media import MEDIA_MARK
 from relax.streams.blobs import BlobStore
 
-KINDS = ("image", "audio")
 MAX_IMAGE_PIXELS = 8192 * 8192
 """Largest image accepted (pixels; 64 Mpx): a 20k x 20k image is refused from its header."""
 INLINE_BYTES = 256 * 1024
 """Default: items up to this many bytes travel inline in the row."""
 AUDIO_RATE = 16_000
 """Default sample rate (Hz) audio must have."""
-MEDIA_MARK = "<relax:{kind}>"
-"""Where a media part stood in a chat message's text (``<relax:image>``)."""
 
 
 class MediaError(ValueError):
@@ -257,22 +255,6 @@ def media_digest(items: list[dict]) -> list[str]:
             for it in items]
 
 
-def split_marked(text: str) -> list[tuple[str, str]]:
-    """Inverse of :func:`message_content`'s text: ``[("text", s) | ("image", "") |
-    ("audio", "")]`` in order (empty text pieces dropped)."""
-    import re
-
-    marks = "|".join(re.escape(MEDIA_MARK.format(kind=k)) for k in KINDS)
-    out: list[tuple[str, str]] = []
-    for piece in re.split(f"({marks})", text):
-        kind = next((k for k in KINDS if piece == MEDIA_MARK.format(kind=k)), None)
-        if kind is not None:
-            out.append((kind, ""))
-        elif piece:
-            out.append(("text", piece))
-    return out
-
-
-__all__ = ["AUDIO_RATE", "INLINE_BYTES", "KINDS", "MAX_IMAGE_PIXELS", "MEDIA_MARK", "MediaError",
+__all__ = ["AUDIO_RATE", "INLINE_BYTES", "MAX_IMAGE_PIXELS", "MediaError",
            "MediaOptions", "check_audio", "check_image", "field_items", "media_digest",
-           "media_item", "message_content", "read_bytes", "split_marked"]
+           "media_item", "message_content", "read_bytes"]

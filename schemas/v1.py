@@ -178,6 +178,8 @@ TRAIN_SAMPLES = _schema("train_samples", _ID_FIELDS + [
        "null = train on it; otherwise one of " + ", ".join(DROP_REASONS) +
        " (emitted so the trainer's ledger accounts for every rollout)", nullable=True),
     _f("finished_at", TS, "rollout generation end", unit="ms since epoch, UTC"),
+    _f("media", MEDIA, "the rollout's images/audio, by reference (the trainer feeds them "
+       "to the model as the rollout did)", nullable=True),
 ])
 
 TENSOR_ENTRY = pa.struct([

@@ -44,6 +44,10 @@ class MicroBatch:
         ref_logprobs: ``[B, R]`` float32 or None.
         temperature: the sampling temperature (one per micro-batch; rows must agree).
         rollout_ids: ``B`` rollout ids, in row order.
+        media: per distinct prompt, its ``media`` items (images by reference), or None
+            when no row has any.
+        pixels: the model's pixel inputs of ``media`` (``pixel_values`` ``[U, N, 3, H,
+            W]``), filled in by the back end (:mod:`relax.trainer.multimodal`).
     """
 
     prompt_ids: torch.Tensor
@@ -57,6 +61,8 @@ class MicroBatch:
     ref_logprobs: torch.Tensor | None
     temperature: float
     rollout_ids: list[str]
+    media: list[list[dict] | None] | None = None
+    pixels: dict[str, torch.Tensor] | None = None
 
     @property
     def targets(self) -> torch.Tensor:
@@ -120,7 +126,7 @@ def _lists(col: pa.ChunkedArray | pa.Array) -> tuple[np.ndarray, np.ndarray]:
 
 def collate(samples: pa.Table) -> MicroBatch:
     """Pad the rows of a ``train_samples`` table into a :class:`MicroBatch`; rows with
-    identical prompt token ids share one prompt row.
+    identical prompt token ids (and the same media) share one prompt row.
 
     Raises:
         ValueError: rows with different temperatures (log-probs must use one T), or a
@@ -136,11 +142,12 @@ def collate(samples: pa.Table) -> MicroBatch:
     if (r_len == 0).any() or (p_len == 0).any():
         bad = int(np.argmax((r_len == 0) | (p_len == 0)))
         raise ValueError(f"row {bad} has an empty prompt or response")
+    media = _media_keys(samples)
     index: dict[bytes, int] = {}
     prompt_of_row = np.zeros(b, np.int64)
     firsts = []
     for i in range(b):
-        key = p_vals[p_off[i]:p_off[i + 1]].tobytes()
+        key = p_vals[p_off[i]:p_off[i + 1]].tobytes() + (media[i][0] if media else b"")
         if key not in index:
             index[key] = len(firsts)
             firsts.append(i)
@@ -174,7 +181,23 @@ def collate(samples: pa.Table) -> MicroBatch:
         loss_mask=torch.from_numpy(per_token("loss_mask")),
         advantages=torch.from_numpy(per_token("advantages")),
         rollout_logprobs=torch.from_numpy(per_token("logprobs")), ref_logprobs=ref,
-        temperature=float(temps.pop()), rollout_ids=samples.column("rollout_id").to_pylist())
+        temperature=float(temps.pop()), rollout_ids=samples.column("rollout_id").to_pylist(),
+        media=[media[i][1] for i in firsts] if media else None)
+
+
+def _media_keys(samples: pa.Table) -> list[tuple[bytes, list[dict] | None]] | None:
+    """Per row, (a key of its media items, the items); None when no row has media."""
+    if "media" not in samples.schema.names or samples.column("media").null_count == samples.num_rows:
+        return None
+    import hashlib
+
+    out = []
+    for items in samples.column("media").to_pylist():
+        h = hashlib.sha256()
+        for it in items or []:
+            h.update((it["uri"] or "").encode() + b"\0" + (it["data"] or b"") + b"\0")
+        out.append((h.digest(), items))
+    return out
 
 
 def micro_batches(groups: list[pa.Table], max_tokens: int) -> list[MicroBatch]:

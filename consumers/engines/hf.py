@@ -41,6 +41,7 @@ from dataclasses import dataclass
 import torch
 
 from relax.consumers.engines.base import Generation, SamplingParams
+from relax.consumers.engines.next_token import filter_logits, sample
 from relax.streams.weights import copy_tensor_
 from relax.trainer.logprobs import token_logprobs
 
@@ -58,40 +59,6 @@ class EngineStats:
     staged_updates: int = 0
 
 
-def _filter_logits(scaled: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
-    """Mask (to -inf) the tokens top-k / top-p sampling excludes.
-
-    ``scaled``: ``[B, V]`` float32 logits / temperature. Top-p keeps a token iff the
-    probability mass of the tokens ranked before it is ``< top_p`` (the rule of
-    ``relax.trainer.logprobs.top_p_log_mass``); at least one token is always kept.
-    """
-    out = scaled
-    if top_k and top_k < scaled.shape[-1]:
-        kth = torch.topk(out, top_k, dim=-1).values[:, -1:]
-        out = out.masked_fill(out < kth, float("-inf"))
-    if top_p < 1.0:
-        sorted_logits, order = out.sort(dim=-1, descending=True)
-        probs = sorted_logits.softmax(dim=-1)
-        mass_before = probs.cumsum(dim=-1) - probs
-        drop_sorted = mass_before >= top_p
-        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
-        out = out.masked_fill(drop, float("-inf"))
-    return out
-
-
-def _sample(probs: torch.Tensor, gen: torch.Generator | None) -> torch.Tensor:
-    """One exact sample per row of ``probs`` (``[B, V]``, rows sum to 1, masked tokens 0)
-    by inverse-CDF: one uniform per row and a binary search in the float64 cumulative
-    sum. Much faster on CPU than ``torch.multinomial`` or a Gumbel race, which draw V
-    random numbers per row. Returns ``[B, 1]`` int64."""
-    cdf = probs.double().cumsum(dim=-1)
-    u = (
-        torch.rand((probs.shape[0], 1), generator=gen, device=probs.device, dtype=torch.float64)
-        * cdf[:, -1:]
-    )
-    return torch.searchsorted(cdf, u, right=True).clamp_(max=probs.shape[-1] - 1)
-
-
 def _stop_ids(tokenizer, model, extra) -> frozenset[int]:
     ids: set[int] = set()
     if tokenizer is not None and tokenizer.eos_token_id is not None:
@@ -106,12 +73,13 @@ def _stop_ids(tokenizer, model, extra) -> frozenset[int]:
 
 
 class _Row:
-    """Generation state of one sequence."""
+    """Generation state of one sequence (``media``: its prompt's pixel inputs, or None)."""
 
-    __slots__ = ("finish_reason", "logprobs", "prompt", "tokens", "versions")
+    __slots__ = ("finish_reason", "logprobs", "media", "prompt", "tokens", "versions")
 
-    def __init__(self, prompt: list[int]):
+    def __init__(self, prompt: list[int], media: dict | None = None):
         self.prompt = prompt
+        self.media = media or None
         self.tokens: list[int] = []
         self.logprobs: list[float] = []
         self.versions: list[int] = []
@@ -314,22 +282,30 @@ class HFEngine:
                 self.apply_pending()
 
     # --------------------------------------------------------------- generation
-    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
+    def generate(self, prompts: list[list[int]], params: SamplingParams,
+                 media: list[dict | None] | None = None) -> list[Generation]:
         """Sample one continuation per prompt.
 
         Args:
-            prompts: ``[N][prompt_len]`` token ids (each non-empty).
+            prompts: ``[N][prompt_len]`` token ids (each non-empty; a multimodal model's
+                with the processor's image placeholders expanded).
             params: sampling settings.
+            media: per prompt, its pixel inputs for a multimodal model
+                (:func:`relax.trainer.multimodal.encode_prompt`; ``pixel_values``
+                ``[1, n, 3, H, W]``), or None; the same dict object for the samples of
+                one prompt. Passed to the model at every prefill.
 
         Returns:
             ``N`` :class:`Generation` in prompt order.
 
         Raises:
-            ValueError: an empty prompt.
+            ValueError: an empty prompt, or ``media`` not one per prompt.
         """
         for i, p in enumerate(prompts):
             if len(p) == 0:
                 raise ValueError(f"prompt {i} is empty: at least one token is needed")
+        if media is not None and len(media) != len(prompts):
+            raise ValueError(f"{len(media)} media entries for {len(prompts)} prompts")
         if not prompts:
             return []
         t0 = time.perf_counter()
@@ -338,7 +314,7 @@ class HFEngine:
         if params.seed is not None:
             gen = torch.Generator(device=self.device)
             gen.manual_seed(params.seed)
-        rows = [_Row(list(map(int, p))) for p in prompts]
+        rows = [_Row(list(map(int, p)), m) for p, m in zip(prompts, media or [None] * len(prompts))]
         if self.partial_rollout:
             while True:
                 active = [r for r in rows if r.finish_reason is None]
@@ -367,7 +343,7 @@ class HFEngine:
             text=self.tokenizer.decode(r.tokens, skip_special_tokens=True),
         )
 
-    def _forward(self, input_ids, attention_mask, position_ids, cache):
+    def _forward(self, input_ids, attention_mask, position_ids, cache, **pixels):
         out = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,
@@ -375,6 +351,7 @@ class HFEngine:
             past_key_values=cache,
             use_cache=True,
             logits_to_keep=1,
+            **pixels,
         )
         return out.logits[:, -1, :], out.past_key_values
 
@@ -384,12 +361,19 @@ class HFEngine:
         is prompt + tokens so far), setting ``finish_reason`` of rows that end."""
         from transformers import DynamicCache
 
+        from relax.trainer.multimodal import stack_pixels
+
         version = self._version
         # identical prefixes (the G samples of a group) are prefilled once; the KV cache
         # and the next-token logits are then expanded to every row
-        unique: dict[tuple[int, ...], int] = {}
-        which = [unique.setdefault(tuple(r.prompt + r.tokens), len(unique)) for r in rows]
-        prefixes = list(unique)
+        unique: dict[tuple, _Row] = {}  # (prefix, its pixel inputs) -> first row with it
+        for r in rows:
+            unique.setdefault((tuple(r.prompt + r.tokens), id(r.media)), r)
+        index = {k: i for i, k in enumerate(unique)}
+        which = [index[(tuple(r.prompt + r.tokens), id(r.media))] for r in rows]
+        prefixes = [k[0] for k in unique]
+        pixels = {k: v.to(self.device) for k, v in
+                  stack_pixels([r.media or {} for r in unique.values()]).items()}
         lengths = torch.tensor([len(p) for p in prefixes], device=self.device)
         width = int(lengths.max())
         ids = torch.full(
@@ -400,7 +384,7 @@ class HFEngine:
         positions = torch.arange(width, device=self.device)[None, :]
         attn = (positions >= (width - lengths)[:, None]).long()  # from lengths (C24)
         pos_ids = (positions - (width - lengths)[:, None]).clamp(min=0)
-        logits, cache = self._forward(ids, attn, pos_ids, DynamicCache())
+        logits, cache = self._forward(ids, attn, pos_ids, DynamicCache(), **pixels)
         if len(prefixes) < len(rows):
             index = torch.tensor(which, device=self.device)
             cache.batch_select_indices(index)
@@ -411,8 +395,8 @@ class HFEngine:
         for _ in range(budget):
             remaining = [params.max_new_tokens - len(r.tokens) for r in rows]
             scaled = logits.float() / params.temperature
-            probs = _filter_logits(scaled, params.top_k, params.top_p).softmax(dim=-1)
-            tok = _sample(probs, gen)  # [B, 1]
+            probs = filter_logits(scaled, params.top_k, params.top_p).softmax(dim=-1)
+            tok = sample(probs, gen)  # [B, 1]
             lp = token_logprobs(logits[:, None, :], tok, params.temperature)[:, 0]
             tok_list, lp_list = tok[:, 0].tolist(), lp.tolist()
             for i, r in enumerate(rows):

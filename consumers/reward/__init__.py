@@ -16,6 +16,7 @@ import importlib
 
 from relax.consumers.reward.base import RewardFn, Score
 from relax.consumers.reward.dapo import dapo_reward
+from relax.consumers.reward.exact import exact_reward
 from relax.consumers.reward.format import format_reward
 from relax.consumers.reward.genrm import genrm_reward
 from relax.consumers.reward.gsm8k import gsm8k_reward
@@ -30,6 +31,7 @@ REWARD_FNS: dict[str, RewardFn] = {
     "gsm8k": gsm8k_reward,
     "reasoning_gym": reasoning_gym_reward,
     "format": format_reward,
+    "exact": exact_reward,
     "genrm": genrm_reward,
     "remote": remote_reward,
 }

@@ -119,10 +119,16 @@ def _metadata(prompt_row: dict, e: Episode) -> str:
 
 
 def sample_groups(
-    engine: Engine, prompts: list[list[int]], group_size: int, params: SamplingParams
+    engine: Engine, prompts: list[list[int]], group_size: int, params: SamplingParams,
+    media: list[dict] | None = None,
 ) -> list[list[Episode]]:
-    """``group_size`` samples of each prompt in one engine call; ``[groups][G]`` episodes."""
-    gens = engine.generate([p for p in prompts for _ in range(group_size)], params)
+    """``group_size`` samples of each prompt in one engine call; ``[groups][G]`` episodes.
+    ``media``: each prompt's pixel inputs (a multimodal model's; see ``HFEngine.generate``)."""
+    if media is None:
+        gens = engine.generate([p for p in prompts for _ in range(group_size)], params)
+    else:
+        gens = engine.generate([p for p in prompts for _ in range(group_size)], params,
+                               media=[m for m in media for _ in range(group_size)])
     out = []
     for gi, p in enumerate(prompts):
         group = []

@@ -38,6 +38,8 @@ from relax.streams.client import ensure_topics
 from relax.streams.progress import TrainerProgress
 from relax.streams.stage import BusyWindow, run_loop
 from relax.trainer.cores import BusyFlag, host_folder
+from relax.trainer.models import load_processor
+from relax.trainer.multimodal import encode_prompt, pixel_inputs
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +56,10 @@ class RolloutStage:
         self.cfg = cfg
         self.engine = engine if engine is not None else build_engine(cfg)
         self.tokenizer = self.engine.tokenizer
+        self.processor = load_processor(cfg.model) if cfg.engine == "hf" else None
+        if self.processor is not None and cfg.environment:
+            raise ValueError(f"rollout.environment with the multimodal model {cfg.model}: "
+                             "multi-turn episodes with images are not supported yet")
         self.prompts_topic = topics.prompts_topic(cfg.dataset)
         self.rollouts_topic = topics.run_topic(cfg.run, topics.ROLLOUTS)
         self.stats = RolloutStats()
@@ -187,7 +193,10 @@ class RolloutStage:
         return {**row, "prompt": self.cfg.prompt_template.format(prompt=row["prompt"])}
 
     def _render(self, item: _Item) -> list[int]:
-        return render_ids(self.tokenizer, prompt_messages(self._templated(item.row)))
+        msgs = prompt_messages(self._templated(item.row))
+        if self.processor is not None and item.row.get("media"):  # placeholders expanded
+            return encode_prompt(self.processor, msgs, item.row["media"])[0]
+        return render_ids(self.tokenizer, msgs)
 
     def _sample(self, items: list[_Item], prompt_ids: list[list[int]]) -> list[list[Episode]]:
         with self._busy.busy() if self._busy else contextlib.nullcontext():
@@ -196,6 +205,18 @@ class RolloutStage:
     def _sample_now(self, items: list[_Item], prompt_ids: list[list[int]]) -> list[list[Episode]]:
         seed = None if self.cfg.seed is None else self.cfg.seed + self.groups_started
         params = self.cfg.sampling(seed)
+        if self._env_factory is None and self.processor is not None:
+            pixels = [pixel_inputs(self.processor, it.row.get("media")) for it in items]
+            out: list = [None] * len(items)
+            for with_images in (False, True):  # a batch of image prompts or of text ones
+                idx = [i for i, p in enumerate(pixels) if bool(p) == with_images]
+                if idx:
+                    groups = sample_groups(self.engine, [prompt_ids[i] for i in idx],
+                                           self.cfg.group_size, params,
+                                           [pixels[i] for i in idx] if with_images else None)
+                    for i, g in zip(idx, groups):
+                        out[i] = g
+            return out
         if self._env_factory is None:
             return sample_groups(self.engine, prompt_ids, self.cfg.group_size, params)
         out = []

@@ -11,7 +11,8 @@ from testdata import StubTokenizer, scripted_lm
 
 from relax.trainer.advantage.filters import overlong_filter
 from relax.consumers.engines.base import Engine, SamplingParams
-from relax.consumers.engines.hf import HFEngine, _filter_logits, _sample
+from relax.consumers.engines.hf import HFEngine
+from relax.consumers.engines.next_token import filter_logits, sample
 from relax.trainer.logprobs import token_logprobs, top_p_log_mass
 from relax.trainer.masks import completion_mask
 
@@ -167,12 +168,12 @@ def test_sampler_matches_the_distribution_and_filters():
     logits = torch.tensor([[3.0, 2.0, 1.0, 0.0, -1.0]])
     probs = torch.softmax(logits, -1)
     gen = torch.Generator().manual_seed(1)
-    draws = torch.cat([_sample(probs.expand(4000, 5), gen) for _ in range(5)])[:, 0]
+    draws = torch.cat([sample(probs.expand(4000, 5), gen) for _ in range(5)])[:, 0]
     freq = torch.bincount(draws, minlength=5).double() / draws.numel()
     assert torch.allclose(freq, probs[0].double(), atol=0.01)
-    kept_k = torch.isfinite(_filter_logits(logits, 2, 1.0))[0].tolist()
+    kept_k = torch.isfinite(filter_logits(logits, 2, 1.0))[0].tolist()
     assert kept_k == [True, True, False, False, False]
-    kept_p = torch.isfinite(_filter_logits(logits, 0, 0.8))[0]
+    kept_p = torch.isfinite(filter_logits(logits, 0, 0.8))[0]
     s = probs[0][kept_p].sum()
     assert kept_p.tolist() == [True, True, False, False, False]
     assert math.log(s) == pytest.approx(top_p_log_mass(logits[None], 1.0, 0.8).item(), abs=1e-6)

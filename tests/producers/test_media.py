@@ -14,17 +14,16 @@ import pytest
 from PIL import Image
 
 from relax.producers.media import (
-    MEDIA_MARK,
     MediaError,
     MediaOptions,
     check_audio,
     check_image,
     message_content,
     read_bytes,
-    split_marked,
 )
 from relax.producers.publish import prompt_row, publish
 from relax.schemas import topics
+from relax.schemas.media import MEDIA_MARK, split_marked
 from relax.streams.blobs import BlobStore
 from relax.streams.client import BusConfig
 from relax.streams.read import read_table

@@ -41,12 +41,16 @@ def test_elastic_threads_follow_the_flags(tmp_path, restore_threads):
     assert et.seconds_at(1) > 0 and et.seconds_at(2) > 0
 
 
-def test_only_flags_of_the_same_host_count(tmp_path, restore_threads):
+def test_only_flags_of_the_same_host_count(tmp_path, restore_threads, monkeypatch):
     """The run folder may be shared by hosts: a rollout on host b flags b's folder,
     which the trainer on host a never reads."""
+    import ray
+
     from relax.trainer.cores import host_folder, node_address
 
-    assert node_address() == "127.0.0.1"  # not a Ray worker here
+    # outside Ray (the session's shared local Ray may be up in this process: local_ray)
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    assert node_address() == "127.0.0.1"
     assert host_folder(tmp_path) == tmp_path / "127.0.0.1"
     assert host_folder(tmp_path, "fe80::1") == tmp_path / "fe80__1"
     on_a = ElasticThreads(host_folder(tmp_path, "10.0.0.1"), low=1, high=2, interval_s=0.0)

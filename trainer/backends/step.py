@@ -65,8 +65,12 @@ def to_device(mb: MicroBatch, device: torch.device) -> MicroBatch:
     """``mb`` with its tensors on ``device`` (the same object on the CPU)."""
     if device.type == "cpu":
         return mb
-    return MicroBatch(**{k: (v.to(device) if isinstance(v, torch.Tensor) else v)
-                         for k, v in mb.__dict__.items()})
+    def move(v):
+        if isinstance(v, dict):
+            return {k: t.to(device) for k, t in v.items()}
+        return v.to(device) if isinstance(v, torch.Tensor) else v
+
+    return MicroBatch(**{k: move(v) for k, v in mb.__dict__.items()})
 
 
 def fill_missing_grads(params) -> None:

@@ -30,6 +30,7 @@ With ``data_parallel: fsdp2`` the module is sharded instead of wrapped
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import time
 from pathlib import Path
@@ -46,6 +47,7 @@ from relax.trainer.backends.step import (
     to_device,
 )
 from relax.trainer.batching import MicroBatch
+from relax.trainer.multimodal import pixels_of
 from relax.trainer.config import TrainerConfig
 from relax.trainer.logprobs import token_logprobs
 from relax.trainer.losses.aggregate import mask_counts
@@ -62,12 +64,17 @@ def response_logits(model, mb: MicroBatch) -> torch.Tensor:
     t by the response's position t-1. Gradients flow through the shared cache into the
     prompt pass, summed over the group's rows: the same values and gradients as a full
     forward of every (prompt, response) row, for ``~U x P + B x R`` instead of
-    ``B x (P + R)`` tokens. Only response positions go through the LM head.
+    ``B x (P + R)`` tokens. Only response positions go through the LM head. With
+    ``mb.pixels`` (a multimodal model) the prompt pass runs the model's multimodal trunk
+    with them, so the shared cache holds the images' features as the rollout's prefill did.
     """
-    base = model.get_decoder() if hasattr(model, "get_decoder") else model.base_model
+    if mb.pixels:  # the multimodal trunk: image features replace the placeholder tokens
+        base = model.model
+    else:
+        base = model.get_decoder() if hasattr(model, "get_decoder") else model.base_model
     ppos = (mb.prompt_mask.cumsum(-1) - 1).clamp(min=0)
     out = base(input_ids=mb.prompt_ids, attention_mask=mb.prompt_mask, position_ids=ppos,
-               use_cache=True)
+               use_cache=True, **(mb.pixels or {}))
     cache = out.past_key_values
     last = out.last_hidden_state[:, -1]                       # [U, H] (left padding)
     rows = mb.prompt_of_row
@@ -126,13 +133,14 @@ class TorchBackend:
     """
 
     def __init__(self, cfg: TrainerConfig, device: str | None = None, model=None):
-        from relax.trainer.models import load_model
+        from relax.trainer.models import load_model, load_processor
 
         self.cfg = cfg
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         torch.manual_seed(cfg.seed)
         self.model = (model if model is not None else load_model(cfg.model)).to(self.device)
         self.model.train()
+        self.processor = load_processor(cfg.model)
         if getattr(self.model.config, "final_logit_softcapping", None):
             raise ValueError(f"{cfg.model}: final logit soft-capping is not supported by "
                              f"response_logits")
@@ -162,6 +170,9 @@ class TorchBackend:
         """``([B, R] log-probs, [B, R] entropy or None)`` of the response tokens under the
         current weights (differentiable; float32 for a float32 model). With DDP, a
         forward with grad enabled must be followed by a backward on every rank."""
+        if mb.media and mb.pixels is None:
+            mb = dataclasses.replace(mb, pixels=pixels_of(self.processor, mb.media,
+                                                          self.cfg.model))
         logits = self.module(to_device(mb, self.device))
         lp = token_logprobs(logits, mb.targets.to(self.device), mb.temperature)
         ent = token_entropy(logits, temperature=mb.temperature) if with_entropy else None
