@@ -58,11 +58,11 @@ EXPECTED = {
     "wrong_types.jsonl": ([10, 11], {
         1: "field 'prompt': expected text or a list of chat messages, got int",
         2: "field 'prompt': expected text or a list of chat messages, got float",
-        3: "field 'prompt' item 0: expected {role: str, content: str}, got \"What\"",
+        3: "field 'prompt' item 0: expected {role: str, content: str or a list of parts}, got \"What\"",
         4: "field 'prompt': expected text or a list of chat messages, got dict",
         5: "field 'prompt': expected text or a list of chat messages, got bool",
         6: "field 'prompt': expected text or a list of chat messages, got NoneType",
-        7: "field 'prompt' item 0: expected {role: str, content: str}",
+        7: "field 'prompt' item 0: expected {role: str, content: str or a list of parts}",
         8: "field 'answer': expected text or a number, got dict",
         9: "field 'answer': expected text or a number, got list"}, 0),
     "empty_prompt.jsonl": ([1], {
