@@ -23,6 +23,15 @@ If the template is not prefix-stable (a later message changes how earlier ones
 render, e.g. templates that strip earlier ``<think>`` blocks), :class:`TemplateError`
 is raised rather than training on a context the model never saw.
 
+Media (a multimodal model: ``processor`` given): the prompt row's images and audio,
+and those an observation returns as content parts (``{"type": "image", "image": bytes
+or PIL image}``, ``{"type": "audio", "audio": WAV bytes}``), accumulate in the episode's
+``media`` (each item with the turn it came in) and stand as marks in the conversation;
+the renders above are the processor's chat template, and the observation's piece is
+tokenized by the processor, which expands each new item's placeholders (loss_mask 0).
+Every turn is sampled with all the media so far, so the sequence equals the processor's
+full render of the conversation with all its items.
+
 Budgets: ``max_turns`` model turns (then ``turn_budget`` unless the environment said
 done; the environment still scores the last turn, its observation is not appended),
 ``max_total_tokens`` response tokens in all (model + environment; then
@@ -41,6 +50,14 @@ from dataclasses import dataclass, field, replace
 from typing import Protocol, runtime_checkable
 
 from relax.consumers.engines.base import Engine, SamplingParams
+from relax.trainer.multimodal import (
+    chat_with_media,
+    encode_prompt,
+    mark_media,
+    media_inputs,
+    observation_media,
+    tokens_of,
+)
 
 
 CUT = ("length", "token_budget")
@@ -114,6 +131,9 @@ def observation_ids(
     *,
     ended_with_eot: bool,
     eot_text: str,
+    processor=None,
+    items: list[dict] = (),
+    new_items: list[dict] = (),
 ) -> list[int]:
     """Tokens to append after a model turn so the sequence equals the full render.
 
@@ -124,6 +144,9 @@ def observation_ids(
         ended_with_eot: the model's tokens end with the end-of-turn token (``stop``);
             otherwise the template's end-of-turn is appended too (loss_mask 0).
         eot_text: the template's end-of-turn text (e.g. ``<|im_end|>``).
+        processor: a multimodal model's processor (renders and tokenizes instead of
+            ``tokenizer``); ``items`` are the media so far, ``new_items`` those the new
+            messages' marks stand for.
 
     Returns:
         token ids of: the template's text after the model's end of turn, the new
@@ -133,8 +156,13 @@ def observation_ids(
         TemplateError: the render without the new messages is not a prefix of the render
             with them, or the end-of-turn text is not in the render.
     """
-    before = render(tokenizer, conversation, add_generation_prompt=False)
-    after = render(tokenizer, conversation + new_messages, add_generation_prompt=True)
+    if processor is None:
+        before = render(tokenizer, conversation, add_generation_prompt=False)
+        after = render(tokenizer, conversation + new_messages, add_generation_prompt=True)
+    else:
+        before = render(processor, chat_with_media(conversation, items), False)
+        after = render(processor, chat_with_media(conversation + new_messages,
+                                                  [*items, *new_items]), True)
     if not after.startswith(before):
         raise TemplateError(
             "the chat template renders the conversation differently once a "
@@ -147,6 +175,8 @@ def observation_ids(
             f"end-of-turn text {eot_text!r} not found in the rendered assistant turn"
         )
     tail = before[cut + len(eot_text) :] if ended_with_eot else before[cut:]
+    if processor is not None:
+        return tokens_of(processor, tail + after[len(before) :], list(new_items))
     return list(tokenizer.encode(tail + after[len(before) :], add_special_tokens=False))
 
 
@@ -167,6 +197,7 @@ class Episode:
     texts: list[str] = field(default_factory=list)
     rewards: list[float | None] = field(default_factory=list)
     messages: list[dict] = field(default_factory=list)
+    media: list[dict] | None = None
 
     @property
     def response_text(self) -> str:
@@ -187,6 +218,7 @@ def run_episodes(
     *,
     max_turns: int,
     max_total_tokens: int | None = None,
+    processor=None,
 ) -> list[Episode]:
     """Roll out one episode per environment for ``prompt_row``, all in lockstep (one
     engine call per turn for every episode still running with the same token limit).
@@ -200,13 +232,15 @@ def run_episodes(
         max_turns: most model turns (>= 1).
         max_total_tokens: most response tokens per episode, model and environment
             tokens together (None = unlimited).
+        processor: a multimodal model's processor (see the module docstring).
 
     Returns:
         one :class:`Episode` per environment, in order.
 
     Raises:
         TemplateError: see :func:`observation_ids`.
-        ValueError: ``max_turns < 1``.
+        ValueError: ``max_turns < 1``; media for a text-only model (no ``processor``).
+        TypeError: an observation part that is not text, image or audio.
     """
     if max_turns < 1:
         raise ValueError(f"max_turns must be >= 1, got {max_turns}")
@@ -216,7 +250,13 @@ def run_episodes(
     for env in envs:
         start = env.reset(prompt_row)
         msgs = prompt_messages(prompt_row) if start is None else as_messages(start)
-        episodes.append(Episode(prompt_ids=render_ids(tokenizer, msgs), messages=msgs))
+        msgs, items = _with_media(msgs, list(prompt_row.get("media") or []), 0, processor)
+        if items:
+            msgs = mark_media(msgs, items)  # later messages must not move them
+            ids = encode_prompt(processor, msgs, items)[0]
+            episodes.append(Episode(prompt_ids=ids, messages=msgs, media=items))
+        else:
+            episodes.append(Episode(prompt_ids=render_ids(tokenizer, msgs), messages=msgs))
     if hasattr(engine, "apply_pending"):  # weights staged since the last group: use them
         engine.apply_pending()
     hold = engine.hold() if hasattr(engine, "hold") else contextlib.nullcontext()
@@ -237,9 +277,12 @@ def run_episodes(
                     continue
                 limits.setdefault(min(params.max_new_tokens, left), []).append(i)
             for limit, idx in limits.items():
+                media = [media_inputs(processor, episodes[i].media) for i in idx] \
+                    if any(episodes[i].media for i in idx) else None
                 gens = engine.generate(
                     [episodes[i].prompt_ids + episodes[i].response_ids for i in idx],
                     replace(params, max_new_tokens=limit),
+                    **({"media": media} if media else {}),
                 )
                 for i, g in zip(idx, gens):
                     _model_turn(episodes[i], g, limit < params.max_new_tokens)
@@ -258,11 +301,12 @@ def run_episodes(
                 if _turn == max_turns - 1:  # no model turn would answer the observation
                     e.finish_reason = "turn_budget"
                     continue
-                new = as_messages(obs)
+                new, new_items = _with_media(as_messages(obs), [], _turn + 1, processor)
                 ended_with_eot = bool(e.response_ids) and e.response_ids[-1] in stop_ids
                 ids = observation_ids(
-                    tokenizer, e.messages, new, ended_with_eot=ended_with_eot, eot_text=eot
-                )
+                    tokenizer, e.messages, new, ended_with_eot=ended_with_eot, eot_text=eot,
+                    **({"processor": processor, "items": e.media or [], "new_items": new_items}
+                       if e.media or new_items else {}))
                 if (
                     max_total_tokens is not None
                     and len(e.response_ids) + len(ids) > max_total_tokens
@@ -278,6 +322,8 @@ def run_episodes(
                     {"role": new[-1]["role"], "start": start_at, "end": len(e.response_ids)}
                 )
                 e.messages = e.messages + new
+                if new_items:
+                    e.media = [*(e.media or []), *new_items]
         for e in episodes:
             if e.finish_reason is None:
                 e.finish_reason = "turn_budget"
@@ -285,6 +331,24 @@ def run_episodes(
         for t in e.turns:
             t.pop("_reason", None)
     return episodes
+
+
+def _with_media(messages: list[dict], items: list[dict], turn: int, processor
+                ) -> tuple[list[dict], list[dict]]:
+    """``messages`` with media parts turned into marks, and ``items`` plus theirs.
+
+    Raises:
+        ValueError: media for a text-only model (no ``processor``).
+    """
+    out = []
+    for m in messages:
+        m, found = observation_media(m, turn)
+        out.append(m)
+        items = items + found
+    if items and processor is None:
+        raise ValueError(f"turn {turn} has {len(items)} media items but the model takes "
+                         "no images or audio (no processor)")
+    return out, items
 
 
 def _model_turn(e: Episode, g, budget_limited: bool) -> None:

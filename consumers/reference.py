@@ -47,6 +47,7 @@ from relax.schemas.v1 import SCHEMAS
 from relax.schemas.validate import validate
 from relax.streams.client import BusConfig, ensure_topics
 from relax.trainer.logprobs import token_logprobs
+from relax.trainer.multimodal import media_inputs, stack_media
 
 
 class ReferenceConfig(BaseModel):
@@ -91,15 +92,18 @@ class ReferenceConfig(BaseModel):
 
 @torch.no_grad()
 def response_logprobs(
-    model, prompts: list[list[int]], responses: list[list[int]], temperature: float
+    model, prompts: list[list[int]], responses: list[list[int]], temperature: float,
+    media_inputs: dict[str, torch.Tensor] | None = None,
 ) -> list[list[float]]:
     """Log-probs of each response given its prompt, from ``logits / temperature``.
 
     Args:
-        model: a causal LM (``logits_to_keep`` supported, as transformers models are).
+        model: a causal LM (a transformers model; ``logits_to_keep`` used where taken).
         prompts: ``[B][P_b]`` prompt token ids (non-empty).
         responses: ``[B][R_b]`` response token ids.
         temperature: > 0.
+        media_inputs: a multimodal model's inputs of every row's media, in the order they
+            stand in the rows (:func:`relax.trainer.multimodal.stack_media`), or None.
 
     Returns:
         ``[B][R_b]`` float log-probs (nats).
@@ -133,8 +137,9 @@ def response_logprobs(
     attn = ((col >= start) & (col < pmax + r_len[:, None])).long()  # from lengths (C24)
     pos = (col - start).clamp(min=0)
     logits = model(
-        input_ids=ids, attention_mask=attn, position_ids=pos, logits_to_keep=rmax + 1
-    ).logits[:, :-1]  # predicts cols pmax..
+        input_ids=ids, attention_mask=attn, position_ids=pos, logits_to_keep=rmax + 1,
+        **(media_inputs or {}),
+    ).logits[:, -(rmax + 1):-1]  # predicts cols pmax.. (all kept where not supported)
     lp = token_logprobs(logits, ids[:, pmax:], temperature)
     return [lp[b, : len(r)].tolist() for b, r in enumerate(responses)]
 
@@ -160,26 +165,30 @@ def _batches(rows: list[dict], max_batch_tokens: int):
 
 
 def ref_batch(
-    model, rows: list[dict], ref_policy_version: int, max_batch_tokens: int = 4096
+    model, rows: list[dict], ref_policy_version: int, max_batch_tokens: int = 4096,
+    processor=None,
 ) -> pa.RecordBatch:
-    """REF_LOGPROBS rows for ROLLOUTS rows (validated).
+    """REF_LOGPROBS rows for ROLLOUTS rows (validated); ``processor``: a multimodal
+    model's, for rows with media.
 
     Raises:
-        ValueError: see :func:`response_logprobs`.
+        ValueError: see :func:`response_logprobs`; rows with media and no processor.
     """
-    return _batch(rows, _logprobs(model, rows, max_batch_tokens), "ref_logprobs",
+    return _batch(rows, _logprobs(model, rows, max_batch_tokens, processor), "ref_logprobs",
                   {"ref_policy_version": ref_policy_version})
 
 
 def teacher_batch(model, rows: list[dict], teacher_model: str,
-                  max_batch_tokens: int = 4096) -> pa.RecordBatch:
+                  max_batch_tokens: int = 4096, processor=None) -> pa.RecordBatch:
     """TEACHER_LOGPROBS rows for ROLLOUTS rows (validated): the teacher's log-probs of
-    each response, ``[len(response_ids)]`` float32 nats per row.
+    each response, ``[len(response_ids)]`` float32 nats per row (``processor`` as for
+    :func:`ref_batch`).
 
     Raises:
-        ValueError: see :func:`response_logprobs`.
+        ValueError: see :func:`ref_batch`.
     """
-    return _batch(rows, _logprobs(model, rows, max_batch_tokens), "teacher_logprobs",
+    return _batch(rows, _logprobs(model, rows, max_batch_tokens, processor),
+                  "teacher_logprobs",
                   {"teacher_model": teacher_model})
 
 
@@ -193,13 +202,25 @@ def _batch(rows: list[dict], logprobs: list[list[float]], schema: str,
     return batch
 
 
-def _logprobs(model, rows: list[dict], max_batch_tokens: int) -> list[list[float]]:
-    """:func:`response_logprobs` of every row, batched by temperature and size."""
+def _logprobs(model, rows: list[dict], max_batch_tokens: int, processor=None
+              ) -> list[list[float]]:
+    """:func:`response_logprobs` of every row, batched by temperature and size; rows
+    with media get their inputs from ``processor`` (a multimodal model's).
+
+    Raises:
+        ValueError: rows with media and no ``processor``.
+    """
     out: list[list[float] | None] = [None] * len(rows)
     for t, idx in _batches(rows, max_batch_tokens):
+        media = [rows[i].get("media") for i in idx]
+        inputs = None
+        if any(media):
+            if processor is None:
+                raise ValueError("rows carry media but the model takes no images or audio")
+            inputs = stack_media([media_inputs(processor, m) for m in media])
         lps = response_logprobs(
-            model, [rows[i]["prompt_ids"] for i in idx], [rows[i]["response_ids"] for i in idx], t
-        )
+            model, [rows[i]["prompt_ids"] for i in idx], [rows[i]["response_ids"] for i in idx], t,
+            inputs)
         for i, lp in zip(idx, lps):
             out[i] = lp
     return out
@@ -214,11 +235,12 @@ class ReferenceStage:
     """
 
     def __init__(self, cfg: ReferenceConfig, model=None):
-        from relax.trainer.models import load_model
+        from relax.trainer.models import load_model, load_processor
 
         self.cfg = cfg
         device = cfg.device or ("cuda" if torch.cuda.is_available() else "cpu")
         self.model = model if model is not None else load_model(cfg.model, device=device)
+        self.processor = load_processor(cfg.model)
         self.model.eval()
         self.version = 0
         self.rollouts = topics.run_topic(cfg.run, topics.ROLLOUTS)
@@ -237,9 +259,11 @@ class ReferenceStage:
         rows = delivery.table.to_pylist()
         try:
             if self.cfg.role == "teacher":
-                batch = teacher_batch(self.model, rows, self.cfg.model, self.cfg.max_batch_tokens)
+                batch = teacher_batch(self.model, rows, self.cfg.model,
+                                      self.cfg.max_batch_tokens, self.processor)
             else:
-                batch = ref_batch(self.model, rows, self.version, self.cfg.max_batch_tokens)
+                batch = ref_batch(self.model, rows, self.version, self.cfg.max_batch_tokens,
+                                  self.processor)
         except ValueError as e:
             raise RecordError(f"{self.cfg.role}/{self.cfg.member_id}: {e}") from e
         return [(self.out_topic, batch)]

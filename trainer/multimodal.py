@@ -1,24 +1,49 @@
-"""A row's images as model inputs, the same way in the rollout engine and the trainer.
+"""A row's images and audio as model inputs, the same way in the rollout engine and the
+trainer.
 
-A prompt row carries its images by reference (``media`` items: inline bytes or a blob
-URI, :mod:`relax.producers.media`) and its text with ``<relax:image>`` marks where a chat
-message had an image part. :func:`chat_with_media` turns that back into content parts
-(images with no mark, from an ``--image-field`` column, go first in the last user
-message, as SmolVLM and Qwen2-VL prompts put them), and the model's own transformers
-processor renders the chat template and expands each image into its placeholder tokens
-(:func:`encode_prompt`). The trainer never re-renders the text: it takes the rollout's
-``prompt_ids`` and recomputes only the pixel inputs from the same items with the same
-image processor (:func:`pixel_inputs`), so the forward it runs is the rollout's (public
-case C12: log-probs equal for equal weights).
+A prompt row carries its media by reference (``media`` items: inline bytes or a blob URI,
+:mod:`relax.producers.media`) and its text with ``<relax:image>`` / ``<relax:audio>``
+marks where a chat message had a media part. :func:`chat_with_media` turns that back into
+content parts (items with no mark, from an ``--image-field`` / ``--audio-field`` column,
+open the last user message, as SmolVLM, Qwen2-VL and Qwen2-Audio prompts put them), and
+the model's own transformers processor renders the chat template and expands each item
+into its placeholder tokens (:func:`encode_prompt`). The trainer never re-renders the
+text: it takes the rollout's ``prompt_ids`` and recomputes only the media inputs from the
+same items with the same image processor / feature extractor (:func:`media_inputs`), so
+the forward it runs is the rollout's (public case C12: log-probs equal for equal weights).
+
+Media inputs, per prompt (what the processor returns besides the token ids):
+
+* images (Idefics3): ``pixel_values`` ``[1, N, 3, H, W]`` float32 and
+  ``pixel_attention_mask`` ``[1, N, H, W]`` bool, N images of the prompt;
+* audio (Qwen2-Audio, Whisper features): ``input_features`` ``[N, mel, frames]`` float32
+  (log-mel, padded to the feature extractor's ``chunk_length`` seconds) and
+  ``feature_attention_mask`` ``[N, frames]`` int, N clips of the prompt.
 """
 
 from __future__ import annotations
 
 import io
+import wave
 
+import numpy as np
 import torch
 
-from relax.schemas.media import split_marked
+from relax.schemas.media import MEDIA_MARK, split_marked
+
+AUDIO_KEYS = ("input_features", "feature_attention_mask")
+"""Media-input keys batched clip by clip (``[sum N, ...]``); the others prompt by prompt."""
+
+
+def item_bytes(item: dict) -> bytes:
+    """A media item's bytes (inline, or read from its blob URI).
+
+    Raises:
+        FileNotFoundError: a blob URI that does not exist.
+    """
+    from relax.streams.blobs import BlobStore
+
+    return item["data"] if item["data"] is not None else BlobStore.get(item["uri"])
 
 
 def images_of(items: list[dict] | None) -> list:
@@ -29,100 +54,260 @@ def images_of(items: list[dict] | None) -> list:
     """
     from PIL import Image
 
-    from relax.streams.blobs import BlobStore
+    return [Image.open(io.BytesIO(item_bytes(it))).convert("RGB")
+            for it in items or [] if it["kind"] == "image"]
 
+
+def audio_of(items: list[dict] | None, rate: int, seconds: float) -> list[np.ndarray]:
+    """``[samples]`` float32 waveforms in [-1, 1] of the ``audio`` items (PCM WAV, mono or
+    the mean of its channels), in order.
+
+    Args:
+        rate: the sample rate the model's feature extractor takes (Hz).
+        seconds: the longest clip it takes (its ``chunk_length``).
+
+    Raises:
+        ValueError: a clip at another rate or longer than ``seconds``.
+        FileNotFoundError: a blob URI that does not exist.
+    """
     out = []
-    for it in items or []:
-        if it["kind"] != "image":
-            continue
-        data = it["data"] if it["data"] is not None else BlobStore.get(it["uri"])
-        out.append(Image.open(io.BytesIO(data)).convert("RGB"))
+    for i, it in enumerate(it for it in items or [] if it["kind"] == "audio"):
+        with wave.open(io.BytesIO(item_bytes(it))) as w:
+            channels, width, got = w.getnchannels(), w.getsampwidth(), w.getframerate()
+            frames = w.readframes(w.getnframes())
+        if got != rate:
+            raise ValueError(f"audio {i}: {got} Hz, the model takes {rate} Hz")
+        scale = float(2 ** (8 * width - 1))
+        dtype = {1: np.uint8, 2: "<i2", 4: "<i4"}[width]
+        y = np.frombuffer(frames, dtype=dtype).astype(np.float32)
+        y = (y - 128.0) / 128.0 if width == 1 else y / scale
+        y = y.reshape(-1, channels).mean(axis=1)
+        if len(y) > seconds * rate:
+            raise ValueError(f"audio {i}: {len(y) / rate:.2f} s, the model takes at most "
+                             f"{seconds} s")
+        out.append(y)
     return out
+
+
+def mark_media(messages: list[dict], items: list[dict] | None) -> list[dict]:
+    """``messages`` (``{role, content: str}``) with a mark for every item beyond the
+    marks already there, at the start of the last user message (images, then audio):
+    afterwards the marks alone say where every item is, so that messages added later
+    (multi-turn) do not move them.
+
+    Raises:
+        ValueError: more marks of a kind than items of that kind.
+    """
+    extra = ""
+    for kind in ("image", "audio"):
+        have = sum(1 for it in items or [] if it["kind"] == kind)
+        marks = sum(1 for m in messages for k, _ in split_marked(m["content"]) if k == kind)
+        if marks > have:
+            raise ValueError(f"the messages mark {marks} {kind} items, the row has {have}")
+        extra += MEDIA_MARK.format(kind=kind) * (have - marks)
+    if not extra:
+        return messages
+    last_user = max((i for i, m in enumerate(messages) if m["role"] == "user"), default=-1)
+    return [{**m, "content": extra + m["content"]} if i == last_user else m
+            for i, m in enumerate(messages)]
 
 
 def chat_with_media(messages: list[dict], items: list[dict] | None) -> list[dict]:
-    """``messages`` (``{role, content: str}``) with content parts for the images: each
-    ``<relax:image>`` mark becomes an ``{"type": "image"}`` part in place; the images
-    beyond the marks open the last user message. Text-only input comes back unchanged.
+    """``messages`` (``{role, content: str}``) with content parts for the media: each
+    ``<relax:image>`` / ``<relax:audio>`` mark becomes an ``{"type": kind}`` part in
+    place; the items beyond the marks open the last user message (:func:`mark_media`).
+    Text-only input comes back unchanged.
 
     Raises:
-        ValueError: more image marks than image items.
+        ValueError: more marks of a kind than items of that kind.
     """
-    n_images = sum(1 for it in items or [] if it["kind"] == "image")
-    marks = sum(1 for m in messages for kind, _ in split_marked(m["content"]) if kind == "image")
-    if marks > n_images:
-        raise ValueError(f"the messages mark {marks} images, the row has {n_images}")
-    if not n_images:
+    marked = mark_media(messages, items)
+    if not items:
         return messages
-    last_user = max((i for i, m in enumerate(messages) if m["role"] == "user"), default=-1)
-    out = []
-    for i, m in enumerate(messages):
-        parts = [{"type": "image"}] * (n_images - marks) if i == last_user else []
-        for kind, text in split_marked(m["content"]):
-            parts.append({"type": "text", "text": text} if kind == "text" else {"type": kind})
-        out.append({"role": m["role"], "content": parts})
-    return out
+    return [{"role": m["role"], "content": [
+        {"type": "text", "text": text} if kind == "text" else {"type": kind}
+        for kind, text in split_marked(m["content"])]} for m in marked]
+
+
+def observation_media(message: dict, turn: int) -> tuple[dict, list[dict]]:
+    """An environment's chat message whose content may be a list of parts
+    (``{"type": "text", "text": ...}``, ``{"type": "image", "image": PNG/JPEG bytes or a
+    PIL image}``, ``{"type": "audio", "audio": WAV bytes}``) as a message with string
+    content holding marks, and its media items (inline, ``turn``: the turn they came
+    in). A string content comes back as it is, with no items.
+
+    Raises:
+        TypeError: a part that is not one of those.
+    """
+    content = message["content"]
+    if isinstance(content, str):
+        return message, []
+    text, items = "", []
+    for i, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind == "text":
+            text += part["text"]
+            continue
+        value = part.get(kind) if kind in ("image", "audio") else None
+        if kind == "image" and hasattr(value, "save"):  # a PIL image
+            buf = io.BytesIO()
+            value.save(buf, format="PNG")
+            value = buf.getvalue()
+        if not isinstance(value, bytes):
+            raise TypeError(f"observation part {i}: expected {{type: text, text}}, {{type: "
+                            f"image, image: bytes or PIL image}} or {{type: audio, audio: WAV "
+                            f"bytes}}, got {part!r:.200}")
+        mime = "audio/wav" if kind == "audio" else f"image/{_image_format(value)}"
+        items.append({"kind": kind, "uri": None, "data": value, "mime": mime, "turn": turn})
+        text += MEDIA_MARK.format(kind=kind)
+    return {**message, "content": text}, items
+
+
+def _image_format(data: bytes) -> str:
+    from PIL import Image
+
+    return (Image.open(io.BytesIO(data)).format or "png").lower()
+
+
+def _audio(processor, items) -> list[np.ndarray]:
+    fe = getattr(processor, "feature_extractor", None)
+    if fe is None:
+        if any(it["kind"] == "audio" for it in items or []):
+            raise ValueError(f"{type(processor).__name__} takes no audio")
+        return []
+    return audio_of(items, fe.sampling_rate, fe.chunk_length)
 
 
 def encode_prompt(processor, messages: list[dict], items: list[dict] | None
                   ) -> tuple[list[int], dict[str, torch.Tensor]]:
-    """The prompt token ids (placeholders expanded by the processor) and the pixel
-    inputs (``pixel_values`` ``[1, N, 3, H, W]`` float32, ``pixel_attention_mask``
-    ``[1, N, H, W]`` bool for N images; empty dict without images) of one prompt."""
-    chat = chat_with_media(messages, items)
-    text = processor.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
-    images = images_of(items)
-    enc = processor(text=[text], images=[images] if images else None, return_tensors="pt")
-    pixels = {k: v for k, v in enc.items() if k.startswith("pixel_")}
-    return [int(t) for t in enc["input_ids"][0]], pixels
-
-
-def pixel_inputs(processor, items: list[dict] | None) -> dict[str, torch.Tensor]:
-    """The pixel inputs :func:`encode_prompt` gives for ``items`` (the image processor
-    alone; empty dict without images)."""
-    images = images_of(items)
-    if not images:
-        return {}
-    enc = processor.image_processor(images=[images], return_tensors="pt")
-    return {k: v for k, v in enc.items() if k.startswith("pixel_")}
-
-
-def stack_pixels(per_prompt: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    """One batch of pixel inputs from U prompts' (each ``[1, N_u, ...]``): ``[U, max N,
-    ...]``, the missing images all zeros (Idefics3 drops all-zero images). Empty dict
-    when no prompt has an image.
+    """The prompt token ids (placeholders expanded by the processor) and the media
+    inputs (see the module docstring; empty dict without media) of one prompt.
 
     Raises:
-        ValueError: some prompts have images and others none (a batch mixes text-only
-            and image prompts: batch them apart).
+        ValueError: see :func:`chat_with_media` and :func:`audio_of`; audio for a
+            processor without a feature extractor.
     """
-    have = [bool(p) for p in per_prompt]
-    if not any(have):
-        return {}
-    if not all(have):
-        raise ValueError(f"{sum(have)} of {len(have)} prompts have images: batch them apart")
+    chat = chat_with_media(messages, items)
+    text = processor.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
+    kwargs = {}
+    if images := images_of(items):
+        kwargs["images"] = [images]
+    if audio := _audio(processor, items):
+        kwargs["audio"] = audio
+        kwargs["sampling_rate"] = processor.feature_extractor.sampling_rate
+    enc = processor(text=[text], return_tensors="pt", **kwargs)
+    return [int(t) for t in enc["input_ids"][0]], _inputs(enc)
+
+
+def unexpanded_ids(processor, messages: list[dict], items: list[dict] | None) -> list[int]:
+    """The prompt token ids with one placeholder per item, as the chat template writes
+    it (what an engine that runs the processor itself takes, such as SGLang).
+
+    Raises:
+        ValueError: see :func:`chat_with_media`.
+    """
+    text = processor.apply_chat_template(chat_with_media(messages, items),
+                                         add_generation_prompt=True, tokenize=False)
+    return list(processor.tokenizer.encode(text, add_special_tokens=False))
+
+
+def tokens_of(processor, text: str, items: list[dict]) -> list[int]:
+    """Token ids of ``text`` (a piece of a rendered chat holding the placeholders of
+    ``items``), each placeholder expanded by the processor; no special tokens added.
+
+    Raises:
+        ValueError: see :func:`audio_of`.
+    """
+    kwargs = {}
+    if images := images_of(items):
+        kwargs["images"] = [images]
+    if audio := _audio(processor, items):
+        kwargs["audio"] = audio
+        kwargs["sampling_rate"] = processor.feature_extractor.sampling_rate
+    enc = processor(text=[text], add_special_tokens=False, **kwargs)
+    return [int(t) for t in enc["input_ids"][0]]
+
+
+def _inputs(enc) -> dict[str, torch.Tensor]:
+    return {k: v for k, v in enc.items() if k.startswith("pixel_") or k in AUDIO_KEYS}
+
+
+def media_inputs(processor, items: list[dict] | None) -> dict[str, torch.Tensor]:
+    """The media inputs :func:`encode_prompt` gives for ``items`` (the image processor
+    and the feature extractor alone; empty dict without media)."""
     out = {}
-    for key in per_prompt[0]:
-        n = max(p[key].shape[1] for p in per_prompt)
+    if images := images_of(items):
+        out.update(_inputs(processor.image_processor(images=[images], return_tensors="pt")))
+    if audio := _audio(processor, items):
+        fe = processor.feature_extractor
+        enc = fe(audio, sampling_rate=fe.sampling_rate, padding="max_length",
+                 return_attention_mask=True, return_tensors="pt")
+        out["input_features"] = enc["input_features"]
+        out["feature_attention_mask"] = enc["attention_mask"]
+    return out
+
+
+def stack_media(per_prompt: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """One batch of media inputs from U prompts': image inputs (each ``[1, N_u, ...]``)
+    to ``[U, max N, ...]``, the missing images all zeros (Idefics3 drops all-zero images);
+    audio inputs (each ``[N_u, ...]``) concatenated to ``[sum N_u, ...]`` in prompt order
+    (Qwen2-Audio fills its audio tokens in that order). A prompt without images gets
+    zero images, one without audio adds nothing. Empty dict when no prompt has media.
+    """
+    keys = {k: p[k] for p in per_prompt for k in p}  # one example tensor per key
+    out = {}
+    for key, example in keys.items():
+        if key in AUDIO_KEYS:
+            out[key] = torch.cat([p[key] for p in per_prompt if key in p], dim=0)
+            continue
+        n = max(p[key].shape[1] for p in per_prompt if key in p)
         padded = []
         for p in per_prompt:
-            t = p[key]
+            t = p.get(key, example[:, :0])
             pad = torch.zeros((1, n - t.shape[1], *t.shape[2:]), dtype=t.dtype)
             padded.append(torch.cat([t, pad], dim=1))
         out[key] = torch.cat(padded, dim=0)
     return out
 
 
-def pixels_of(processor, media: list[list[dict] | None], model: str) -> dict[str, torch.Tensor]:
-    """:func:`stack_pixels` of the U prompts' ``media`` (a micro-batch's).
+def media_inputs_of(processor, media: list[list[dict] | None], model: str,
+                    prompt_of_row: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+    """The media inputs of a micro-batch: with ``prompt_of_row`` None, of the prompt
+    pass (:func:`stack_media` of the U prompts' turn-0 items); else of the response pass,
+    row by row (``[B]`` prompt of each row; the items later turns of a multi-turn
+    episode added, which stand in the response). Empty dict when there are none.
 
     Raises:
         ValueError: rows with media for a model without a processor (text-only).
     """
     if processor is None:
-        raise ValueError(f"rows carry media but {model} takes no images (no processor)")
-    return stack_pixels([pixel_inputs(processor, items) for items in media])
+        raise ValueError(f"rows carry media but {model} takes no images or audio "
+                         "(no processor)")
+    if prompt_of_row is None:
+        return stack_media([media_inputs(processor, [it for it in items or []
+                                                     if not it.get("turn")]) for items in media])
+    later = [[it for it in items or [] if it.get("turn")] for items in media]
+    if not any(later):
+        return {}
+    return stack_media([media_inputs(processor, later[u]) for u in prompt_of_row.tolist()])
 
 
-__all__ = ["chat_with_media", "encode_prompt", "images_of", "pixel_inputs", "pixels_of",
-           "stack_pixels"]
+def kv_cache(out):
+    """The key/value cache of a transformers model output (``past_key_values``, or
+    ``cache`` for the models that renamed it, such as Qwen2-Audio)."""
+    cache = getattr(out, "cache", None)
+    return cache if cache is not None else out.past_key_values
+
+
+def cache_arg(module) -> str:
+    """The keyword ``module.forward`` takes a key/value cache by: ``cache`` where
+    transformers renamed it (Qwen2-Audio, 5.x), else ``past_key_values``."""
+    import inspect
+
+    return "cache" if "cache" in inspect.signature(module.forward).parameters \
+        else "past_key_values"
+
+
+__all__ = ["AUDIO_KEYS", "audio_of", "cache_arg", "chat_with_media", "encode_prompt", "images_of",
+           "item_bytes", "kv_cache", "mark_media", "media_inputs", "media_inputs_of",
+           "observation_media", "stack_media", "tokens_of", "unexpanded_ids"]

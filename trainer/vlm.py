@@ -23,16 +23,26 @@ import torch
 VLM_SEED = 4321
 IMAGE_SIZE = 64
 IMAGE_TOKENS = ["<image>", "<fake_token_around_image>", "<global-img>", "<end_of_utterance>"]
-CHAT_TEMPLATE = (
-    "{% for message in messages %}"
-    "{% if loop.first and messages[0]['role'] != 'system' %}<|im_start|>system\n"
-    "You are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
-    "{% endif %}<|im_start|>{{ message['role'] }}\n"
-    "{% if message['content'] is string %}{{ message['content'] }}"
-    "{% else %}{% for part in message['content'] %}"
-    "{% if part['type'] == 'image' %}<image>{% elif part['type'] == 'text' %}{{ part['text'] }}"
-    "{% endif %}{% endfor %}{% endif %}<|im_end|>\n"
-    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def smollm2_template(kind: str, placeholder: str) -> str:
+    """SmolLM2-Instruct's chat template with content parts: a ``{"type": kind}`` part
+    renders as ``placeholder`` (which the model's processor expands), a text part as its
+    text."""
+    return (
+        "{% for message in messages %}"
+        "{% if loop.first and messages[0]['role'] != 'system' %}<|im_start|>system\n"
+        "You are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
+        "{% endif %}<|im_start|>{{ message['role'] }}\n"
+        "{% if message['content'] is string %}{{ message['content'] }}"
+        "{% else %}{% for part in message['content'] %}"
+        f"{{% if part['type'] == '{kind}' %}}{placeholder}"
+        "{% elif part['type'] == 'text' %}{{ part['text'] }}"
+        "{% endif %}{% endfor %}{% endif %}<|im_end|>\n"
+        "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+CHAT_TEMPLATE = smollm2_template("image", "<image>")
 """SmolLM2-Instruct's template with image parts (see the module docstring)."""
 
 
@@ -96,4 +106,5 @@ def is_multimodal(folder: str | Path) -> bool:
     return "vision_config" in data or "audio_config" in data
 
 
-__all__ = ["CHAT_TEMPLATE", "IMAGE_TOKENS", "is_multimodal", "tiny_vlm_config", "tiny_vlm_dir"]
+__all__ = ["CHAT_TEMPLATE", "IMAGE_TOKENS", "is_multimodal", "smollm2_template", "tiny_vlm_config",
+           "tiny_vlm_dir"]

@@ -44,6 +44,7 @@ from relax.consumers.engines.base import Generation, SamplingParams
 from relax.consumers.engines.next_token import filter_logits, sample
 from relax.streams.weights import copy_tensor_
 from relax.trainer.logprobs import token_logprobs
+from relax.trainer.multimodal import cache_arg, kv_cache
 
 
 @dataclass
@@ -73,7 +74,7 @@ def _stop_ids(tokenizer, model, extra) -> frozenset[int]:
 
 
 class _Row:
-    """Generation state of one sequence (``media``: its prompt's pixel inputs, or None)."""
+    """Generation state of one sequence (``media``: its prompt's media inputs, or None)."""
 
     __slots__ = ("finish_reason", "logprobs", "media", "prompt", "tokens", "versions")
 
@@ -134,6 +135,7 @@ class HFEngine:
         if policy_version < 0:
             raise ValueError(f"policy_version must be >= 0, got {policy_version}")
         self.model = model.eval()
+        self._cache_arg = cache_arg(self.model)  # past_key_values, or cache (renamed)
         self.tokenizer = tokenizer
         self.engine_id = engine_id
         self.partial_rollout = partial_rollout
@@ -288,12 +290,13 @@ class HFEngine:
 
         Args:
             prompts: ``[N][prompt_len]`` token ids (each non-empty; a multimodal model's
-                with the processor's image placeholders expanded).
+                with the processor's media placeholders expanded).
             params: sampling settings.
-            media: per prompt, its pixel inputs for a multimodal model
-                (:func:`relax.trainer.multimodal.encode_prompt`; ``pixel_values``
-                ``[1, n, 3, H, W]``), or None; the same dict object for the samples of
-                one prompt. Passed to the model at every prefill.
+            media: per prompt, its media inputs for a multimodal model
+                (:func:`relax.trainer.multimodal.encode_prompt`: ``pixel_values``
+                ``[1, n, 3, H, W]``, ``input_features`` ``[n, mel, frames]``, ...), or
+                None; the same dict object for the samples of one prompt. Passed to the
+                model at every prefill.
 
         Returns:
             ``N`` :class:`Generation` in prompt order.
@@ -343,17 +346,17 @@ class HFEngine:
             text=self.tokenizer.decode(r.tokens, skip_special_tokens=True),
         )
 
-    def _forward(self, input_ids, attention_mask, position_ids, cache, **pixels):
+    def _forward(self, input_ids, attention_mask, position_ids, cache, **media_inputs):
         out = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,
             position_ids=position_ids,
-            past_key_values=cache,
             use_cache=True,
             logits_to_keep=1,
-            **pixels,
+            **{self._cache_arg: cache},
+            **media_inputs,
         )
-        return out.logits[:, -1, :], out.past_key_values
+        return out.logits[:, -1, :], kv_cache(out)
 
     @torch.no_grad()
     def _run(self, rows: list[_Row], params: SamplingParams, budget: int, gen) -> None:
@@ -361,19 +364,19 @@ class HFEngine:
         is prompt + tokens so far), setting ``finish_reason`` of rows that end."""
         from transformers import DynamicCache
 
-        from relax.trainer.multimodal import stack_pixels
+        from relax.trainer.multimodal import stack_media
 
         version = self._version
         # identical prefixes (the G samples of a group) are prefilled once; the KV cache
         # and the next-token logits are then expanded to every row
-        unique: dict[tuple, _Row] = {}  # (prefix, its pixel inputs) -> first row with it
+        unique: dict[tuple, _Row] = {}  # (prefix, its media inputs) -> first row with it
         for r in rows:
             unique.setdefault((tuple(r.prompt + r.tokens), id(r.media)), r)
         index = {k: i for i, k in enumerate(unique)}
         which = [index[(tuple(r.prompt + r.tokens), id(r.media))] for r in rows]
         prefixes = [k[0] for k in unique]
-        pixels = {k: v.to(self.device) for k, v in
-                  stack_pixels([r.media or {} for r in unique.values()]).items()}
+        inputs = {k: v.to(self.device) for k, v in
+                  stack_media([r.media or {} for r in unique.values()]).items()}
         lengths = torch.tensor([len(p) for p in prefixes], device=self.device)
         width = int(lengths.max())
         ids = torch.full(
@@ -384,7 +387,7 @@ class HFEngine:
         positions = torch.arange(width, device=self.device)[None, :]
         attn = (positions >= (width - lengths)[:, None]).long()  # from lengths (C24)
         pos_ids = (positions - (width - lengths)[:, None]).clamp(min=0)
-        logits, cache = self._forward(ids, attn, pos_ids, DynamicCache(), **pixels)
+        logits, cache = self._forward(ids, attn, pos_ids, DynamicCache(), **inputs)
         if len(prefixes) < len(rows):
             index = torch.tensor(which, device=self.device)
             cache.batch_select_indices(index)

@@ -19,6 +19,13 @@ Endpoints used:
   Log-probs: SGLang returns log-probs of the temperature-scaled logits unless the
   server runs with ``SGLANG_RETURN_ORIGINAL_LOGPROB=1`` (then raw T = 1 log-probs,
   public case C12): run the server without it.
+* Images and audio (a multimodal model): the same ``/generate`` with ``image_data`` /
+  ``audio_data``, per prompt a list of ``data:MIME;base64,...`` URLs, and ``input_ids``
+  with the chat template's *unexpanded* placeholders (one ``<image>`` per image): SGLang's
+  multimodal processors decode the ids and run the model's transformers processor, which
+  expands them (``python/sglang/srt/multimodal/processors/``). relax records the prompt
+  the same processor expands locally (:func:`relax.trainer.multimodal.encode_prompt`);
+  that the two agree is checked against transformers here, never against SGLang.
 * ``POST /init_weights_update_group`` (``master_address``, ``master_port``,
   ``rank_offset``, ``world_size``, ``group_name``, ``backend``) and ``POST
   /update_weights_from_distributed`` (``names``, ``dtypes``, ``shapes``,
@@ -62,9 +69,11 @@ def sampling_params_json(params: SamplingParams) -> dict:
     return out
 
 
-def generate_request(prompts: list[list[int]], params: SamplingParams) -> dict:
-    """The ``/generate`` JSON body for a batch of token-id prompts."""
-    return {
+def generate_request(prompts: list[list[int]], params: SamplingParams,
+                     media: list[list[dict] | None] | None = None) -> dict:
+    """The ``/generate`` JSON body for a batch of token-id prompts; with ``media`` (per
+    prompt its media items, see :func:`media_fields`) the multimodal fields too."""
+    body = {
         "input_ids": [list(map(int, p)) for p in prompts],
         "sampling_params": [sampling_params_json(params) for _ in prompts],
         "return_logprob": True,
@@ -72,6 +81,30 @@ def generate_request(prompts: list[list[int]], params: SamplingParams) -> dict:
         "top_logprobs_num": 0,
         "stream": False,
     }
+    if media is not None:
+        body.update(media_fields(media))
+    return body
+
+
+def media_fields(media: list[list[dict] | None]) -> dict:
+    """SGLang's ``image_data`` / ``audio_data`` for a batch: per prompt, the list of its
+    images' (audio clips') ``data:MIME;base64,...`` URLs, in order (None for a prompt
+    without); a field is left out when no prompt has that kind.
+
+    Raises:
+        FileNotFoundError: a blob URI that does not exist.
+    """
+    import base64
+
+    from relax.trainer.multimodal import item_bytes
+
+    out = {}
+    for kind, field in (("image", "image_data"), ("audio", "audio_data")):
+        per = [[f"data:{it['mime']};base64,{base64.b64encode(item_bytes(it)).decode()}"
+                for it in items or [] if it["kind"] == kind] or None for items in media]
+        if any(per):
+            out[field] = per
+    return out
 
 
 def parse_version(raw, default: int) -> int:
@@ -190,15 +223,18 @@ class SGLangEngine:
             raise SGLangError(f"POST {path} failed: {data.get('message')}")
         return data
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
-        """Sample one continuation per prompt (``[N][prompt_len]`` token ids).
+    def generate(self, prompts: list[list[int]], params: SamplingParams,
+                 media: list[list[dict] | None] | None = None) -> list[Generation]:
+        """Sample one continuation per prompt (``[N][prompt_len]`` token ids; with
+        ``media``, per prompt its media items, and the ids with the placeholders
+        unexpanded: see the module docstring).
 
         Raises:
             SGLangError: HTTP error; ValueError: a malformed answer.
         """
         if not prompts:
             return []
-        body = self._post("/generate", generate_request(prompts, params))
+        body = self._post("/generate", generate_request(prompts, params, media))
         gens = parse_generate_response(body, len(prompts), self._version)
         for g in gens:
             self._version = max(self._version, g.policy_version_end)

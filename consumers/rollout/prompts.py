@@ -18,11 +18,14 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class _Item:
-    """One prompt row waiting to be sampled, and the delivery it came in."""
+    """One prompt row waiting to be sampled, and the delivery it came in
+    (``media_inputs``: its images' / audio's model inputs once rendered, for a
+    multimodal model; :func:`relax.trainer.multimodal.encode_prompt`)."""
 
     delivery: object
     row: dict
     epoch: int
+    media_inputs: dict | None = None
 
 
 def _read_to_end(kc, tp) -> bool:

@@ -75,7 +75,7 @@ def rollout_batch(
                 response_text=e.response_text,
                 label=prompt_row.get("label"),
                 metadata=_metadata(prompt_row, e),
-                media=prompt_row.get("media"),
+                media=e.media if e.media is not None else prompt_row.get("media"),
                 temperature=cfg.temperature,
                 top_p=cfg.top_p,
                 top_k=cfg.top_k,
@@ -123,7 +123,7 @@ def sample_groups(
     media: list[dict] | None = None,
 ) -> list[list[Episode]]:
     """``group_size`` samples of each prompt in one engine call; ``[groups][G]`` episodes.
-    ``media``: each prompt's pixel inputs (a multimodal model's; see ``HFEngine.generate``)."""
+    ``media``: each prompt's media inputs (a multimodal model's; see ``HFEngine.generate``)."""
     if media is None:
         gens = engine.generate([p for p in prompts for _ in range(group_size)], params)
     else:
@@ -151,3 +151,23 @@ def sample_groups(
             )
         out.append(group)
     return out
+
+
+def sample_sglang_media(engine: Engine, processor, messages: list[list[dict]],
+                        media: list[list[dict]], prompt_ids: list[list[int]], group_size: int,
+                        params: SamplingParams) -> list[list[Episode]]:
+    """Media prompts on SGLang: the server gets the chat template's unexpanded ids and the
+    items (its processor expands them); the episodes keep ``prompt_ids``, the same
+    processor's expansion here (unverified against SGLang: see its engine module).
+
+    Raises:
+        ValueError: see :func:`relax.trainer.multimodal.unexpanded_ids`.
+    """
+    from relax.trainer.multimodal import unexpanded_ids
+
+    sent = [unexpanded_ids(processor, m, items) for m, items in zip(messages, media)]
+    groups = sample_groups(engine, sent, group_size, params, media)
+    for group, ids in zip(groups, prompt_ids):
+        for e in group:
+            e.prompt_ids = list(ids)
+    return groups

@@ -31,6 +31,7 @@ from relax.consumers.rollout.sampling import (
     environment_reward_batch,
     rollout_batch,
     sample_groups,
+    sample_sglang_media,
 )
 from relax.consumers.rollout.state import SavedState, saved_state
 from relax.schemas import topics
@@ -39,7 +40,7 @@ from relax.streams.progress import TrainerProgress
 from relax.streams.stage import BusyWindow, run_loop
 from relax.trainer.cores import BusyFlag, host_folder
 from relax.trainer.models import load_processor
-from relax.trainer.multimodal import encode_prompt, pixel_inputs
+from relax.trainer.multimodal import encode_prompt
 
 log = logging.getLogger(__name__)
 
@@ -56,10 +57,10 @@ class RolloutStage:
         self.cfg = cfg
         self.engine = engine if engine is not None else build_engine(cfg)
         self.tokenizer = self.engine.tokenizer
-        self.processor = load_processor(cfg.model) if cfg.engine == "hf" else None
-        if self.processor is not None and cfg.environment:
-            raise ValueError(f"rollout.environment with the multimodal model {cfg.model}: "
-                             "multi-turn episodes with images are not supported yet")
+        self.processor = load_processor(cfg.model)
+        if self.processor is not None and cfg.engine == "sglang" and cfg.environment:
+            raise ValueError(f"rollout.environment with the multimodal model {cfg.model} "
+                             "on the SGLang engine: multi-turn media run on the HF engine only")
         self.prompts_topic = topics.prompts_topic(cfg.dataset)
         self.rollouts_topic = topics.run_topic(cfg.run, topics.ROLLOUTS)
         self.stats = RolloutStats()
@@ -193,9 +194,18 @@ class RolloutStage:
         return {**row, "prompt": self.cfg.prompt_template.format(prompt=row["prompt"])}
 
     def _render(self, item: _Item) -> list[int]:
+        """The prompt's token ids (a media prompt's expanded by the model's processor).
+
+        Raises:
+            ValueError: media for a text-only model; see ``encode_prompt``.
+        """
         msgs = prompt_messages(self._templated(item.row))
+        if item.row.get("media") and self.processor is None:
+            raise ValueError(f"the row has {len(item.row['media'])} media items but "
+                             f"{self.cfg.model} takes no images or audio")
         if self.processor is not None and item.row.get("media"):  # placeholders expanded
-            return encode_prompt(self.processor, msgs, item.row["media"])[0]
+            ids, item.media_inputs = encode_prompt(self.processor, msgs, item.row["media"])
+            return ids
         return render_ids(self.tokenizer, msgs)
 
     def _sample(self, items: list[_Item], prompt_ids: list[list[int]]) -> list[list[Episode]]:
@@ -206,14 +216,19 @@ class RolloutStage:
         seed = None if self.cfg.seed is None else self.cfg.seed + self.groups_started
         params = self.cfg.sampling(seed)
         if self._env_factory is None and self.processor is not None:
-            pixels = [pixel_inputs(self.processor, it.row.get("media")) for it in items]
+            inputs = [it.media_inputs or {} for it in items]
             out: list = [None] * len(items)
-            for with_images in (False, True):  # a batch of image prompts or of text ones
-                idx = [i for i, p in enumerate(pixels) if bool(p) == with_images]
-                if idx:
+            for with_media in (False, True):  # a batch of media prompts or of text ones
+                idx = [i for i, p in enumerate(inputs) if bool(p) == with_media]
+                if idx and with_media and self.cfg.engine == "sglang":
+                    groups = sample_sglang_media(
+                        self.engine, self.processor, [prompt_messages(self._templated(
+                            items[i].row)) for i in idx], [items[i].row["media"] for i in idx],
+                        [prompt_ids[i] for i in idx], self.cfg.group_size, params)
+                elif idx:
                     groups = sample_groups(self.engine, [prompt_ids[i] for i in idx],
                                            self.cfg.group_size, params,
-                                           [pixels[i] for i in idx] if with_images else None)
+                                           [inputs[i] for i in idx] if with_media else None)
                     for i, g in zip(idx, groups):
                         out[i] = g
             return out
@@ -231,6 +246,7 @@ class RolloutStage:
                     params,
                     max_turns=self.cfg.max_turns,
                     max_total_tokens=self.cfg.max_total_tokens,
+                    processor=self.processor,
                 )
             )
         return out

@@ -428,3 +428,17 @@ def test_prompt_template_is_applied_before_the_chat_template(tokenizer):
             dataset="d",
             prompt_template="{question}",
         )
+
+
+def test_a_text_only_model_refuses_a_row_with_media(tokenizer):
+    """A prompt row with an image for a text-only model is that row's error (routed to
+    the error topic by the stage), not a prompt sampled without its image."""
+    cfg = RolloutConfig(bus={"bootstrap_servers": "unused:1"}, run="r", dataset="d")
+    stage = RolloutStage(cfg, engine=ScriptedEngine(tokenizer, []))
+    row = {**prompt_rows(1)[0], "media": [{"kind": "image", "uri": None, "data": b"x",
+                                           "mime": "image/png", "turn": 0}]}
+    from relax.consumers.rollout import _Item
+
+    with pytest.raises(ValueError, match="the row has 1 media items but tiny-llama takes no "
+                                         "images or audio"):
+        stage._render(_Item(None, row, 0))

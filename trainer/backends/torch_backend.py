@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import math
 import time
 from pathlib import Path
@@ -47,7 +48,7 @@ from relax.trainer.backends.step import (
     to_device,
 )
 from relax.trainer.batching import MicroBatch
-from relax.trainer.multimodal import pixels_of
+from relax.trainer.multimodal import cache_arg, kv_cache, media_inputs_of
 from relax.trainer.config import TrainerConfig
 from relax.trainer.logprobs import token_logprobs
 from relax.trainer.losses.aggregate import mask_counts
@@ -65,17 +66,19 @@ def response_logits(model, mb: MicroBatch) -> torch.Tensor:
     prompt pass, summed over the group's rows: the same values and gradients as a full
     forward of every (prompt, response) row, for ``~U x P + B x R`` instead of
     ``B x (P + R)`` tokens. Only response positions go through the LM head. With
-    ``mb.pixels`` (a multimodal model) the prompt pass runs the model's multimodal trunk
-    with them, so the shared cache holds the images' features as the rollout's prefill did.
+    ``mb.media_inputs`` (a multimodal model) the prompt pass runs the model's multimodal
+    trunk with them, so the shared cache holds the image or audio features as the
+    rollout's prefill did; ``mb.response_media_inputs`` (media a multi-turn environment
+    returned) go through the response pass the same way.
     """
-    if mb.pixels:  # the multimodal trunk: image features replace the placeholder tokens
-        base = model.model
+    if mb.media_inputs or mb.response_media_inputs:  # the multimodal trunk: media
+        base = model.model                              # features replace placeholders
     else:
         base = model.get_decoder() if hasattr(model, "get_decoder") else model.base_model
     ppos = (mb.prompt_mask.cumsum(-1) - 1).clamp(min=0)
     out = base(input_ids=mb.prompt_ids, attention_mask=mb.prompt_mask, position_ids=ppos,
-               use_cache=True, **(mb.pixels or {}))
-    cache = out.past_key_values
+               use_cache=True, **(mb.media_inputs or {}))
+    cache = kv_cache(out)
     last = out.last_hidden_state[:, -1]                       # [U, H] (left padding)
     rows = mb.prompt_of_row
     cache.batch_select_indices(rows)
@@ -84,7 +87,8 @@ def response_logits(model, mb: MicroBatch) -> torch.Tensor:
     rpos = p_len[:, None] + torch.arange(r, device=p_len.device)[None, :]
     attn = torch.cat([mb.prompt_mask[rows], mb.response_mask], dim=1)
     hr = base(input_ids=mb.response_ids, attention_mask=attn, position_ids=rpos,
-              past_key_values=cache, use_cache=True).last_hidden_state  # [B, R, H]
+              use_cache=True, **{cache_arg(base): cache},
+              **(mb.response_media_inputs or {})).last_hidden_state  # [B, R, H]
     h = torch.cat([last[rows][:, None, :], hr[:, :-1]], dim=1)
     return model.get_output_embeddings()(h)
 
@@ -170,9 +174,10 @@ class TorchBackend:
         """``([B, R] log-probs, [B, R] entropy or None)`` of the response tokens under the
         current weights (differentiable; float32 for a float32 model). With DDP, a
         forward with grad enabled must be followed by a backward on every rank."""
-        if mb.media and mb.pixels is None:
-            mb = dataclasses.replace(mb, pixels=pixels_of(self.processor, mb.media,
-                                                          self.cfg.model))
+        if mb.media and mb.media_inputs is None:
+            of = functools.partial(media_inputs_of, self.processor, mb.media, self.cfg.model)
+            mb = dataclasses.replace(mb, media_inputs=of(),
+                                     response_media_inputs=of(mb.prompt_of_row))
         logits = self.module(to_device(mb, self.device))
         lp = token_logprobs(logits, mb.targets.to(self.device), mb.temperature)
         ent = token_entropy(logits, temperature=mb.temperature) if with_entropy else None
