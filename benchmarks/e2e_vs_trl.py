@@ -37,6 +37,7 @@ import argparse
 import json
 import os
 import platform
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -49,6 +50,7 @@ RECIPE = ROOT / "recipes" / "arith_grpo_smollm2.yaml"
 SYSTEMS = {
     "trl": "TRL GRPOTrainer",
     "loop": "plain torch loop",
+    "loop1t": "plain torch loop, 1 thread",
     "sync": "relax sync",
     "sync1t": "relax sync, 1 thread/stage",
     "async1": "relax async s=1",
@@ -260,6 +262,7 @@ def run_relax(w: dict, mode: str, staleness: int, threads: int, run_root: str) -
     rollout_idle = ((inside[-1][1] - inside[0][1]) / (inside[-1][0] - inside[0][0])
                     if len(inside) >= 2 and inside[-1][0] > inside[0][0] else None)
     return {"steps": per_step, "train_s": per_step[-1]["t"], "rollout_idle_frac": rollout_idle,
+            "run_dir": str(run_dir),
             "accounting": {k: summary.get(k) for k in ("sampled", "trained", "stale", "filtered",
                                                          "errors")}}
 
@@ -269,21 +272,25 @@ def one(system: str, w: dict, threads: int, out: Path) -> None:
     t0 = time.perf_counter()
     if system == "trl":
         res = run_trl(w, threads)
-    elif system == "loop":
+    elif system.startswith("loop"):
         res = run_loop(w, threads)
     else:
         mode, s = ("sync", 0) if system.startswith("sync") else ("async", int(system[-1]))
         with tempfile.TemporaryDirectory(prefix="relax-bench-") as d:
             res = run_relax(w, mode, s, threads, d)
+            png = Path(res.pop("run_dir")) / "timeline.png"  # the stages' CPU use
+            if png.exists():
+                shutil.copy(png, out.parent / f"{out.stem.replace('raw_', 'timeline_')}.png")
     res["wall_s"] = time.perf_counter() - t0
     out.write_text(json.dumps(res))
 
 
 # ------------------------------------------------------------------ the comparison
-THREADS = {"trl": 2, "loop": 2, "sync": 2, "sync1t": 1, "async1": 1, "async2": 1}
+THREADS = {"trl": 2, "loop": 2, "loop1t": 1, "sync": 2, "sync1t": 1, "async1": 1, "async2": 1}
 """torch threads per process. A single process, and relax sync whose stages take turns,
 use both cores; the overlapped relax async stages get one each (two would fight).
-``sync1t``: relax sync with async's per-stage threads (the same resources section)."""
+``sync1t``: relax sync with async's per-stage threads (the same resources section);
+``loop1t``: the plain loop at one thread (for :func:`derived_limit`)."""
 
 
 def summarise(raw: dict) -> dict:
@@ -303,12 +310,35 @@ def summarise(raw: dict) -> dict:
         "samples_per_s": round(samples / raw["train_s"], 3),
         "steady_samples_per_s": round(sum(s["samples"] for s in rest) / window, 3),
         "step_s_mean": round(step_total / len(rest), 2),
+        "wait_s_mean": round(wait / len(rest), 2),
+        "train_s_mean": round(sum(s.get("train_s", s["step_s"] - s["wait_s"])
+                                  for s in rest) / len(rest), 2),
         "data_wait_pct": round(100 * wait / step_total, 1),
         "rollout_idle_pct": None if idle is None else round(100 * idle, 1),
         "reward_mean": round(sum(s["reward"] * s["samples"] for s in st) / samples, 4),
         "reward_curve": [round(s["reward"], 4) for s in st],
         **({"accounting": raw["accounting"]} if "accounting" in raw else {}),
     }
+
+
+def derived_limit(res: dict) -> dict | None:
+    """The best a perfect overlap of generation and training could do on 2 cores, from
+    the plain loop's steady per-step times at two threads (``g2`` generation and scoring,
+    ``t2`` training) and at one (``g1``, ``t1``): the two halves of consecutive steps run
+    side by side on a core each, and when the shorter one ends, the longer one takes both
+    cores. With ``t1 >= g1`` a step then takes ``g1 + (1 - g1 / t1) * t2`` seconds (else
+    the same with g and t swapped); the limit is the loop's samples per step over that.
+    None without both loops."""
+    if "loop" not in res or "loop1t" not in res:
+        return None
+    g2, t2 = res["loop"]["wait_s_mean"], res["loop"]["train_s_mean"]
+    g1, t1 = res["loop1t"]["wait_s_mean"], res["loop1t"]["train_s_mean"]
+    (a1, _a2), (b1, b2) = sorted([(g1, g2), (t1, t2)])  # a: the shorter half at 1 thread
+    step = a1 + (1 - a1 / b1) * b2
+    per_step = res["loop"]["trained_samples"] / res["loop"]["steps"]
+    return {"g1_s": g1, "t1_s": t1, "g2_s": g2, "t2_s": t2, "step_s": round(step, 2),
+            "samples_per_s": round(per_step / step, 3),
+            "sequential_2thread_step_s": round(g2 + t2, 2)}
 
 
 def ratios(res: dict) -> dict:
@@ -326,6 +356,13 @@ def ratios(res: dict) -> dict:
            "async_over_sync_e2e": r(best_async, "sync", "samples_per_s"),
            "relax_over_trl_e2e": r(best_async, "trl", "samples_per_s"),
            "best_async": best_async}
+    limit = derived_limit(res)
+    out["limit"] = limit
+    out["async_over_limit"] = (round(res[best_async]["steady_samples_per_s"]
+                                     / limit["samples_per_s"], 3)
+                               if limit and best_async in res else None)
+    out["trainer_data_wait"] = (round(res[best_async]["data_wait_pct"] / 100, 4)
+                                if best_async in res else None)
     return out
 
 

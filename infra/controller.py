@@ -185,6 +185,16 @@ class Controller:
             self.stages[r.spec.name] = r
         self._write_state()
 
+    def local_pids(self) -> dict[str, int]:
+        """name -> pid of the stages running on this host (the driver's Ray node): the
+        processes a :class:`~relax.infra.cpu_timeline.CpuTimeline` here can read."""
+        import ray
+
+        if getattr(self, "_here", None) is None:
+            self._here = ray.util.get_node_ip_address()
+        return {n: r.pid for n, r in list(self.stages.items())
+                if r.node == self._here and not r.finished}
+
     def _write_state(self) -> None:
         state = {n: {"pid": r.pid, "node": r.node, "restarts": r.restarts,
                      "finished": r.finished,

@@ -26,6 +26,7 @@ import yaml
 
 from relax.infra.broker import LocalBroker
 from relax.infra.controller import Controller
+from relax.infra.cpu_timeline import CpuTimeline
 from relax.infra.preflight import preflight
 from relax.infra.recipe import ENVIRONMENT_REWARD, Recipe
 from relax.infra.report import step_rows
@@ -133,7 +134,8 @@ def train(recipe: Recipe, *, say: Callable[[str], None] = print,
     run_dir = _run_folder(recipe, say)
     summary: dict = {"run": recipe.run, "mode": recipe.mode, "run_dir": str(run_dir)}
     with contextlib.ExitStack() as stack:
-        bus = _bus(recipe, run_dir, stack, say)  # set up: broker, topics, prompts
+        broker: dict[str, int] = {}
+        bus = _bus(recipe, run_dir, stack, say, broker)  # set up: broker, topics, prompts
         eval_rows = _eval_before(recipe, summary, say)
         follower = stack.enter_context(contextlib.closing(MetricsFollower(bus, recipe.run)))
         controller = Controller(stage_specs(recipe, bus, run_dir), bus, run_dir,
@@ -144,6 +146,9 @@ def train(recipe: Recipe, *, say: Callable[[str], None] = print,
         summary["train_started_at"] = t_train = time.time()  # step times are relative to it
         controller.start()
         say(f"stages: {', '.join(controller.stages)} (pids in {run_dir / 'stages.json'})")
+        timeline = CpuTimeline(run_dir / "cpu_timeline.jsonl",
+                               lambda: {**broker, **controller.local_pids()}).start()
+        stack.callback(timeline.close)
         watch = RunWatch(recipe, bus, run_dir, controller, follower, say, on_step)
         if recipe.api.enabled:
             from relax.infra.scale_api import serve_run_api
@@ -154,6 +159,7 @@ def train(recipe: Recipe, *, say: Callable[[str], None] = print,
                 f"--instances N)")
         watch.until_done(stopping, None if timeout_s is None else t_start + timeout_s)
         summary["train_s"] = round(time.time() - t_train, 1)
+        timeline.close()
         controller.stop()  # finish: accounting, eval after, run folder
         _finish(recipe, bus, run_dir, follower, eval_rows, summary, say)
     summary["wall_s"] = round(time.time() - t_start, 1)
@@ -172,13 +178,14 @@ def _run_folder(recipe: Recipe, say: Callable[[str], None]) -> Path:
 
 
 def _bus(recipe: Recipe, run_dir: Path, stack: contextlib.ExitStack,
-         say: Callable[[str], None]) -> BusConfig:
-    """The run's bus (a local broker when the recipe names none, stopped with ``stack``),
-    its topics created and the training prompts published."""
+         say: Callable[[str], None], broker: dict[str, int]) -> BusConfig:
+    """The run's bus (a local broker when the recipe names none, stopped with ``stack``;
+    its pid put in ``broker``), its topics created and the training prompts published."""
     if recipe.bootstrap_servers:
         bootstrap = recipe.bootstrap_servers
     else:
-        bootstrap = stack.enter_context(LocalBroker()).bootstrap
+        handle = stack.enter_context(LocalBroker())
+        bootstrap, broker["broker"] = handle.bootstrap, handle.pid
         say(f"broker: started a local broker at {bootstrap}")
     bus = run_bus(recipe, bootstrap, run_dir)
     ensure_topics(bus, run_topics(recipe))
@@ -223,8 +230,10 @@ def _sigterm_flag(stack: contextlib.ExitStack) -> Callable[[], bool]:
 
 def _finish(recipe: Recipe, bus: BusConfig, run_dir: Path, follower: MetricsFollower,
             eval_rows: list[dict] | None, summary: dict, say: Callable[[str], None]) -> None:
-    """Accounting, step figures, the final model's accuracy, metrics.jsonl and curves.png."""
-    from relax.infra.report import accounting, plot_curves, write_metrics_jsonl
+    """Accounting, step figures, the final model's accuracy, metrics.jsonl, curves.png
+    and timeline.png (the stages' CPU use, :mod:`relax.infra.cpu_timeline`)."""
+    from relax.infra.cpu_timeline import plot_timeline, read_timeline
+    from relax.infra.report import accounting, plot_curves, ts_ms, write_metrics_jsonl
 
     follower.poll(1.0)
     summary.update(_accounting(bus, recipe, run_dir, accounting))
@@ -243,6 +252,9 @@ def _finish(recipe: Recipe, bus: BusConfig, run_dir: Path, follower: MetricsFoll
         say(f"eval after: greedy held-out accuracy {r.correct}/{r.n} = {r.accuracy:.3f} "
             f"({r.seconds:.0f}s)")
     write_metrics_jsonl(run_dir / "metrics.jsonl", follower.rows)
+    ends = [ts_ms(r["ts"]) / 1000 for r in follower.rows
+            if r["component"] == "trainer" and r["name"] == M.STEP_S]
+    plot_timeline(read_timeline(run_dir / "cpu_timeline.jsonl"), run_dir / "timeline.png", ends)
     plot_curves(run_dir / "curves.png", steps, summary.get("eval_before", {}).get("accuracy"),
                 summary.get("eval_after", {}).get("accuracy"))
 

@@ -106,8 +106,17 @@ class SampleSource:
         self.groups_trained = 0
         self.duplicates = 0
         self._version = start_version
+        # two locks: ``_lock`` guards the queue, the ledger and the open deliveries and is
+        # held only briefly; ``_io`` guards the consumer (kafka-python is not thread-safe)
+        # and is held by the reading thread through each blocking poll. Holding one lock
+        # through the poll starved the trainer: the reading thread re-took it at once
+        # after every poll, and next_batch / trained waited seconds to get it (py-spy,
+        # issue 19). Deliveries the trainer finishes are handed to the consumer by the
+        # reading thread (or by positions/commit), never under ``_lock``.
         self._lock = threading.RLock()
+        self._io = threading.Lock()
         self._arrived = threading.Condition(self._lock)
+        self._finished: list[Delivery] = []  # finished by the trainer, not yet done()
         self._closed = threading.Event()
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._read_ahead, name="relax-trainer-input",
@@ -141,10 +150,11 @@ class SampleSource:
 
     def _read_once(self) -> int:
         """One poll: decide dropped rows, queue the rest; returns whole groups dropped."""
-        with self._lock:
+        with self._io:
+            self._flush_finished()
             deliveries = self.consumer.poll(self.poll_timeout_s)
+        with self._lock:
             dropped = 0
-            finished: list[Delivery] = []
             for d in deliveries:
                 parts = group_by_key(d.table, "group_id")
                 self._open[(d.partition, d.offset, d.generation)] = len(parts)
@@ -156,11 +166,16 @@ class SampleSource:
                     if decided:
                         dropped += 1
                         self.groups_dropped += 1
-                    self._decided(d, finished)
-            self.consumer.done(finished)
+                    self._decided(d, self._finished)
             if deliveries:
                 self._arrived.notify_all()
             return dropped
+
+    def _flush_finished(self) -> None:
+        """Hand the finished deliveries to the consumer (the caller holds ``_io``)."""
+        with self._lock:
+            finished, self._finished = self._finished, []
+        self.consumer.done(finished)
 
     def _screen(self, g: pa.Table) -> tuple[pa.Table | None, int]:
         """Record rows with a drop_reason; skip duplicates. Returns the rows still to be
@@ -208,7 +223,6 @@ class SampleSource:
         groups: list[pa.Table] = []
         stale: list[int] = []
         used: list[Delivery] = []
-        finished: list[Delivery] = []
         taken: set[str] = set()
         stale_rows = 0
         dropped_groups = reported = 0
@@ -261,8 +275,7 @@ class SampleSource:
                     if decided:  # not when every row was a duplicate decided earlier
                         dropped_groups += 1
                         self.groups_dropped += 1
-                    self._decided(d, finished)
-            self.consumer.done(finished)
+                    self._decided(d, self._finished)
             dropped = dict(self._dropped_rows)
             self._dropped_rows.clear()
             filtered, self._filtered = self._filtered, []
@@ -277,14 +290,12 @@ class SampleSource:
     def trained(self, batch: Batch, policy_version: int) -> None:
         """Record the batch's rows as trained (at ``policy_version``, before the step's
         increment) and finish their deliveries."""
-        finished: list[Delivery] = []
         with self._lock:
             for g, d in zip(batch.groups, batch.deliveries):
                 for rid, names in zip(g.column("rollout_id").to_pylist(), reward_names(g)):
                     self.ledger.record(rid, "trained", policy_version, rewards=names)
                 self.groups_trained += 1
-                self._decided(d, finished)
-            self.consumer.done(finished)
+                self._decided(d, self._finished)
 
     def locked(self):
         """The lock the reading thread takes: hold it to read the ledger consistently
@@ -294,7 +305,8 @@ class SampleSource:
     def positions(self) -> dict[str, dict[str, int]]:
         """``{topic: {partition: next offset}}`` that a checkpoint taken now may resume
         from (the finished prefix of every partition)."""
-        with self._lock:
+        with self._lock, self._io:
+            self._flush_finished()
             out = {t: dict(parts) for t, parts in self._offsets.items()}
             for (topic, partition), off in self.consumer.positions().items():
                 out.setdefault(topic, {})[str(partition)] = off
@@ -302,12 +314,13 @@ class SampleSource:
 
     def commit(self) -> None:
         """Commit the finished prefix (call right after a checkpoint is on disk)."""
-        with self._lock:
+        with self._lock, self._io:
+            self._flush_finished()
             self.consumer.commit()
 
     def close(self) -> None:
         """Stop the reading thread and close the consumer (no commit)."""
         self._closed.set()
         self._thread.join(timeout=10)
-        with self._lock:
+        with self._io:
             self.consumer.close()

@@ -275,6 +275,13 @@ def test_speech_recipe_through_the_broker_trains_the_tiny_audio_model(broker, lo
     start = load_model("tiny-audio").state_dict()
     moved = max(float((final[k] - start[k]).abs().max()) for k in final if "audio_tower" in k)
     assert moved > 1e-5, moved
+    # the run's CPU timeline (infra/cpu_timeline.py): every stage sampled, drawn
+    from relax.infra.cpu_timeline import read_timeline
+
+    cpu = read_timeline(Path(s["run_dir"]) / "cpu_timeline.jsonl")
+    assert {"trainer", "rollout-0", "aggregate"} <= {r["name"] for r in cpu}
+    assert max(r["cores"] for r in cpu if r["name"] == "trainer") > 0.3
+    assert (Path(s["run_dir"]) / "timeline.png").stat().st_size > 1000
 
 
 class _PictureEnv:

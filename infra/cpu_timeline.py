@@ -1,0 +1,176 @@
+"""Where the cores went during a run: the CPU use of every stage process on this host,
+sampled from ``/proc``, written to the run folder and drawn as a PNG.
+
+:class:`CpuTimeline` runs a daemon thread in the driver that reads, every
+``interval_s``, the CPU time (user + system, all threads: ``/proc/<pid>/stat`` fields 14
+and 15) of each process ``pids()`` names, and appends one JSON line per process and
+interval to ``<run>/cpu_timeline.jsonl``::
+
+    {"ts": 1764770000.5, "name": "trainer", "pid": 123, "cores": 1.84, "threads": 2}
+
+``cores`` is CPU seconds over wall seconds of the interval (2.0 = two cores busy the
+whole time); ``threads`` counts the process's threads that ran for more than a quarter
+of the interval (how many cores it really used at once). :func:`plot_timeline` draws a
+row per process with the trainer's step ends as vertical lines (``timeline.png``):
+a stage's busy and idle intervals, and who waits for whom, at a glance.
+
+Linux only (``/proc``); elsewhere, or for stages on other hosts, nothing is sampled.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+_TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def _stat_seconds(path: str) -> float | None:
+    """utime + stime (seconds) from a ``/proc/.../stat`` file; None if it is gone."""
+    try:
+        with open(path) as f:
+            stat = f.read()
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    fields = stat[stat.rindex(")") + 2:].split()  # the command name may hold spaces
+    return (int(fields[11]) + int(fields[12])) / _TICK
+
+
+def cpu_seconds(pid: int) -> tuple[float, dict[int, float]] | None:
+    """``(process CPU seconds, {thread id: CPU seconds})`` of a live process, None when it
+    is gone (or there is no ``/proc``)."""
+    total = _stat_seconds(f"/proc/{pid}/stat")
+    if total is None:
+        return None
+    threads = {}
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    for tid in tids:
+        s = _stat_seconds(f"/proc/{pid}/task/{tid}/stat")
+        if s is not None:
+            threads[int(tid)] = s
+    return total, threads
+
+
+class CpuTimeline:
+    """Samples the processes ``pids()`` returns (name -> pid) every ``interval_s`` into
+    ``path`` (see the module docstring); ``start()`` / ``close()``, or a ``with`` block.
+
+    Args:
+        path: the JSON-lines file (appended to).
+        pids: called at every sample: the processes to follow now (restarted stages
+            get their new pid).
+        interval_s: seconds between samples (> 0).
+
+    Raises:
+        ValueError: ``interval_s <= 0``.
+    """
+
+    def __init__(self, path: str | Path, pids: Callable[[], dict[str, int]],
+                 interval_s: float = 0.5):
+        if interval_s <= 0:
+            raise ValueError(f"interval_s must be > 0, got {interval_s}")
+        self.path, self.pids, self.interval_s = Path(path), pids, interval_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="cpu-timeline", daemon=True)
+        self._last: dict[int, tuple[float, float, dict[int, float]]] = {}
+
+    def start(self) -> CpuTimeline:
+        """Start sampling (returns self)."""
+        self._thread.start()
+        return self
+
+    def close(self) -> None:
+        """Stop sampling (the last interval is written)."""
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=5)
+
+    def __enter__(self) -> CpuTimeline:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def sample(self) -> list[dict]:
+        """One sample: a row per followed process seen at the previous sample too."""
+        now = time.time()
+        rows = []
+        for name, pid in self.pids().items():
+            got = cpu_seconds(pid)
+            if got is None:
+                self._last.pop(pid, None)
+                continue
+            total, threads = got
+            prev = self._last.get(pid)
+            self._last[pid] = (now, total, threads)
+            if prev is None or now <= prev[0]:
+                continue
+            dt = now - prev[0]
+            busy = sum(1 for tid, s in threads.items() if s - prev[2].get(tid, s) > dt / 4)
+            rows.append({"ts": round(now, 3), "name": name, "pid": pid,
+                         "cores": round((total - prev[1]) / dt, 3), "threads": busy})
+        return rows
+
+    def _loop(self) -> None:
+        with self.path.open("a") as f:
+            while True:
+                for row in self.sample():
+                    f.write(json.dumps(row) + "\n")
+                f.flush()
+                if self._stop.wait(self.interval_s):
+                    return
+
+
+def read_timeline(path: str | Path) -> list[dict]:
+    """The rows of a ``cpu_timeline.jsonl`` (empty list when there is none)."""
+    p = Path(path)
+    if not p.is_file():
+        return []
+    return [json.loads(line) for line in p.read_text().splitlines() if line.strip()]
+
+
+def plot_timeline(rows: list[dict], png: str | Path, step_ends: list[float] = (),
+                  cores: int | None = None) -> bool:
+    """Draw ``rows`` (:func:`read_timeline`) as one panel per process, CPU cores used
+    over seconds since the first sample, with dashed lines at ``step_ends`` (UNIX
+    seconds: the trainer's step ends). Returns False (no file) when there are no rows.
+
+    Args:
+        cores: the machine's cores (the panels' upper limit; default ``os.cpu_count()``).
+    """
+    if not rows:
+        return False
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    t0 = min(r["ts"] for r in rows)
+    names = sorted({r["name"] for r in rows},
+                   key=lambda n: -sum(r["cores"] for r in rows if r["name"] == n))
+    top = cores or os.cpu_count() or 1
+    fig, axes = plt.subplots(len(names), 1, figsize=(11, 1.1 + 0.9 * len(names)), sharex=True,
+                             squeeze=False)
+    for ax, name in zip(axes[:, 0], names):
+        mine = [r for r in rows if r["name"] == name]
+        xs = [r["ts"] - t0 for r in mine]
+        ax.fill_between(xs, [r["cores"] for r in mine], step="pre", alpha=0.7)
+        ax.set_ylim(0, top * 1.05)
+        ax.set_ylabel(name, rotation=0, ha="right", va="center", fontsize=8)
+        for t in step_ends:
+            ax.axvline(t - t0, color="grey", lw=0.6, ls="--")
+    axes[-1, 0].set_xlabel("seconds (dashed: trainer step ends); y: CPU cores in use")
+    fig.tight_layout()
+    fig.savefig(png, dpi=90)
+    plt.close(fig)
+    return True
+
+
+__all__ = ["CpuTimeline", "cpu_seconds", "plot_timeline", "read_timeline"]

@@ -1,0 +1,50 @@
+"""The run's CPU timeline (infra/cpu_timeline.py): real processes, read from /proc."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from relax.infra.cpu_timeline import CpuTimeline, cpu_seconds, plot_timeline, read_timeline
+
+pytestmark = pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="needs /proc")
+
+
+def test_a_busy_process_shows_one_core_and_an_idle_one_none(tmp_path):
+    """A process spinning in Python uses ~1 core with 1 busy thread; a sleeping one ~0; a
+    process that ended is left out; the PNG is drawn with the step ends."""
+    busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    idle = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    path = tmp_path / "cpu_timeline.jsonl"
+    try:
+        with CpuTimeline(path, lambda: {"busy": busy.pid, "idle": idle.pid, "gone": gone.pid},
+                         interval_s=0.2):
+            time.sleep(1.5)
+    finally:
+        busy.kill()
+        idle.kill()
+    rows = read_timeline(path)
+    mine = {n: [r for r in rows if r["name"] == n] for n in ("busy", "idle", "gone")}
+    assert len(mine["busy"]) >= 4 and not mine["gone"]
+    steady = mine["busy"][1:]  # the first interval may include the interpreter's start
+    assert min(r["cores"] for r in steady) > 0.5 and all(r["threads"] == 1 for r in steady)
+    assert max(r["cores"] for r in mine["idle"]) < 0.1
+    assert all(r["threads"] == 0 for r in mine["idle"])
+    png = tmp_path / "timeline.png"
+    assert plot_timeline(rows, png, [rows[0]["ts"] + 0.5])
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert not plot_timeline([], tmp_path / "none.png") and not (tmp_path / "none.png").exists()
+
+
+def test_cpu_seconds_of_this_process_and_of_no_process():
+    total, threads = cpu_seconds(__import__("os").getpid())
+    assert total > 0 and threads and abs(sum(threads.values()) - total) < 0.5
+    assert cpu_seconds(2 ** 22 + 12345) is None  # above Linux's pid_max default
+    with pytest.raises(ValueError, match="interval_s must be > 0"):
+        CpuTimeline("x", dict, interval_s=0)
