@@ -189,14 +189,19 @@ def encode_prompt(processor, messages: list[dict], items: list[dict] | None
     """
     chat = chat_with_media(messages, items)
     text = processor.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
+    enc = processor(text=[text], return_tensors="pt", **_media_kwargs(processor, items))
+    return [int(t) for t in enc["input_ids"][0]], _inputs(enc)
+
+
+def _media_kwargs(processor, items: list[dict] | None) -> dict:
+    """The processor's keyword arguments for the items' images and audio (decoded)."""
     kwargs = {}
     if images := images_of(items):
         kwargs["images"] = [images]
     if audio := _audio(processor, items):
         kwargs["audio"] = audio
         kwargs["sampling_rate"] = processor.feature_extractor.sampling_rate
-    enc = processor(text=[text], return_tensors="pt", **kwargs)
-    return [int(t) for t in enc["input_ids"][0]], _inputs(enc)
+    return kwargs
 
 
 def unexpanded_ids(processor, messages: list[dict], items: list[dict] | None) -> list[int]:
@@ -218,13 +223,7 @@ def tokens_of(processor, text: str, items: list[dict]) -> list[int]:
     Raises:
         ValueError: see :func:`audio_of`.
     """
-    kwargs = {}
-    if images := images_of(items):
-        kwargs["images"] = [images]
-    if audio := _audio(processor, items):
-        kwargs["audio"] = audio
-        kwargs["sampling_rate"] = processor.feature_extractor.sampling_rate
-    enc = processor(text=[text], add_special_tokens=False, **kwargs)
+    enc = processor(text=[text], add_special_tokens=False, **_media_kwargs(processor, items))
     return [int(t) for t in enc["input_ids"][0]]
 
 
