@@ -51,9 +51,11 @@ def test_rollout_killed_while_its_groups_wait_samples_nothing_extra(any_broker, 
     pytest.param("kafka", 11, marks=pytest.mark.kafka)])
 def test_seeded_chaos_run(request, tmp_path, kind, seed):
     broker = request.getfixturevalue("broker" if kind == "tansu" else "kafka_broker")
-    kills = plan_kills(random.Random(seed), 5)
+    kills = plan_kills(random.Random(seed), 5)  # after steps 1-4, each up to 2 s late
+    # 8 steps: a kill 2 s after step 4 still lands in a live run (a tiny step can take
+    # well under a second; with 5 steps one CI run ended before its kill)
     recipe = tiny_recipe(broker, tmp_path, f"chaos{seed}" + uuid.uuid4().hex[:4],
-                         "trainer.steps=5")
+                         "trainer.steps=8")
     r = chaos_run(recipe, kills, 500)
     assert r.killed, kills
     _assert_whole(r)

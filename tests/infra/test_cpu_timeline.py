@@ -43,8 +43,10 @@ def test_a_busy_process_shows_one_core_and_an_idle_one_none(tmp_path):
 
 
 def test_cpu_seconds_of_this_process_and_of_no_process():
+    """The process's figure also counts threads that have ended (a long test session has
+    many), so its live threads' sum is at most that."""
     total, threads = cpu_seconds(__import__("os").getpid())
-    assert total > 0 and threads and abs(sum(threads.values()) - total) < 0.5
+    assert total > 0 and threads and sum(threads.values()) <= total + 0.05
     assert cpu_seconds(2 ** 22 + 12345) is None  # above Linux's pid_max default
     with pytest.raises(ValueError, match="interval_s must be > 0"):
         CpuTimeline("x", dict, interval_s=0)
