@@ -112,7 +112,8 @@ class SampleSource:
         # through the poll starved the trainer: the reading thread re-took it at once
         # after every poll, and next_batch / trained waited seconds to get it (py-spy,
         # issue 19). Deliveries the trainer finishes are handed to the consumer by the
-        # reading thread (or by positions/commit), never under ``_lock``.
+        # reading thread (or by positions/commit). Lock order: ``_lock`` before ``_io``;
+        # the reading thread never waits for ``_lock`` while it holds ``_io``.
         self._lock = threading.RLock()
         self._io = threading.Lock()
         self._arrived = threading.Condition(self._lock)
@@ -150,8 +151,9 @@ class SampleSource:
 
     def _read_once(self) -> int:
         """One poll: decide dropped rows, queue the rest; returns whole groups dropped."""
+        finished = self._take_finished()  # _lock first, never while holding _io
         with self._io:
-            self._flush_finished()
+            self.consumer.done(finished)
             deliveries = self.consumer.poll(self.poll_timeout_s)
         with self._lock:
             dropped = 0
@@ -171,11 +173,12 @@ class SampleSource:
                 self._arrived.notify_all()
             return dropped
 
-    def _flush_finished(self) -> None:
-        """Hand the finished deliveries to the consumer (the caller holds ``_io``)."""
+    def _take_finished(self) -> list[Delivery]:
+        """The deliveries finished since the last call, for ``consumer.done``. Lock order:
+        ``_lock`` before ``_io``, always (the reading thread takes them one at a time)."""
         with self._lock:
             finished, self._finished = self._finished, []
-        self.consumer.done(finished)
+        return finished
 
     def _screen(self, g: pa.Table) -> tuple[pa.Table | None, int]:
         """Record rows with a drop_reason; skip duplicates. Returns the rows still to be
@@ -306,7 +309,7 @@ class SampleSource:
         """``{topic: {partition: next offset}}`` that a checkpoint taken now may resume
         from (the finished prefix of every partition)."""
         with self._lock, self._io:
-            self._flush_finished()
+            self.consumer.done(self._take_finished())
             out = {t: dict(parts) for t, parts in self._offsets.items()}
             for (topic, partition), off in self.consumer.positions().items():
                 out.setdefault(topic, {})[str(partition)] = off
@@ -315,7 +318,7 @@ class SampleSource:
     def commit(self) -> None:
         """Commit the finished prefix (call right after a checkpoint is on disk)."""
         with self._lock, self._io:
-            self._flush_finished()
+            self.consumer.done(self._take_finished())
             self.consumer.commit()
 
     def close(self) -> None:
