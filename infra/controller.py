@@ -139,6 +139,7 @@ class Controller:
         self.stall_timeout_s = stall_timeout_s
         self.stages: dict[str, _Running] = {}
         self._ray_started = False
+        self._here: str | None = None  # this host's Ray node address (local_pids)
 
     def _init_ray(self) -> None:
         import ray
@@ -190,7 +191,7 @@ class Controller:
         processes a :class:`~relax.infra.cpu_timeline.CpuTimeline` here can read."""
         import ray
 
-        if getattr(self, "_here", None) is None:
+        if self._here is None:
             self._here = ray.util.get_node_ip_address()
         return {n: r.pid for n, r in list(self.stages.items())
                 if r.node == self._here and not r.finished}

@@ -288,7 +288,9 @@ def media_inputs_of(processor, media: list[list[dict] | None], model: str,
     later = [[it for it in items or [] if it.get("turn")] for items in media]
     if not any(later):
         return {}
-    return stack_media([media_inputs(processor, later[u]) for u in prompt_of_row.tolist()])
+    rows = prompt_of_row.tolist()
+    per_prompt = {u: media_inputs(processor, later[u]) for u in set(rows)}  # decoded once
+    return stack_media([per_prompt[u] for u in rows])
 
 
 def kv_cache(out):
