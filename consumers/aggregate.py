@@ -114,6 +114,7 @@ class JoinState:
         self.groups: dict[str, GroupState] = {}
         self.emitted: set[str] = set()
         self.duplicates = 0
+        self.newest_version = -1  # the largest policy_version_start of a rollout added
 
     def add(self, schema: str, table: pa.Table, ts_s: float) -> pa.Table | None:
         """Apply rows of ``rollouts`` / ``rewards`` / ``ref_logprobs`` /
@@ -140,6 +141,8 @@ class JoinState:
                     continue
                 g.rollouts[rid] = table.slice(i, 1)
                 g.group_size = table.column("group_size")[i].as_py()
+                self.newest_version = max(self.newest_version,
+                                          table.column("policy_version_start")[i].as_py())
             elif schema == "rewards":
                 r = rows[i]
                 cells = g.rewards.setdefault(rid, {})
@@ -228,6 +231,7 @@ class AggregateStage:
         self.states: dict[int, JoinState] = {}
         self.plan = RewardPlan(cfg.advantage.rewards)
         self.changes = ChangeFollower(bus, run)
+        self._plan_through = -1  # changes were read to the end after a rollout of this version
         self._to_recover: set[int] = set()
         self.emitted_groups = 0
         self.emitted_rows = 0
@@ -271,10 +275,11 @@ class AggregateStage:
         return process_once(self.consumer, self.producer, self._join, stage="aggregate",
                             after=self._emit, poll_timeout_s=self.cfg.poll_timeout_s)
 
-    def _read_changes(self) -> None:
-        """Apply newly announced reward changes to the plan; each applied one goes to the
+    def _read_changes(self, to_end: bool = False) -> None:
+        """Apply newly announced reward changes to the plan (``to_end``: every change
+        acknowledged so far, not only those fetched); each applied one goes to the
         metrics (``reward_weight.<name>``, 0 for a detach, at its from_policy_version)."""
-        for c in self.changes.poll():
+        for c in self.changes.poll(to_end=to_end):
             refused = self.plan.apply(c)
             if refused:
                 log.warning("reward change refused: %s", refused)
@@ -304,6 +309,21 @@ class AggregateStage:
             if p not in self.states:
                 self.states[p] = self._recover(p)
         self._to_recover.clear()
+        newest = max((s.newest_version for s in self.states.values()), default=-1)
+        if newest > self._plan_through:
+            from kafka.errors import KafkaError
+
+            # a change counting from version v was acknowledged before any rollout of v
+            # was sampled (``changes.announce``), so a read to the end after one arrived
+            # knows every change for the groups up to it: poll() alone may not have
+            # fetched it yet (a CI run counted a detached reward for one group so)
+            try:
+                self._read_changes(to_end=True)
+            except (TimeoutError, KafkaError) as e:  # the broker is away: decide nothing yet
+                log.warning("reward changes not read to their end (%s): no group is "
+                            "decided this turn", e)
+                return
+            self._plan_through = newest
         now = time.time()
         emitted: list[tuple[int, str]] = []
         for p, state in self.states.items():

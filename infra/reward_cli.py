@@ -27,7 +27,7 @@ _MemoryOpt = typer.Option(None, "--memory-limit-bytes",
 _BatchOpt = typer.Option(64, "--batch-rows", min=1, help="most rows per scoring call")
 _FromVersionOpt = typer.Option(None, "--from-policy-version", min=0,
                                help="first group policy_version the change counts for; default "
-                                    "and least: the run's latest policy_version + 1")
+                                    "and least: the run's latest policy_version + 2")
 
 
 def parse_options(items: list[str] | None) -> dict:

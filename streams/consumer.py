@@ -47,12 +47,14 @@ log = logging.getLogger(__name__)
 
 SCHEMA_HEADER = "relax-schema"
 
-COMMIT_RETRY_S = 60.0
-"""How long :meth:`BatchConsumer.commit` retries a retriable error (the broker or the
-group coordinator unreachable: a Kafka node restarting takes ~10 s here) before it
-raises. The trainer commits with its checkpoint; a commit that fails during an outage
-would otherwise restart the stage after a checkpoint whose step's metrics were not yet
-written."""
+OUTAGE_S = 60.0
+"""How long :meth:`BatchConsumer.commit` retries, and :meth:`BatchConsumer.poll` rides
+through, a retriable error (the broker or the group coordinator unreachable: a Kafka
+node restarting takes ~10 s here) before it raises. The trainer commits with its
+checkpoint; a commit that fails during an outage would otherwise restart the stage
+after a checkpoint whose step's metrics were not yet written. kafka-python 3.0 raises a
+failed metadata refresh (``KafkaConnectionError``) out of ``KafkaConsumer.poll`` while it
+looks for the group coordinator (a CI run restarted a reward stage so)."""
 
 _CHANGELOG_SCHEMAS = (topic_names.ROLLOUTS, topic_names.REWARDS, topic_names.REF_LOGPROBS)
 """Schemas of ``<run>.aggregate_changelog``: the aggregator's input rows (its ``emitted``
@@ -139,6 +141,7 @@ class BatchConsumer:
         self._topic_schemas: dict[str, tuple[str, ...] | None] = {}
         self.on_assign, self.on_revoke = on_assign, on_revoke
         self._revocations: dict = {}  # TopicPartition -> times revoked from this consumer
+        self._away_since: float | None = None  # monotonic time of the first failed poll
         if topics:
             self._kc.subscribe(topics, listener=_Listener(self))
 
@@ -158,9 +161,26 @@ class BatchConsumer:
         Bad ones (see the module docstring) go to ``<topic>.errors`` and are marked
         finished; good ones are returned in offset order per partition, each table with
         the canonical v1 schema of its topic, and are in flight until :meth:`done`.
-        Raises nothing for the content of a message.
+        Raises nothing for the content of a message; a retriable client error (the
+        broker away) is an empty poll for up to :data:`OUTAGE_S`.
+
+        Raises:
+            kafka.errors.KafkaError: a non-retriable one, or the broker away for longer.
         """
-        records = self._kc.poll(timeout_ms=int(timeout_s * 1000), max_records=max_records)
+        from kafka.errors import KafkaError
+
+        try:
+            records = self._kc.poll(timeout_ms=int(timeout_s * 1000), max_records=max_records)
+        except KafkaError as e:
+            now = time.monotonic()
+            self._away_since = self._away_since or now
+            if not e.retriable or now - self._away_since > OUTAGE_S:
+                raise
+            log.warning("poll failed (%s); an empty poll (the broker away for %.0fs)", e,
+                        now - self._away_since)
+            time.sleep(min(timeout_s, 1.0))  # what the poll would have waited
+            return []
+        self._away_since = None
         decoded: list[tuple] = []
         for tp, msgs in records.items():
             for m in msgs:
@@ -290,7 +310,7 @@ class BatchConsumer:
 
         Raises:
             kafka.errors.KafkaError: a non-retriable error, or a retriable one (the
-                broker unreachable) that lasted past :data:`COMMIT_RETRY_S`.
+                broker unreachable) that lasted past :data:`OUTAGE_S`.
         """
         from kafka.errors import CommitFailedError, KafkaError, RebalanceInProgressError
         from kafka.structs import OffsetAndMetadata
@@ -302,7 +322,7 @@ class BatchConsumer:
         offsets = {tp: o for tp, o in offsets.items() if tp in assigned}
         if not offsets:
             return {}
-        deadline = time.monotonic() + COMMIT_RETRY_S
+        deadline = time.monotonic() + OUTAGE_S
         while True:
             try:
                 self._kc.commit({tp: OffsetAndMetadata(o, "", -1) for tp, o in offsets.items()})

@@ -55,23 +55,24 @@ def announce(cfg: BusConfig, run: str, action: str, reward_name: str, weight: fl
         action: ``attach`` or ``detach``.
         reward_name: the reward_name to count or stop counting.
         weight: weight in the final reward (attach); ignored for detach (written 0.0).
-        from_policy_version: the first group policy_version it counts for; default: one
-            past :func:`latest_policy_version` (groups already sampled are untouched).
+        from_policy_version: the first group policy_version it counts for; default and
+            least: :func:`latest_policy_version` + 2. Groups already sampled are untouched,
+            and so are those of the next version, which a fast trainer may announce (and
+            an engine sample) while this change is being written.
 
     Returns:
         the change as written.
 
     Raises:
-        ValueError: bad action, or ``from_policy_version`` not beyond the latest
-            policy_version (groups of that version may already be in flight).
+        ValueError: bad action, or ``from_policy_version`` below the least.
     """
     latest = latest_policy_version(cfg, run)
     if from_policy_version is None:
-        from_policy_version = latest + 1
-    elif from_policy_version <= latest:
+        from_policy_version = latest + 2
+    elif from_policy_version < latest + 2:
         raise ValueError(f"from_policy_version {from_policy_version}: run {run!r} is at "
-                         f"policy_version {latest}; a change counts from {latest + 1} on "
-                         "(groups of older versions may be in flight)")
+                         f"policy_version {latest}; a change counts from {latest + 2} on "
+                         "(groups of the next version may be sampled while it is written)")
     change = RewardChange(action, reward_name, float(weight) if action == "attach" else 0.0,
                           from_policy_version)
     row = {"ts": int(time.time() * 1000), **change.__dict__}
@@ -81,6 +82,11 @@ def announce(cfg: BusConfig, run: str, action: str, reward_name: str, weight: fl
         producer.flush()
     finally:
         producer.close()
+    after = latest_policy_version(cfg, run)
+    if after >= from_policy_version:  # only a trainer two versions on in ~0.2 s
+        log.warning("reward change %s %r from policy_version %d was acknowledged when the run "
+                    "was already at %d: groups of %d..%d may have been decided without it",
+                    action, reward_name, from_policy_version, after, from_policy_version, after)
     return change
 
 
@@ -104,22 +110,51 @@ class ChangeFollower:
         self.cfg = cfg
         self.topic = changes_topic(cfg, run)
         self._reader = TopicReader(cfg, "reward-changes")
-        self._next = None  # next offset to return; None = not caught up yet
+        self._next = None  # next offset to read; None = not caught up yet
+        self._pending: list[RewardChange] = []  # read, not yet returned
 
-    def poll(self, timeout_s: float = 0.0) -> list[RewardChange]:
-        """New changes (waiting up to ``timeout_s`` seconds when there are none)."""
-        out = []
+    def poll(self, timeout_s: float = 0.0, to_end: bool = False) -> list[RewardChange]:
+        """New changes (waiting up to ``timeout_s`` seconds when there are none).
+
+        Args:
+            timeout_s: the longest wait for a first new record (seconds).
+            to_end: also read up to the partition's high watermark as of this call (one
+                fetch-based lookup, ~0.1 s on loopback): every change acknowledged
+                before the call is returned, not only those the client has fetched.
+
+        Raises:
+            TimeoutError: ``to_end`` and no record came for 30 s before that end, or
+                the end could not be looked up (:func:`relax.streams.lag.high_watermarks`);
+                what was read stays for the next call.
+        """
         if self._next is None:
-            end = high_watermarks(self.cfg, [self.topic])[(self.topic, 0)]
-            for m in self._reader.read_range({(self.topic, 0): (0, end)}):
-                out += _changes(m)
+            end = self._end()
+            first = [c for m in self._reader.read_range({(self.topic, 0): (0, end)})
+                     for c in _changes(m)]
+            self._pending += first
             self._next = end
             self._reader.follow(self.topic, 1)
-        for m in self._reader.poll(timeout_s):
-            if m.offset >= self._next:
-                out += _changes(m)
-                self._next = m.offset + 1
+        self._take(self._reader.poll(timeout_s))
+        if to_end:
+            end = self._end()
+            deadline = time.monotonic() + 30.0
+            while self._next < end:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"{self.topic}: no record for 30s before offset {end}")
+                self._take(self._reader.poll(0.2))
+        out, self._pending = self._pending, []
         return out
+
+    def _end(self) -> int:
+        return high_watermarks(self.cfg, [self.topic])[(self.topic, 0)]
+
+    def _take(self, messages) -> None:
+        """Queue the changes among ``messages`` at or past the next offset to return (a
+        poll that raises keeps them for the next one)."""
+        for m in messages:
+            if m.offset >= self._next:
+                self._pending += _changes(m)
+                self._next = m.offset + 1
 
     def close(self) -> None:
         """Close the Kafka client."""

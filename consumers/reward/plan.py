@@ -4,8 +4,9 @@ while it trains.
 A run starts with the recipe's counted rewards (``advantage.rewards``: name -> weight).
 ``relax reward attach NAME --weight W`` and ``relax reward detach NAME`` announce a
 :class:`RewardChange` on ``<run>.reward_changes`` that counts from a policy_version on:
-the first one no weights existed for when it was announced (the latest announced
-policy_version + 1). A group counts the rewards of the plan at its **group
+two past the latest announced when it was written (the next one may be announced, and
+sampled, while the change is being written), and the aggregator reads the topic to its
+end before it decides a group of a newer version than it last read it for. A group counts the rewards of the plan at its **group
 policy_version**, the smallest ``policy_version_start`` of its rollouts:
 
 * a group sampled (even partly) before the announcement has a smaller version and keeps

@@ -110,16 +110,16 @@ def test_announce_and_follow_on_the_broker(bus, unique):
     try:
         assert follower.poll() == []
         a = announce(bus, run, "attach", "len", 0.5)
-        assert a == RewardChange("attach", "len", 0.5, 1)
+        assert a == RewardChange("attach", "len", 0.5, 2)
         p = BatchProducer(bus)
         p.send(topics.run_topic(run, topics.PROGRESS), progress_row(8, 8, 4))
         p.flush()
         p.close()
         assert latest_policy_version(bus, run) == 4
         with pytest.raises(ValueError, match="is at policy_version 4"):
-            announce(bus, run, "detach", "len", from_policy_version=4)
+            announce(bus, run, "detach", "len", from_policy_version=5)
         d = announce(bus, run, "detach", "len", weight=9.0)
-        assert d == RewardChange("detach", "len", 0.0, 5)
+        assert d == RewardChange("detach", "len", 0.0, 6)
         got = []
         for _ in range(100):
             got += follower.poll(timeout_s=0.2)

@@ -140,3 +140,47 @@ def test_finishing_deliveries_of_a_revoked_partition_is_harmless(bus, unique):
     assert {tp.partition for tp in a.commit()} <= mine
     a.close()
     b.close()
+
+
+def test_poll_rides_through_a_broker_outage_for_a_while_then_raises(bus, unique, monkeypatch):
+    """kafka-python 3.0 raises a failed metadata refresh (``KafkaConnectionError``) out of
+    ``KafkaConsumer.poll`` while the group coordinator is away (a CI run restarted a reward
+    stage so during a Kafka restart): the stage's poll is empty instead, for up to
+    ``OUTAGE_S``; then, and at once for a non-retriable error, it raises."""
+    import time as _time
+
+    from kafka.errors import KafkaConnectionError, TopicAuthorizationFailedError
+
+    from relax.streams import consumer as consumer_mod
+
+    topic = unique + ".rollouts"
+    ensure_topics(bus, {topic: 1})
+    p = BatchProducer(bus)
+    p.send(topic, pa.RecordBatch.from_pylist(rollout_rows(2, group_size=2), schema=ROLLOUTS))
+    p.close()
+    c = BatchConsumer(bus, unique + ".g", [topic], stage="t")
+    real = c.kafka.poll
+    failing: list[BaseException] = [KafkaConnectionError("111 ECONNREFUSED")]
+
+    def poll(**kw):
+        if failing:
+            raise failing[0]
+        return real(**kw)
+
+    monkeypatch.setattr(c.kafka, "poll", poll)
+    assert c.poll(0.05) == [] and c.poll(0.05) == []  # the broker away: empty polls
+    monkeypatch.setattr(consumer_mod, "OUTAGE_S", 0.01)
+    _time.sleep(0.02)
+    with pytest.raises(KafkaConnectionError):
+        c.poll(0.05)  # away for longer than OUTAGE_S
+    failing.clear()
+    got, deadline = [], _time.monotonic() + 30
+    while not got and _time.monotonic() < deadline:
+        got = c.poll(0.5)  # back: the rows come, and the outage clock is reset
+    assert sum(d.table.num_rows for d in got) == 2
+    failing.append(KafkaConnectionError("111 ECONNREFUSED"))
+    assert c.poll(0.05) == []
+    failing[0] = TopicAuthorizationFailedError()
+    with pytest.raises(TopicAuthorizationFailedError):
+        c.poll(0.05)  # not retriable: at once
+    c.close()
