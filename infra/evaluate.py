@@ -1,7 +1,8 @@
 """Greedy held-out accuracy of a model: the "before and after" numbers of a run.
 
 Prompts are rendered exactly as the rollout stage renders them (prompt template,
-then the chat template with the generation prompt), decoded greedily (top-k 1)
+then the chat template with the generation prompt; a prompt with images or audio
+through the model's processor, placeholders expanded), decoded greedily (top-k 1)
 by the ``hf`` engine, and scored by a reward function in-process; a prompt is
 correct when the reward value is > ``threshold``.
 """
@@ -12,6 +13,7 @@ import json
 import time
 from dataclasses import dataclass, field
 
+from relax.producers.media import MediaError, MediaOptions, media_digest
 from relax.producers.publish import RowError, prompt_row
 from relax.producers.sources import read_source
 
@@ -28,10 +30,34 @@ class EvalResult:
     examples: list[dict] = field(default_factory=list)
 
 
+def prompt_key(row: dict) -> tuple[str, tuple[str, ...]]:
+    """What makes two PROMPTS rows the same question: the prompt text and the digests of
+    its media (spoken questions share one instruction text and differ in their audio)."""
+    return row["prompt"], tuple(media_digest(row["media"] or []))
+
+
+def source_keys(source: str, *, prompt_field: str, label_field: str | None,
+                media: MediaOptions = MediaOptions(), limit: int | None = None) -> set[tuple]:
+    """:func:`prompt_key` of every usable row of ``source`` (the training prompts)."""
+    out = set()
+    for src in read_source(source, limit):
+        if src.record is None:
+            continue
+        try:
+            out.add(prompt_key(prompt_row(src.record, dataset="train", prompt_field=prompt_field,
+                                          label_field=label_field, source=source, line=src.line,
+                                          created_at_ms=0, media=media)))
+        except (RowError, MediaError):
+            continue
+    return out
+
+
 def eval_rows(source: str, size: int, *, prompt_field: str, label_field: str,
-              exclude_prompts: set[str] = frozenset(), dataset: str = "eval") -> list[dict]:
-    """The first ``size`` prompt rows of ``source`` whose prompt text is not in
-    ``exclude_prompts`` (the training prompts), as PROMPTS-schema dicts.
+              exclude: set[tuple] = frozenset(), dataset: str = "eval",
+              media: MediaOptions = MediaOptions()) -> list[dict]:
+    """The first ``size`` prompt rows of ``source`` whose :func:`prompt_key` is not in
+    ``exclude`` (the training prompts' keys), as PROMPTS-schema dicts, media read from the
+    columns ``media`` names.
 
     Raises:
         ValueError: fewer than ``size`` usable rows in the source.
@@ -43,12 +69,13 @@ def eval_rows(source: str, size: int, *, prompt_field: str, label_field: str,
         try:
             row = prompt_row(src.record, dataset=dataset, prompt_field=prompt_field,
                              label_field=label_field, source=source, line=src.line,
-                             created_at_ms=0)
-        except RowError:
+                             created_at_ms=0, media=media)
+        except (RowError, MediaError):
             continue
-        if row["prompt"] in exclude_prompts or row["prompt"] in seen:
+        key = prompt_key(row)
+        if key in exclude or key in seen:
             continue
-        seen.add(row["prompt"])
+        seen.add(key)
         rows.append(row)
         if len(rows) == size:
             return rows
@@ -74,19 +101,30 @@ def greedy_accuracy(model: str, rows: list[dict], *, reward_fn: str, reward_opti
     from relax.consumers.multiturn import prompt_messages, render_ids
     from relax.consumers.reward import load_reward_fn
     from relax.consumers.reward.base import Score
-    from relax.trainer.models import load
+    from relax.trainer.models import load, load_processor
+    from relax.trainer.multimodal import encode_prompt
 
     t0 = time.perf_counter()
     m, tok = load(model)
+    processor = load_processor(model)
+    if processor is None and any(r["media"] for r in rows):
+        raise ValueError(f"{model} takes no images or audio, and the eval rows have media")
     engine = HFEngine(m, tok, engine_id="eval")
     fn = load_reward_fn(reward_fn)
     params = SamplingParams(max_new_tokens=max_new_tokens, temperature=1.0, top_k=1)
     correct, examples = 0, []
     for i in range(0, len(rows), batch_size):
         chunk = rows[i:i + batch_size]
-        ids = [render_ids(tok, prompt_messages({**r, "prompt": prompt_template.format(prompt=r["prompt"])}))
-               for r in chunk]
-        gens = engine.generate(ids, params)
+        ids, media = [], []
+        for r in chunk:
+            msgs = prompt_messages({**r, "prompt": prompt_template.format(prompt=r["prompt"])})
+            if r["media"]:  # as the rollout stage renders it (consumers/rollout/stage.py)
+                p, inputs = encode_prompt(processor, msgs, r["media"])
+            else:
+                p, inputs = render_ids(tok, msgs), None
+            ids.append(p)
+            media.append(inputs)
+        gens = engine.generate(ids, params, media=media if any(media) else None)
         texts = [g.text for g in gens]
         scores = fn(texts, [r["label"] for r in chunk], [json.loads(r["metadata"]) for r in chunk],
                     **reward_options)
@@ -95,6 +133,7 @@ def greedy_accuracy(model: str, rows: list[dict], *, reward_fn: str, reward_opti
             ok = value is not None and value > threshold
             correct += ok
             if len(examples) < 5:
-                examples.append({"prompt": r["prompt"], "response": text, "value": value})
+                examples.append({"prompt": r["prompt"], "label": r["label"], "response": text,
+                                 "value": value})
     n = len(rows)
     return EvalResult(correct / n if n else 0.0, n, correct, time.perf_counter() - t0, examples)

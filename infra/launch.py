@@ -76,26 +76,29 @@ def _publish_data(recipe: Recipe, bus: BusConfig, say: Callable[[str], None]) ->
     if recipe.data.source is None:
         raise ValueError(f"{topic} is empty and data.source is not set: publish prompts first "
                          f"(relax publish SOURCE --topic {topic})")
-    from relax.producers.media import MediaOptions
-
     d = recipe.data
-    fields = tuple((f, k) for f, k in ((d.image_field, "image"), (d.audio_field, "audio")) if f)
     res = publish(bus, d.source, topic, prompt_field=d.prompt_field, label_field=d.label_field,
                   limit=d.limit, partitions=d.partitions, progress=False,
-                  media=MediaOptions(fields=fields))
+                  media=_media_options(d.image_field, d.audio_field))
     say(f"prompts: published={res.published} errors={res.errors} topic={topic}")
 
 
-def _training_prompts(recipe: Recipe) -> set[str]:
+def _media_options(image_field: str | None, audio_field: str | None):
+    from relax.producers.media import MediaOptions
+
+    return MediaOptions(fields=tuple((f, k) for f, k in ((image_field, "image"),
+                                                          (audio_field, "audio")) if f))
+
+
+def _training_keys(recipe: Recipe) -> set[tuple]:
+    """The training prompts' keys (``infra/evaluate.py::prompt_key``), to keep out of eval."""
     if recipe.data.source is None:
         return set()
-    from relax.producers.sources import read_source
+    from relax.infra.evaluate import source_keys
 
-    out = set()
-    for src in read_source(recipe.data.source, recipe.data.limit):
-        if src.record and isinstance(src.record.get(recipe.data.prompt_field), str):
-            out.add(src.record[recipe.data.prompt_field])
-    return out
+    d = recipe.data
+    return source_keys(d.source, prompt_field=d.prompt_field, label_field=d.label_field,
+                       media=_media_options(d.image_field, d.audio_field), limit=d.limit)
 
 
 def _evaluate(recipe: Recipe, model: str, rows: list[dict]):
@@ -207,7 +210,8 @@ def _eval_before(recipe: Recipe, summary: dict, say: Callable[[str], None]) -> l
 
     ev = recipe.eval
     rows = load_eval_rows(ev.source, ev.size, prompt_field=ev.prompt_field,
-                          label_field=ev.label_field, exclude_prompts=_training_prompts(recipe))
+                          label_field=ev.label_field, exclude=_training_keys(recipe),
+                          media=_media_options(ev.image_field, ev.audio_field))
     if ev.before:
         r = _evaluate(recipe, recipe.model, rows)
         summary["eval_before"] = _eval_summary(r)

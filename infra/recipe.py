@@ -77,14 +77,17 @@ class EvalConfig(StrictModel):
     """Greedy held-out accuracy before and after training.
 
     ``source`` is read like a data source; prompts that also appear in the training
-    data are removed, then the first ``size`` are used. Correct = the reward ``reward``
-    (default: the first counted reward not given by the environment) gives a value >
-    ``threshold``."""
+    data are removed (the same text and the same media), then the first ``size`` are used.
+    ``image_field`` / ``audio_field`` name media columns as in ``data``. Correct = the
+    reward ``reward`` (default: the first counted reward not given by the environment)
+    gives a value > ``threshold``."""
 
     source: str
     size: int = Field(200, ge=1)
     prompt_field: str = "question"
     label_field: str = "answer"
+    image_field: str | None = None
+    audio_field: str | None = None
     max_new_tokens: int = Field(16, ge=1)
     batch_size: int = Field(50, ge=1)
     reward: RewardSpec | None = None

@@ -79,8 +79,8 @@ def attach_cmd(reward: str = typer.Argument(..., help="reward name or module:fun
                from_version: Optional[int] = _FromVersionOpt,
                bootstrap: Optional[str] = _BootstrapOpt) -> None:
     """Start one more reward consumer on RUN: its values appear in <run>.rewards under its
-    name, and with --weight they count from the next policy_version on. Runs until
-    Ctrl-C / SIGTERM (or --exit-when-idle)."""
+    name, and with --weight they count two policy_versions on (the next may be sampled
+    already). Runs until Ctrl-C / SIGTERM (or --exit-when-idle)."""
     import signal
 
     from relax.consumers.reward.pool import RewardLoadError

@@ -243,7 +243,13 @@ def broker_lost_text(recipe: Recipe, run_dir: Path, bootstrap: str, seen: int,
 
 
 def save_tokenizer(model: str, folder: Path) -> None:
-    from relax.trainer.models import load_tokenizer
+    """Save ``model``'s tokenizer next to saved weights in ``folder``, and its processor
+    (feature extractor or image processor, chat template) for a multimodal model, so the
+    folder loads like the model did (an eval of a run's ``final_model`` needs both)."""
+    from relax.trainer.models import load_processor, load_tokenizer
 
     if not (folder / "tokenizer_config.json").exists():
         load_tokenizer(model).save_pretrained(folder)
+    processor = load_processor(model)
+    if processor is not None and not (folder / "processor_config.json").exists():
+        processor.save_pretrained(folder)

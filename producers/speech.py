@@ -1,8 +1,10 @@
 """Spoken arithmetic questions: the audio source of ``relax publish`` (issue 17).
 
-``speech_arith:?size=N&seed=S[&max=M&ops=+-]`` draws ``size`` questions ``a OP b`` with
-operands in ``0..max`` (default 9) and operators from ``ops`` (default ``+``, ``-``),
-speaks each with Debian's ``espeak-ng`` ("what is seven plus five"), resamples the
+``speech_arith:?size=N&seed=S[&max=M&ops=+-&voice=V]`` draws ``size`` questions ``a OP b``
+with operands in ``0..max`` (default 9) and operators from ``ops`` (default ``+``, ``-``),
+speaks each with Debian's ``espeak-ng`` ("what is seven plus five"; ``voice``: an espeak-ng
+voice such as ``en+f3``, default espeak-ng's own: the same questions in another voice are
+a held-out set of new clips), resamples the
 22,050 Hz speech to 16 kHz (``soxr``, what Whisper-family feature extractors take) and
 yields ``{"question": INSTRUCTION, "answer": "12", "audio": WAV bytes, "spoken": text}``:
 the numbers are only in the audio. No audio is downloaded; espeak-ng's output is the
@@ -30,8 +32,9 @@ class SpeechError(RuntimeError):
     """espeak-ng is missing or fails (the source cannot be read at all)."""
 
 
-def speak(text: str, rate: int = RATE) -> bytes:
-    """``text`` spoken by espeak-ng as a mono 16-bit PCM WAV at ``rate`` Hz.
+def speak(text: str, rate: int = RATE, voice: str | None = None) -> bytes:
+    """``text`` spoken by espeak-ng (``voice``: its ``-v`` option) as a mono 16-bit PCM
+    WAV at ``rate`` Hz.
 
     Raises:
         SpeechError: espeak-ng is not installed or fails.
@@ -44,7 +47,8 @@ def speak(text: str, rate: int = RATE) -> bytes:
         raise SpeechError("espeak-ng is not installed (Debian: apt-get install espeak-ng)")
     with tempfile.TemporaryDirectory() as d:
         out = Path(d) / "s.wav"
-        r = subprocess.run([exe, "-w", str(out), text], capture_output=True, text=True)
+        cmd = [exe, "-w", str(out)] + (["-v", voice] if voice else []) + [text]
+        r = subprocess.run(cmd, capture_output=True, text=True)
         if r.returncode != 0:
             raise SpeechError(f"espeak-ng failed on {text!r}: {r.stderr.strip()[:200]}")
         with wave.open(str(out)) as w:
@@ -81,7 +85,7 @@ def questions(size: int, seed: int, max_operand: int = 9, ops: str = "+-"
 
 def speech_records(query: dict[str, str]) -> Iterator[dict]:
     """The records of ``speech_arith:?QUERY`` (``size`` default 100, ``seed`` 0, ``max``
-    9, ``ops`` ``+-``).
+    9, ``ops`` ``+-``, ``voice`` espeak-ng's default).
 
     Raises:
         SpeechError: espeak-ng is missing or fails.
@@ -89,8 +93,9 @@ def speech_records(query: dict[str, str]) -> Iterator[dict]:
     """
     pairs = questions(int(query.get("size", 100)), int(query.get("seed", 0)),
                       int(query.get("max", 9)), query.get("ops", "+-"))
+    voice = query.get("voice")
     for spoken, answer in pairs:
-        yield {"question": INSTRUCTION, "answer": answer, "audio": speak(spoken),
+        yield {"question": INSTRUCTION, "answer": answer, "audio": speak(spoken, voice=voice),
                "spoken": spoken}
 
 

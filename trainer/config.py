@@ -83,6 +83,10 @@ class TrainerConfig(BaseModel):
             from each host's environment; :mod:`relax.streams.weights.store`). None =
             ``<run_dir>/weights``, which only engines on the trainer's host can read: a
             run across hosts sets a store every host reaches.
+        freeze: ``fnmatch`` patterns of parameter names (``model.named_parameters()``,
+            e.g. ``model.audio_tower.*``) that are not trained: no gradient, no optimizer
+            state; they are still published. What VLM/audio RL recipes use to keep a
+            pretrained encoder (or the whole text model) fixed. Torch back end only.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -108,6 +112,7 @@ class TrainerConfig(BaseModel):
     publish_bucket_bytes: int = Field(512 << 20, ge=1 << 10)
     weights_snapshot_every: int = Field(10, ge=1)
     weights_store: str | None = None
+    freeze: tuple[str, ...] = ()
 
     @model_validator(mode="after")
     def _check(self):
@@ -117,6 +122,9 @@ class TrainerConfig(BaseModel):
             raise ValueError(f"batch_advantage {self.batch_advantage!r}: expected one of "
                              f"{', '.join(BATCH_ESTIMATORS)} (the other estimators are "
                              f"per group and run in the aggregator)")
+        if self.freeze and self.backend != "torch":
+            raise ValueError(f"trainer.freeze: the {self.backend} back end trains every "
+                             "parameter; freeze needs backend 'torch'")
         if self.loss.is_mode is not None and self.old_logprobs == "rollout":
             raise ValueError("loss.is_mode corrects between trainer and rollout log-probs: it "
                              "needs old_logprobs 'recompute' (with 'rollout' the weight is 1)")

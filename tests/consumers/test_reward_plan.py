@@ -132,3 +132,20 @@ def test_announce_and_follow_on_the_broker(bus, unique):
         again.close()
     finally:
         follower.close()
+
+
+def test_follower_read_to_the_end_returns_every_acknowledged_change(bus, unique):
+    """What the aggregator does before it decides a group of a newer policy_version: a
+    change acknowledged a moment ago is returned by ``poll(to_end=True)`` even when the
+    client has not fetched it yet (a plain ``poll()`` may miss it: a CI run counted a
+    detached reward for one group so)."""
+    run = unique
+    follower = ChangeFollower(bus, run)
+    try:
+        assert follower.poll() == []
+        for i in range(5):
+            a = announce(bus, run, "attach" if i % 2 == 0 else "detach", "len", 0.5)
+            assert follower.poll(to_end=True) == [a]
+        assert follower.poll(timeout_s=0.5) == []  # nothing returned twice
+    finally:
+        follower.close()

@@ -101,6 +101,28 @@ def test_train_step_changes_weights_and_reports(tmp_path):
     assert b2.steps_done == 1
 
 
+def test_frozen_parameters_stay_and_the_rest_train():
+    """``trainer.freeze``: the matched parameters keep their weights and get no optimizer
+    state; the others move. A pattern that matches nothing, or freezes all, is refused."""
+    cfg = TrainerConfig(optim={"lr": 1e-3}, freeze=("model.layers.0.*", "model.embed_tokens.*"))
+    b = TorchBackend(cfg)
+    before = {k: v.clone() for k, v in b.named_tensors().items()}
+    groups = [g for _, g in group_by_key(train_sample_table(2, seed=4), "group_id")]
+    b.train_step(micro_batches(groups, 512))
+    frozen = {k for k in before if k.startswith(("model.layers.0.", "model.embed_tokens."))}
+    moved = {k for k, v in b.named_tensors().items() if not torch.equal(v, before[k])}
+    assert frozen and not moved & frozen
+    assert {k for k in before if k.startswith("model.layers.1.")} <= moved
+    held = {id(p) for p in b.optimizer.state}
+    assert all(id(p) not in held for n, p in b.model.named_parameters() if n in frozen)
+    with pytest.raises(ValueError, match="matches no parameter"):
+        TorchBackend(TrainerConfig(freeze=("model.vision_tower.*",)))
+    with pytest.raises(ValueError, match="freezes every parameter"):
+        TorchBackend(TrainerConfig(freeze=("*",)))
+    with pytest.raises(ValueError, match="freeze needs backend 'torch'"):
+        TrainerConfig(backend="megatron", freeze=("model.*",))
+
+
 def test_skipping_zero_advantage_rows_gives_the_same_step(tiny):
     """Rows whose advantages are all 0 are left out of forward/backward; with the whole
     batch's counts the updated weights are the same as computing every row."""

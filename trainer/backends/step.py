@@ -73,6 +73,30 @@ def to_device(mb: MicroBatch, device: torch.device) -> MicroBatch:
     return MicroBatch(**{k: move(v) for k, v in mb.__dict__.items()})
 
 
+def freeze(model: torch.nn.Module, patterns: tuple[str, ...]) -> int:
+    """Turn off ``requires_grad`` of the parameters whose names match one of the
+    ``fnmatch`` ``patterns``. Returns how many parameters (elements) stay trainable.
+
+    Raises:
+        ValueError: a pattern matches no parameter (a typo would silently train all), or
+            nothing is left to train.
+    """
+    from fnmatch import fnmatchcase
+
+    named = list(model.named_parameters())
+    for pat in patterns:
+        if not any(fnmatchcase(n, pat) for n, _ in named):
+            raise ValueError(f"trainer.freeze pattern {pat!r} matches no parameter; names "
+                             f"look like {', '.join(n for n, _ in named[:3])}")
+    for n, p in named:
+        if any(fnmatchcase(n, pat) for pat in patterns):
+            p.requires_grad_(False)
+    left = sum(p.numel() for _, p in named if p.requires_grad)
+    if not left:
+        raise ValueError(f"trainer.freeze {list(patterns)} freezes every parameter")
+    return left
+
+
 def fill_missing_grads(params) -> None:
     """Give every trainable parameter without a gradient a zero one, so the optimizer
     steps it (weight decay, Adam moments) exactly as if the rows it did not see had

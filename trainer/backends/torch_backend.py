@@ -32,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import logging
 import math
 import time
 from pathlib import Path
@@ -43,6 +44,7 @@ from relax.trainer.backends import fsdp
 from relax.trainer.backends.step import (
     add_metrics,
     fill_missing_grads,
+    freeze,
     micro_batch_loss,
     set_learning_rate,
     to_device,
@@ -53,6 +55,8 @@ from relax.trainer.config import TrainerConfig
 from relax.trainer.logprobs import token_logprobs
 from relax.trainer.losses.aggregate import mask_counts
 from relax.trainer.losses.entropy import token_entropy
+
+log = logging.getLogger(__name__)
 
 
 def response_logits(model, mb: MicroBatch) -> torch.Tensor:
@@ -144,6 +148,9 @@ class TorchBackend:
         torch.manual_seed(cfg.seed)
         self.model = (model if model is not None else load_model(cfg.model)).to(self.device)
         self.model.train()
+        if cfg.freeze:
+            left = freeze(self.model, cfg.freeze)
+            log.info("trainer.freeze %s: %d parameters left to train", list(cfg.freeze), left)
         self.processor = load_processor(cfg.model)
         if getattr(self.model.config, "final_logit_softcapping", None):
             raise ValueError(f"{cfg.model}: final logit soft-capping is not supported by "
@@ -161,8 +168,9 @@ class TorchBackend:
             # buffers (rotary inv_freq) are deterministic: no broadcast at every forward
             self.module = DistributedDataParallel(self.module, broadcast_buffers=False)
         o = cfg.optim
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=o.lr, betas=o.betas,
-                                           eps=o.eps, weight_decay=o.weight_decay)
+        self.optimizer = torch.optim.AdamW([p for p in self.model.parameters() if p.requires_grad],
+                                           lr=o.lr, betas=o.betas, eps=o.eps,
+                                           weight_decay=o.weight_decay)
         self.steps_done = 0
         # FSDP2: rank 0's unsharded weights (and optimizer state when gathered), refreshed
         # by collectives every rank takes part in
