@@ -51,19 +51,13 @@ WHISPER_SEED = 4321
 embedding rows."""
 
 
-def whisper_smollm2_config(text_config: dict, vocab_size: int, audio_token_id: int):
-    """``Qwen2AudioConfig`` of ``whisper-smollm2``: Whisper-base's encoder dimensions over
-    clips of :data:`CLIP_SECONDS` s, SmolLM2-135M's text model (``text_config``: its
-    ``config.json``) with ``vocab_size`` rows and its own lm_head.
-
-    Raises:
-        FileNotFoundError: the Whisper-base wheels are not installed.
-    """
+def whisper_smollm2_config(text_config: dict, dims: dict, vocab_size: int, audio_token_id: int):
+    """``Qwen2AudioConfig`` of ``whisper-smollm2``: Whisper-base's encoder dimensions
+    (``dims``, :func:`relax.trainer.ct2_whisper.whisper_base_encoder`) over clips of
+    :data:`CLIP_SECONDS` s, SmolLM2-135M's text model (``text_config``: its
+    ``config.json``) with ``vocab_size`` rows and its own lm_head."""
     from transformers import Qwen2AudioConfig
 
-    from relax.trainer.ct2_whisper import whisper_base_encoder
-
-    dims, _ = whisper_base_encoder(_positions())
     text = {**text_config, "vocab_size": vocab_size, "tie_word_embeddings": False}
     audio = dict(model_type="qwen2_audio_encoder", max_source_positions=_positions(), **dims)
     return Qwen2AudioConfig(audio_config=audio, text_config=text, audio_token_id=audio_token_id)
@@ -144,12 +138,12 @@ def whisper_smollm2_dir() -> Path:
         text_dir = smollm2_dir()
         tok = _audio_processor(tmp)
         text_config = json.loads((text_dir / "config.json").read_text())
-        config = whisper_smollm2_config(text_config, len(tok),
+        dims, audio = whisper_base_encoder(_positions())
+        config = whisper_smollm2_config(text_config, dims, len(tok),
                                         tok.convert_tokens_to_ids("<|AUDIO|>"))
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(WHISPER_SEED)
             model = Qwen2AudioForConditionalGeneration(config).float()
-        _, audio = whisper_base_encoder(_positions())
         model.model.audio_tower.load_state_dict(audio, strict=True)
         text = load_file(text_dir / "model.safetensors")
         embed = text.pop("model.embed_tokens.weight")

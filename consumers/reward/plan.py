@@ -5,9 +5,10 @@ A run starts with the recipe's counted rewards (``advantage.rewards``: name -> w
 ``relax reward attach NAME --weight W`` and ``relax reward detach NAME`` announce a
 :class:`RewardChange` on ``<run>.reward_changes`` that counts from a policy_version on:
 two past the latest announced when it was written (the next one may be announced, and
-sampled, while the change is being written), and the aggregator reads the topic to its
-end before it decides a group of a newer version than it last read it for. A group counts the rewards of the plan at its **group
-policy_version**, the smallest ``policy_version_start`` of its rollouts:
+sampled, while the change is being written); the aggregator reads the topic to its end
+before it decides a group of a newer version than it last read it for. A group counts
+the rewards of the plan at its **group policy_version**, the smallest
+``policy_version_start`` of its rollouts:
 
 * a group sampled (even partly) before the announcement has a smaller version and keeps
   the rewards it started with: it is never left waiting for a reward that will not
