@@ -27,11 +27,17 @@ class TrainerState:
         policy_version: optimizer steps applied.
         offsets: ``{topic: {partition: next offset to read}}`` of the trainer's input.
         counters: free-form cumulative counters (groups consumed, samples, seconds).
+        metrics: the trainer's metric row of the step that reached ``policy_version``
+            as it stood when the checkpoint was saved (its timings up to then): a
+            trainer that resumes from the checkpoint writes it again, since a crash
+            between the checkpoint and that row's flush would lose the step's metrics
+            (a CI chaos run counted 7 of 8 steps so).
     """
 
     policy_version: int
     offsets: dict[str, dict[str, int]] = field(default_factory=dict)
     counters: dict[str, float] = field(default_factory=dict)
+    metrics: dict[str, float] = field(default_factory=dict)
 
 
 def checkpoints_dir(run_dir: Path) -> Path:

@@ -162,6 +162,9 @@ class TrainerStage:
         self.counters = Counter(state.counters)
         self.producer = BatchProducer(bus, producer_id=f"{cfg.run}-trainer")
         self.metrics = MetricsWriter(self.producer, cfg.run, "trainer")
+        if state.metrics:  # the resumed step's row, in case it never reached the bus
+            self.metrics.add_many(state.metrics, state.policy_version)
+            self.metrics.flush()
         # progress (the rollout stage's credit, on <run>.progress; a copy on the metrics
         # for people) is written from the input thread too: its own producer and
         # writer, under a lock, flushed at once
@@ -217,13 +220,22 @@ class TrainerStage:
         t = self.cfg.trainer
         return bool(t.checkpoint_every and version % t.checkpoint_every == 0) or version == t.steps
 
-    def _save(self) -> None:
+    def _save(self, metrics: dict[str, float]) -> None:
         with self.source.locked(), self._progress_lock:  # the input thread writes the ledger
             state = checkpoint.TrainerState(self.version, self.source.positions(),
-                                            dict(self.counters))
+                                            dict(self.counters), dict(metrics))
             checkpoint.save(self.run_dir, self.backend, state, self.ledger,
                             keep=self.cfg.trainer.keep_checkpoints)
             self.source.commit()
+
+    def _timed(self, out: dict[str, float], batch, t0: float) -> dict[str, float]:
+        """``out`` with the step's timings so far (seconds since ``t0``)."""
+        out[M.STEP_S] = time.perf_counter() - t0
+        if self.threads is not None:
+            out[M.THREADS_HIGH_S] = self.threads.seconds_at(self.threads.high)
+        out[M.SAMPLES_PER_S] = batch.rows / out[M.STEP_S]
+        out[M.BUSY_FRAC] = max(0.0, 1.0 - batch.wait_s / out[M.STEP_S])
+        return out
 
     def step(self, should_stop: Callable[[], bool]) -> dict[str, float] | None:
         """One optimizer step; None when stopped while waiting for data."""
@@ -257,16 +269,11 @@ class TrainerStage:
         with self._progress_lock:
             self.counters["groups_consumed"] += len(batch.groups)
         if save:
-            self._save()
+            self._save(self._timed(out, batch, t0))
         tp = time.perf_counter()
         self.publisher.publish(self.backend.named_tensors(), self.version)
         out[M.PUBLISH_S] = time.perf_counter() - tp
-        out[M.STEP_S] = time.perf_counter() - t0
-        if self.threads is not None:
-            out[M.THREADS_HIGH_S] = self.threads.seconds_at(self.threads.high)
-        out[M.SAMPLES_PER_S] = batch.rows / out[M.STEP_S]
-        out[M.BUSY_FRAC] = max(0.0, 1.0 - batch.wait_s / out[M.STEP_S])
-        self.metrics.add_many(out, self.version)
+        self.metrics.add_many(self._timed(out, batch, t0), self.version)
         self.metrics.flush()
         self._progress()
         self.producer.flush()

@@ -111,6 +111,7 @@ class ChangeFollower:
         self.cfg = cfg
         self.topic = changes_topic(cfg, run)
         self._reader = TopicReader(cfg, "reward-changes")
+        self._ends = TopicReader(cfg, "reward-changes-end")  # idle: no fetch ahead of it
         self._next = None  # next offset to read; None = not caught up yet
         self._pending: list[RewardChange] = []  # read, not yet returned
 
@@ -119,14 +120,16 @@ class ChangeFollower:
 
         Args:
             timeout_s: the longest wait for a first new record (seconds).
-            to_end: also read up to the partition's high watermark as of this call (one
-                fetch-based lookup, ~0.1 s on loopback): every change acknowledged
-                before the call is returned, not only those the client has fetched.
+            to_end: also read up to the partition's end as of this call (one ListOffsets
+                on the open connection, :meth:`TopicReader.log_end`): every change
+                acknowledged before the call is returned, not only those the client has
+                fetched.
 
         Raises:
-            TimeoutError: ``to_end`` and no record came for 30 s before that end, or
-                the end could not be looked up (:func:`relax.streams.lag.high_watermarks`);
-                what was read stays for the next call.
+            TimeoutError: no record came for 30 s before that end, or the first call's
+                end could not be looked up (:func:`relax.streams.lag.high_watermarks`).
+            kafka.errors.KafkaError: ``to_end`` and the broker did not answer.
+            What was read stays for the next call either way.
         """
         if self._next is None:
             end = self._end()
@@ -137,7 +140,7 @@ class ChangeFollower:
             self._reader.follow(self.topic, 1)
         self._take(self._reader.poll(timeout_s))
         if to_end:
-            end = self._end()
+            end = self._ends.log_end(self.topic)
             deadline = time.monotonic() + 30.0
             while self._next < end:
                 if time.monotonic() > deadline:
@@ -158,5 +161,6 @@ class ChangeFollower:
                 self._next = m.offset + 1
 
     def close(self) -> None:
-        """Close the Kafka client."""
+        """Close the Kafka clients."""
         self._reader.close()
+        self._ends.close()

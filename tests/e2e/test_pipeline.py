@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 from testdata import PARITY_REWARD, RECIPES, tiny_recipe
 
+from relax.schemas import metric_names as M
 from relax.trainer import checkpoint
 from relax.trainer.ledger import Ledger
 
@@ -116,8 +117,18 @@ def test_trainer_killed_after_step_2_resumes_at_step_3(broker, tmp_path):
     assert s["steps"] == 3 and s["balanced"], json.dumps(s, default=str)
     log = (Path(s["run_dir"]) / "logs" / "trainer.log").read_text()
     assert "resumed from" in log and "policy_version 2" in log
-    assert checkpoint.latest(Path(s["run_dir"])).name == "step_000003"
+    last = checkpoint.latest(Path(s["run_dir"]))
+    assert last.name == "step_000003"
     assert len(_ledger(s["run_dir"]).ids("trained")) == s["trained"]
+    # the checkpoint holds its step's metric row, and the resumed trainer wrote step 2's
+    # again (a kill between a checkpoint and that row's flush would lose it otherwise)
+    state = json.loads((last / "trainer_state.json").read_text())
+    assert state["metrics"][M.STEP_S] > 0 and M.SAMPLES_PER_S in state["metrics"]
+    rows = [json.loads(ln) for ln in
+            (Path(s["run_dir"]) / "metrics.jsonl").read_text().splitlines()]
+    step2 = [r for r in rows if r["component"] == "trainer" and r["name"] == M.STEP_S
+             and r["policy_version"] == 2]
+    assert len(step2) == 2, step2
 
 
 @pytest.mark.kafka
