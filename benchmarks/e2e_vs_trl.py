@@ -55,6 +55,7 @@ SYSTEMS = {
     "sync1t": "relax sync, 1 thread/stage",
     "async1": "relax async s=1",
     "async2": "relax async s=2",
+    "async1fixed": "relax async s=1, no elastic threads",
 }
 
 
@@ -215,8 +216,10 @@ def run_loop(w: dict, threads: int) -> dict:
     return {"steps": per_step, "train_s": per_step[-1]["t"]}
 
 
-def run_relax(w: dict, mode: str, staleness: int, threads: int, run_root: str) -> dict:
-    """``relax train`` on the demo recipe (every stage its own process, local broker)."""
+def run_relax(w: dict, mode: str, staleness: int, threads: int, run_root: str,
+              elastic: bool = True) -> dict:
+    """``relax train`` on the demo recipe (every stage its own process, local broker);
+    ``elastic=False`` keeps the trainer at its fixed threads (no ``max_torch_threads``)."""
     import yaml
 
     from relax.infra.launch import train
@@ -232,7 +235,7 @@ def run_relax(w: dict, mode: str, staleness: int, threads: int, run_root: str) -
     tree["trainer"]["loss"].update(clip_eps_low=w["clip_eps"], clip_eps_high=w["clip_eps"])
     for stage in ("rollout", "trainer"):
         tree["resources"][stage]["torch_threads"] = threads
-    if mode == "sync":  # the stages take turns: each has both cores at its fixed threads
+    if mode == "sync" or not elastic:  # sync: the stages take turns, each has both cores
         tree["resources"]["trainer"].pop("max_torch_threads", None)
     recipe = load_recipe(None, [], tree=tree)
     summary = train(recipe, say=lambda s: print(s, flush=True))
@@ -275,9 +278,10 @@ def one(system: str, w: dict, threads: int, out: Path) -> None:
     elif system.startswith("loop"):
         res = run_loop(w, threads)
     else:
-        mode, s = ("sync", 0) if system.startswith("sync") else ("async", int(system[-1]))
+        name = system.removesuffix("fixed")
+        mode, s = ("sync", 0) if name.startswith("sync") else ("async", int(name[-1]))
         with tempfile.TemporaryDirectory(prefix="relax-bench-") as d:
-            res = run_relax(w, mode, s, threads, d)
+            res = run_relax(w, mode, s, threads, d, elastic=not system.endswith("fixed"))
             png = Path(res.pop("run_dir")) / "timeline.png"  # the stages' CPU use
             if png.exists():
                 shutil.copy(png, out.parent / f"{out.stem.replace('raw_', 'timeline_')}.png")
@@ -286,11 +290,14 @@ def one(system: str, w: dict, threads: int, out: Path) -> None:
 
 
 # ------------------------------------------------------------------ the comparison
-THREADS = {"trl": 2, "loop": 2, "loop1t": 1, "sync": 2, "sync1t": 1, "async1": 1, "async2": 1}
+THREADS = {"trl": 2, "loop": 2, "loop1t": 1, "sync": 2, "sync1t": 1, "async1": 1, "async2": 1,
+           "async1fixed": 1}
 """torch threads per process. A single process, and relax sync whose stages take turns,
 use both cores; the overlapped relax async stages get one each (two would fight).
 ``sync1t``: relax sync with async's per-stage threads (the same resources section);
-``loop1t``: the plain loop at one thread (for :func:`derived_limit`)."""
+``loop1t``: the plain loop at one thread (for :func:`derived_limit`);
+``async1fixed``: relax async s=1 without the trainer's elastic second thread
+(:mod:`relax.trainer.cores`), to measure what it earns."""
 
 
 def summarise(raw: dict) -> dict:

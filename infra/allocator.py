@@ -16,7 +16,8 @@ the heap's top back to the kernel (``MALLOC_TRIM_THRESHOLD_`` 64 GiB): after the
 steps a process reuses its memory with no page faults (the trainer stage: 0-17 faults and
 0.4 s of kernel time a step). The price: a process's RSS stays at its peak plus the
 heap's fragmentation (``tests/infra/test_allocator.py``: a 237 MB working set settles
-after 2-4 rounds, 240-440 MB above the default's RSS). glibc reads these when a process starts,
+after 2-4 rounds, 240-440 MB above the default's RSS; the fragmentation now and then
+grows the heap by one buffer again in a later round). glibc reads these when a process starts,
 so :func:`retain_freed_memory` sets them in the environment a local Ray cluster and its
 workers inherit when it starts; a value already set wins (``MALLOC_ARENA_MAX=8`` restores several
 arenas, say). On a cluster started with ``ray start``, set them where the nodes start.

@@ -30,11 +30,12 @@ def _changes(bus: BusConfig, run: str) -> list[dict]:
 
 def test_reward_attached_then_detached_counts_only_for_groups_sampled_in_between(broker, tmp_path):
     """``bonus`` (1.0 on every response, weight 0.5) is attached after step 1 and detached
-    two steps after the attach counts, in a 16-step run (the trainer goes on while each
+    two steps after the attach counts, in a 30-step run (the trainer goes on while each
     command starts, and a tiny step can take under a second: with a detach at a fixed
     step, one CI run had the attach count from v9 and the detach from v10, and no group
     was sampled in between; with 8 steps, a detach at v8 left no aggregator turn to
-    record it). Every group counts it iff its group policy_version (the
+    record it; with 16, a CI run had the attach count from v9 and the detach from v17,
+    after the last step). Every group counts it iff its group policy_version (the
     least policy_version_start of its rollouts) is in [attach version, detach version):
     then its final reward is exactly parity + 0.5, otherwise parity alone; no group waits
     for it and times out; the metrics give its weight at both versions and the ledger
@@ -42,7 +43,7 @@ def test_reward_attached_then_detached_counts_only_for_groups_sampled_in_between
     from relax.infra.launch import train
 
     run = "live" + uuid.uuid4().hex[:6]
-    recipe = tiny_recipe(broker, tmp_path, run, "trainer.steps=16")
+    recipe = tiny_recipe(broker, tmp_path, run, "trainer.steps=30")
     bus = BusConfig(bootstrap_servers=broker)
     attach_log = tmp_path / "attach.log"
     attached: list[subprocess.Popen] = []
@@ -70,7 +71,7 @@ def test_reward_attached_then_detached_counts_only_for_groups_sampled_in_between
             p.wait(60)
     out = attach_log.read_text()
     assert detached and detached[0].returncode == 0, detached and detached[0].stderr
-    assert s["steps"] == 16 and s["balanced"], (s, lines, out)
+    assert s["steps"] == 30 and s["balanced"], (s, lines, out)
 
     changes = _changes(bus, run)
     assert [(c["action"], c["reward_name"], c["weight"]) for c in changes] == \

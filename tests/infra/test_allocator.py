@@ -14,13 +14,13 @@ PROBE = r"""
 import resource, threading, torch
 out = []
 def work():
-    for i in range(12):  # a step's buffers (3-100 MB, alive together, then freed), 12 times
+    for i in range(24):  # a step's buffers (3-100 MB, alive together, then freed), 24 times
         before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         bufs = [torch.ones(n << 18) for n in (8, 40, 100, 3, 70, 16)]
         del bufs
         out.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
 t = threading.Thread(target=work); t.start(); t.join()
-print(sum(out[-4:]))
+print(" ".join(map(str, out[4:])))
 """
 
 
@@ -31,17 +31,21 @@ def test_values_already_set_win_and_only_the_block_sees_the_rest():
     assert env == {"MALLOC_ARENA_MAX": "8", "PATH": "/bin"}
 
 
-def _faults(extra: dict[str, str]) -> int:
+def _faults(extra: dict[str, str]) -> list[int]:
     env = {k: v for k, v in os.environ.items() if k not in RETAIN}
     r = subprocess.run([sys.executable, "-c", PROBE], env={**env, **extra},
                        capture_output=True, text=True, timeout=120, check=True)
-    return int(r.stdout.strip())
+    return [int(x) for x in r.stdout.split()]
 
 
 def test_a_worker_thread_reuses_its_large_buffers_without_page_faults():
-    """glibc's defaults: every round faults the 40-100 MB buffers in again (~54k faults a
-    round); with ``RETAIN`` the heap grows for the first 2-4 rounds (fragmentation: RSS
-    ends ~240-440 MB above the default's) and then serves every round with no fault."""
+    """Rounds 5-24. glibc's defaults: every round faults the 40-100 MB buffers in again
+    (~54k faults a round); with ``RETAIN`` the heap grows for the first 2-4 rounds
+    (fragmentation: RSS ends ~240-440 MB above the default's) and then serves most rounds
+    with no fault. Now and then the fragmentation makes it grow by one buffer again (seen
+    here: 3 rounds of 18k-26k faults at rounds 12-14 in one run of six, and a CI run with
+    18k in rounds 9-12 of 12), so the bound is on the sum, not on every round."""
     default, retained = _faults({}), _faults(RETAIN)
-    assert default > 4 * 40_000, default
-    assert retained < 1_000, retained
+    assert min(default) > 40_000, default
+    assert sum(retained) < sum(default) / 10, (retained, default)
+    assert sum(f == 0 for f in retained) >= len(retained) * 3 // 4, retained
