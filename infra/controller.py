@@ -186,15 +186,24 @@ class Controller:
             self.stages[r.spec.name] = r
         self._write_state()
 
-    def local_pids(self) -> dict[str, int]:
-        """name -> pid of the stages running on this host (the driver's Ray node): the
-        processes a :class:`~relax.infra.cpu_timeline.CpuTimeline` here can read."""
+    def host(self) -> str:
+        """This host's (the driver's) Ray node address."""
         import ray
 
         if self._here is None:
             self._here = ray.util.get_node_ip_address()
+        return self._here
+
+    def nodes(self) -> dict[str, str | None]:
+        """name -> the Ray node address each stage runs on."""
+        return {n: r.node for n, r in list(self.stages.items())}
+
+    def local_pids(self) -> dict[str, int]:
+        """name -> pid of the stages running on this host (the driver's Ray node): the
+        processes a :class:`~relax.infra.cpu_timeline.CpuTimeline` here can read."""
+        here = self.host()
         return {n: r.pid for n, r in list(self.stages.items())
-                if r.node == self._here and not r.finished}
+                if r.node == here and not r.finished}
 
     def _write_state(self) -> None:
         state = {n: {"pid": r.pid, "node": r.node, "restarts": r.restarts,

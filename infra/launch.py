@@ -38,7 +38,7 @@ from relax.infra.run_watch import (
     save_tokenizer,
     step_line,
 )
-from relax.infra.stages import run_bus, stage_specs
+from relax.infra.stages import disk_warnings, run_bus, stage_specs
 from relax.schemas import metric_names as M
 from relax.schemas import topics
 from relax.streams.client import BusConfig, ensure_topics
@@ -149,6 +149,8 @@ def train(recipe: Recipe, *, say: Callable[[str], None] = print,
         summary["train_started_at"] = t_train = time.time()  # step times are relative to it
         controller.start()
         say(f"stages: {', '.join(controller.stages)} (pids in {run_dir / 'stages.json'})")
+        for warning in disk_warnings(recipe, bus, controller.nodes(), controller.host()):
+            say(f"warning: {warning}")
         timeline = CpuTimeline(run_dir / "cpu_timeline.jsonl",
                                lambda: {**broker, **controller.local_pids()}).start()
         stack.callback(timeline.close)
@@ -238,6 +240,7 @@ def _finish(recipe: Recipe, bus: BusConfig, run_dir: Path, follower: MetricsFoll
     and timeline.png (the stages' CPU use, :mod:`relax.infra.cpu_timeline`)."""
     from relax.infra.cpu_timeline import plot_timeline, read_timeline
     from relax.infra.report import accounting, plot_curves, ts_ms, write_metrics_jsonl
+    from relax.trainer import checkpoint
 
     follower.poll(1.0)
     summary.update(_accounting(bus, recipe, run_dir, accounting))
@@ -248,7 +251,10 @@ def _finish(recipe: Recipe, bus: BusConfig, run_dir: Path, follower: MetricsFoll
         summary["samples_per_s"] = round(total_rows / max(summary["train_s"], 1e-9), 3)
         waits = [s.get(M.DATA_WAIT_S, 0) / max(s.get(M.STEP_S, 1e-9), 1e-9) for s in steps]
         summary["trainer_wait_pct"] = round(100 * sum(waits) / len(waits), 1)
-    final = run_dir / "final_model"
+    final = run_dir / checkpoint.FINAL_MODEL
+    store = recipe.trainer.checkpoint_store
+    if eval_rows is not None and recipe.eval.after and store is not None and not final.exists():
+        checkpoint.download(store, checkpoint.FINAL_MODEL, final)  # the trainer's host's
     if eval_rows is not None and recipe.eval.after and final.exists():
         save_tokenizer(recipe.model, final)
         r = _evaluate(recipe, str(final), eval_rows)
@@ -269,7 +275,8 @@ def _accounting(bus: BusConfig, recipe: Recipe, run_dir: Path, accounting) -> di
 
     sampled = set(read_table(bus, topics.run_topic(recipe.run, topics.ROLLOUTS))
                   .column("rollout_id").to_pylist())
-    ckpt = checkpoint.latest(run_dir)
+    ckpt = checkpoint.latest(run_dir, recipe.trainer.checkpoint_store,
+                             files=("ledger.parquet", checkpoint.STATE_FILE))
     if ckpt is None:
         return accounting(sampled, {}, set())
     from relax.trainer.ledger import Ledger

@@ -226,7 +226,7 @@ def broker_lost_text(recipe: Recipe, run_dir: Path, bootstrap: str, seen: int,
     from relax.trainer import checkpoint
 
     now_txt = "is gone" if now is None else f"holds {now} records"
-    ckpt = checkpoint.latest(run_dir)
+    ckpt = checkpoint.latest(run_dir, recipe.trainer.checkpoint_store)
     if ckpt is not None:
         save_tokenizer(recipe.model, ckpt)
         kept = (f"Kept: the trainer's checkpoint {ckpt} (policy_version "

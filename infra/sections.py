@@ -52,7 +52,7 @@ TEACHER_WIRING = frozenset({"bus", "run", "role", "member_id", "follow_every",
 AGGREGATE_WIRING = frozenset({"run", "partitions", "advantage"})
 TRAINER_WIRING = frozenset({"run", "run_dir", "trainer", "busy_dir", "max_threads",
                             "processes", "rank_hosts", "rank_num_cpus", "telemetry"})
-BUS_WIRING = frozenset({"bootstrap_servers", "max_message_bytes", "blob_store"})
+BUS_WIRING = frozenset({"bootstrap_servers", "max_message_bytes"})
 """Per stage, the fields of its config the launcher fills (from the recipe's top level,
 ``data``, ``advantage``, ``resources`` and the process's place in the run); every other
 field is a key of the stage's recipe section (``tests/infra/test_recipe.py`` checks it)."""
@@ -101,8 +101,13 @@ BusSection = section_of(
     BusConfig, "BusSection", BUS_WIRING,
     "Client and topic settings of the run's bus (``BusConfig``): replication factor, "
     "min.insync.replicas, retention, compression, consumer-group timeouts. The cluster "
-    "and the message size are the top-level ``bootstrap_servers`` / ``max_message_bytes``; "
-    "the blob store is ``<run folder>/blobs``.")
+    "and the message size are the top-level ``bootstrap_servers`` / ``max_message_bytes``.",
+    StrictModel,
+    blob_store=(str | None, Field(
+        None, description="where values over max_message_bytes (images, audio) go: a "
+        "folder or a pyarrow.fs URI (s3://bucket/prefix?endpoint_override=host:port). "
+        "None = <run folder>/blobs, which only stages on the driver's host can read: "
+        "a run across hosts needs a store every host reaches")))
 
 TRAINER_STAGE_KEYS = frozenset(TrainerSection.model_fields) - frozenset(TrainerConfig.model_fields)
 

@@ -22,6 +22,7 @@ from pydantic import BaseModel, ValidationError
 from relax.infra.recipe import ENVIRONMENT_REWARD, Recipe, RecipeError, Resources
 from relax.infra.sections import TRAINER_STAGE_KEYS
 from relax.streams.client import BusConfig
+from relax.streams.fsuri import is_local
 
 
 @dataclass(frozen=True)
@@ -116,11 +117,42 @@ def stage_specs(recipe: Recipe, bus: BusConfig, run_dir: Path) -> list[StageSpec
 
 def run_bus(recipe: Recipe, bootstrap: str, run_dir: Path) -> BusConfig:
     """The run's :class:`BusConfig`: ``bootstrap`` (the recipe's cluster or the local
-    broker), the recipe's ``max_message_bytes`` and ``bus`` section, the blob store in
-    ``<run_dir>/blobs``."""
+    broker), the recipe's ``max_message_bytes`` and ``bus`` section, the blob store
+    ``bus.blob_store`` (None: ``<run_dir>/blobs``)."""
     return BusConfig(**_checked("section bus", BusConfig, dict(
         recipe.bus.model_dump(), bootstrap_servers=bootstrap,
-        max_message_bytes=recipe.max_message_bytes, blob_store=str(run_dir / "blobs"))))
+        max_message_bytes=recipe.max_message_bytes,
+        blob_store=recipe.bus.blob_store or str(run_dir / "blobs"))))
+
+
+def disk_warnings(recipe: Recipe, bus: BusConfig, nodes: dict[str, str | None],
+                  here: str) -> list[str]:
+    """What a run whose stages sit on several hosts (``nodes``: stage -> host address;
+    ``here``: the driver's) would lose to a folder only one host has, one line per
+    recipe key to set; [] on one host or when every such key names a remote store. A
+    folder every host mounts (NFS) is fine too: the lines then say what it must be."""
+    hosts = sorted({h for h in nodes.values() if h})
+    trainer = nodes.get("trainer")
+    t = recipe.trainer
+    out = []
+    if len(hosts) > 1 and bus.blob_store and is_local(bus.blob_store):
+        out.append(f"bus.blob_store: stages run on {len(hosts)} hosts ({', '.join(hosts)}) "
+                   f"but values over max_message_bytes (images, audio) go to "
+                   f"{bus.blob_store}, a folder only its own host reads unless every host "
+                   f"mounts it; set a store "
+                   f"every host reaches (s3://bucket/prefix?endpoint_override=host:port)")
+    if trainer and len(hosts) > 1 and (t.weights_store is None or is_local(t.weights_store)):
+        out.append(f"trainer.weights_store: a rollout engine that starts late on a host "
+                   f"other than the trainer's ({trainer}) cannot read the weight "
+                   f"snapshots in a folder there; set a store every host reaches")
+    if trainer and trainer != here and (t.checkpoint_store is None
+                                         or is_local(t.checkpoint_store)):
+        out.append(f"trainer.checkpoint_store: the trainer runs on {trainer}, not on this "
+                   f"host ({here}): its checkpoints and final model stay on its disk, so "
+                   f"this run's accounting and eval after cannot read them here, and a "
+                   f"restart on another host starts from scratch; set a store every host "
+                   f"reaches")
+    return out
 
 
 def check_stage_configs(recipe: Recipe) -> None:

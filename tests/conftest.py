@@ -12,8 +12,13 @@ with the reason, where java or ``.kafka/lib`` (``make install``) is missing.
 from __future__ import annotations
 
 import os
+import socket
+import subprocess
+import sys
+import time
 import uuid
 
+import httpx
 import pytest
 
 # Tests stay on this machine: huggingface_hub answers "offline" at once instead of
@@ -108,6 +113,37 @@ def _relax_home(tmp_path_factory, monkeypatch):
     home = tmp_path_factory.getbasetemp() / "relax_home"
     home.mkdir(exist_ok=True)
     monkeypatch.setenv("RELAX_HOME", str(home))
+
+
+@pytest.fixture(scope="session")
+def s3_endpoint():
+    """``host:port`` of an S3-compatible server (moto's) on loopback, with test
+    credentials in the environment (where pyarrow's S3 file system reads them)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p",
+                             str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    old = {k: os.environ.get(k) for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY",
+                                          "AWS_REGION")}
+    os.environ.update(AWS_ACCESS_KEY_ID="test", AWS_SECRET_ACCESS_KEY="test",
+                      AWS_REGION="us-east-1")
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            httpx.get(f"http://127.0.0.1:{port}/", timeout=1)
+            break
+        except httpx.TransportError:
+            assert proc.poll() is None and time.monotonic() < deadline, "moto did not start"
+            time.sleep(0.2)
+    yield f"127.0.0.1:{port}"
+    proc.kill()
+    proc.wait()
+    for k, v in old.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
 
 
 @pytest.fixture(scope="session")

@@ -6,6 +6,10 @@ loopback. Nothing leaves the machine: the bridge has no uplink and no route.
         hosts.run("a", ["ip", "addr"])
         p = hosts.popen("b", [sys.executable, "-m", "..."], env=...)
 
+A host may have its own disk at a path (:meth:`Hosts.own_disk`): every command run on it
+then sees a folder of its own there (a bind mount in a private mount namespace), so
+what it writes under that path no other host sees, as on separate machines.
+
 Needs root and iproute2 (``ip netns``): :func:`unavailable` says why not, for a skip.
 The namespace and bridge names carry this process's pid, so concurrent sessions do not
 collide; :meth:`Hosts.close` kills what :meth:`Hosts.popen` started and removes them.
@@ -55,6 +59,7 @@ class Hosts:
         self.bridge = f"rxbr{self.tag}"
         self.procs: list[subprocess.Popen] = []
         self._made: list[str] = []
+        self._disks: dict[str, tuple[str, str]] = {}
 
     def ns(self, name: str) -> str:
         """The network namespace of host ``name``."""
@@ -79,8 +84,19 @@ class Hosts:
             _ip("-n", ns, "link", "set", "lo", "up")
         return self
 
+    def own_disk(self, name: str, path: str, backing: str) -> None:
+        """From now on, commands on host ``name`` see folder ``backing`` at ``path`` (both
+        must exist): the host's own disk there. Processes a command leaves running (a
+        daemon) keep the view."""
+        self._disks[name] = (backing, path)
+
     def command(self, name: str, cmd: list[str]) -> list[str]:
-        """``cmd`` run inside host ``name``."""
+        """``cmd`` run inside host ``name`` (in a mount namespace of its own when the host
+        has its own disk: ``unshare --mount`` then ``mount --bind``)."""
+        if name in self._disks:
+            mount = 'mount --bind "$1" "$2" && shift 2 && exec "$@"'
+            cmd = ["unshare", "--mount", "--propagation", "private", "sh", "-c", mount,
+                   f"host-{name}", *self._disks[name], *cmd]
         return ["ip", "netns", "exec", self.ns(name), *cmd]
 
     def run(self, name: str, cmd: list[str], **kw) -> subprocess.CompletedProcess:

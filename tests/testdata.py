@@ -287,6 +287,12 @@ def train_sample_table(n_groups: int, group_size: int = 4, prompt_len=(3, 6),
 RECIPES = __import__("pathlib").Path(__file__).resolve().parents[1] / "recipes"
 
 
+def s3_uri(endpoint: str, path: str) -> str:
+    """A ``pyarrow.fs`` URI of ``bucket/prefix`` on the S3 server at ``host:port`` (plain
+    HTTP; the bucket is made on first write)."""
+    return f"s3://{path}?endpoint_override={endpoint}&scheme=http&allow_bucket_creation=true"
+
+
 def tiny_recipe(broker: str, run_root, run: str, *overrides: str):
     """recipes/tiny_ci.yaml on ``broker``, writing under ``run_root``, as run ``run``."""
     from relax.infra.recipe import load_recipe

@@ -83,6 +83,10 @@ class TrainerConfig(BaseModel):
             from each host's environment; :mod:`relax.streams.weights.store`). None =
             ``<run_dir>/weights``, which only engines on the trainer's host can read: a
             run across hosts sets a store every host reaches.
+        checkpoint_store: where checkpoints and the final model go besides the trainer's
+            disk: a folder or a ``pyarrow.fs`` URI (:mod:`relax.trainer.checkpoint`).
+            None = ``<run_dir>/checkpoints`` on the trainer's host, which a trainer
+            restarted on another host, and a driver on another host, cannot read.
         freeze: ``fnmatch`` patterns of parameter names (``model.named_parameters()``,
             e.g. ``model.audio_tower.*``) that are not trained: no gradient, no optimizer
             state; they are still published. What VLM/audio RL recipes use to keep a
@@ -112,6 +116,7 @@ class TrainerConfig(BaseModel):
     publish_bucket_bytes: int = Field(512 << 20, ge=1 << 10)
     weights_snapshot_every: int = Field(10, ge=1)
     weights_store: str | None = None
+    checkpoint_store: str | None = None
     freeze: tuple[str, ...] = ()
 
     @model_validator(mode="after")

@@ -152,7 +152,7 @@ class TrainerStage:
         self.backend = build_backend(t)
         self.ledger = Ledger()
         state = checkpoint.TrainerState(policy_version=0)
-        ckpt = checkpoint.latest(self.run_dir)
+        ckpt = checkpoint.latest(self.run_dir, t.checkpoint_store)
         if ckpt is not None:
             state, self.ledger = checkpoint.load(ckpt, self.backend)
             log.info("resumed from %s at policy_version %d", ckpt, state.policy_version)
@@ -225,7 +225,8 @@ class TrainerStage:
             state = checkpoint.TrainerState(self.version, self.source.positions(),
                                             dict(self.counters), dict(metrics))
             checkpoint.save(self.run_dir, self.backend, state, self.ledger,
-                            keep=self.cfg.trainer.keep_checkpoints)
+                            keep=self.cfg.trainer.keep_checkpoints,
+                            store=self.cfg.trainer.checkpoint_store)
             self.source.commit()
 
     def _timed(self, out: dict[str, float], batch, t0: float) -> dict[str, float]:
@@ -282,7 +283,8 @@ class TrainerStage:
 
     def run(self, should_stop: Callable[[], bool]) -> None:
         """Publish the starting weights, then step until ``steps`` or ``should_stop()``;
-        save the final model to ``<run_dir>/final_model``."""
+        save the final model to ``<run_dir>/final_model`` (and to
+        ``<trainer.checkpoint_store>/final_model``)."""
         try:
             self.publisher.publish(self.backend.named_tensors(), self.version)
             self._progress()
@@ -290,7 +292,11 @@ class TrainerStage:
                 self.step(should_stop)
             if self.version >= self.cfg.trainer.steps:
                 self.publisher.wait()
-                self.backend.save_model(self.run_dir / "final_model")
+                final = self.run_dir / checkpoint.FINAL_MODEL
+                self.backend.save_model(final)
+                if self.cfg.trainer.checkpoint_store is not None:
+                    checkpoint.upload_folder(final, self.cfg.trainer.checkpoint_store,
+                                             checkpoint.FINAL_MODEL)
                 self.metrics.add("done", 1.0, self.version)
                 self.metrics.flush()
                 self.producer.flush()

@@ -11,7 +11,7 @@ import uuid
 from pathlib import Path
 
 import pytest
-from testdata import PARITY_REWARD, RECIPES, tiny_recipe
+from testdata import PARITY_REWARD, RECIPES, s3_uri, tiny_recipe
 
 from relax.schemas import metric_names as M
 from relax.trainer import checkpoint
@@ -109,17 +109,26 @@ def _train(recipe, on_step, timeout_s=500) -> tuple[dict, list[str]]:
         raise AssertionError("\n".join([str(e), *lines, *tails])) from e
 
 
-def test_trainer_killed_after_step_2_resumes_at_step_3(broker, tmp_path):
-    recipe = tiny_recipe(broker, tmp_path, "resume" + uuid.uuid4().hex[:6])
+def test_trainer_killed_after_step_2_resumes_at_step_3(broker, tmp_path, s3_endpoint):
+    """The restarted trainer resumes from its checkpoint store (an S3-compatible server,
+    ``trainer.checkpoint_store``: what a trainer restarted on another host reads); the
+    trainer keeps no checkpoint on its disk. Local checkpoints resume in the chaos runs."""
+    run = "resume" + uuid.uuid4().hex[:6]
+    # credentials in the URI: the shared Ray's stage processes do not see this test's
+    # environment (the store's own tests use the environment)
+    store = s3_uri(s3_endpoint, f"relax-test/{run}").replace("s3://", "s3://test:test@")
+    recipe = tiny_recipe(broker, tmp_path, run, f"trainer.checkpoint_store={store}")
     on_step, killed = _kill_on({2: "trainer"})
     s, _ = _train(recipe, on_step)
     assert killed == {"trainer": killed["trainer"]}
     assert s["steps"] == 3 and s["balanced"], json.dumps(s, default=str)
     log = (Path(s["run_dir"]) / "logs" / "trainer.log").read_text()
     assert "resumed from" in log and "policy_version 2" in log
-    last = checkpoint.latest(Path(s["run_dir"]))
+    assert "checkpoints/store/step_000002" in log  # downloaded from the store
+    last = checkpoint.latest(Path(s["run_dir"]), store)
     assert last.name == "step_000003"
-    assert len(_ledger(s["run_dir"]).ids("trained")) == s["trained"]
+    assert not list((Path(s["run_dir"]) / "checkpoints").glob("step_*"))
+    assert len(Ledger.load(last / "ledger.parquet").ids("trained")) == s["trained"]
     # the checkpoint holds its step's metric row, and the resumed trainer wrote step 2's
     # again (a kill between a checkpoint and that row's flush would lose it otherwise)
     state = json.loads((last / "trainer_state.json").read_text())

@@ -200,6 +200,8 @@ def test_bus_settings_are_recipe_keys():
     specs = stage_specs(r, bus, Path("runs/x"))
     assert all(s.config["bus"]["retention_ms"] == 86400000 for s in specs if "bus" in s.config)
     assert set(BusConfig.model_fields) - BUS_WIRING == set(type(r.bus).model_fields)
+    store = "s3://blobs/x?endpoint_override=10.0.0.1:9000"
+    assert run_bus(_recipe(f"bus.blob_store={store}"), "k:1", Path("r")).blob_store == store
     with pytest.raises(RecipeError, match="min_insync_replicas 3 exceeds replication_factor 2"):
         run_bus(_recipe("bus.replication_factor=2", "bus.min_insync_replicas=3"), "k:1", Path("r"))
 

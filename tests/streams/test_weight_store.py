@@ -5,15 +5,11 @@ takes the same URIs."""
 
 from __future__ import annotations
 
-import os
-import socket
-import subprocess
-import sys
 import time
 
-import httpx
 import pytest
 import torch
+from testdata import s3_uri
 
 from relax.streams.blobs import BlobStore
 from relax.streams.fsuri import child_uri, public_uri
@@ -21,40 +17,8 @@ from relax.streams.weights import WeightPublisher, WeightSubscriber
 from relax.streams.weights.store import SnapshotStore, read_snapshot
 
 
-@pytest.fixture(scope="module")
-def s3_endpoint():
-    """``host:port`` of a moto S3 server on loopback, with test credentials in the
-    environment (where pyarrow's S3 file system reads them)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p",
-                             str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    old = {k: os.environ.get(k) for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY",
-                                          "AWS_REGION")}
-    os.environ.update(AWS_ACCESS_KEY_ID="test", AWS_SECRET_ACCESS_KEY="test",
-                      AWS_REGION="us-east-1")
-    deadline = time.monotonic() + 30
-    while True:
-        try:
-            httpx.get(f"http://127.0.0.1:{port}/", timeout=1)
-            break
-        except httpx.TransportError:
-            assert proc.poll() is None and time.monotonic() < deadline, "moto did not start"
-            time.sleep(0.2)
-    yield f"127.0.0.1:{port}"
-    proc.kill()
-    proc.wait()
-    for k, v in old.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
-
-
 def _uri(endpoint: str, prefix: str) -> str:
-    return (f"s3://relax-test/{prefix}?endpoint_override={endpoint}&scheme=http"
-            "&allow_bucket_creation=true")
+    return s3_uri(endpoint, f"relax-test/{prefix}")
 
 
 def test_uris_keep_their_options_and_lose_their_credentials():
