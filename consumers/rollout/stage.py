@@ -313,7 +313,10 @@ class RolloutStage:
         t0 = time.perf_counter()
         self.groups_started += len(items)
         groups = self._sample(items, prompt_ids)
-        self.stats.generate_s += time.perf_counter() - t0
+        took = time.perf_counter() - t0
+        self.stats.generate_s += took
+        log.info("sampled %d groups in %.2f s (policy_version %s)", len(items), took,
+                 getattr(self.engine, "policy_version", None))
         finished = _ms()
         for item, samples in zip(items, groups):
             group_id = f"{item.row['prompt_id']}:{item.epoch}"
