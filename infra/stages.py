@@ -129,8 +129,8 @@ def disk_warnings(recipe: Recipe, bus: BusConfig, nodes: dict[str, str | None],
                   here: str) -> list[str]:
     """What a run whose stages sit on several hosts (``nodes``: stage -> host address;
     ``here``: the driver's) would lose to a folder only one host has, one line per
-    recipe key to set; [] on one host or when every such key names a remote store. A
-    folder every host mounts (NFS) is fine too: the lines then say what it must be."""
+    recipe key to set; [] on one host or when every such key names a remote store (a
+    local path every host mounts, NFS say, is fine too: each line says so)."""
     hosts = sorted({h for h in nodes.values() if h})
     trainer = nodes.get("trainer")
     t = recipe.trainer
@@ -139,19 +139,20 @@ def disk_warnings(recipe: Recipe, bus: BusConfig, nodes: dict[str, str | None],
         out.append(f"bus.blob_store: stages run on {len(hosts)} hosts ({', '.join(hosts)}) "
                    f"but values over max_message_bytes (images, audio) go to "
                    f"{bus.blob_store}, a folder only its own host reads unless every host "
-                   f"mounts it; set a store "
-                   f"every host reaches (s3://bucket/prefix?endpoint_override=host:port)")
+                   f"mounts it; set a store every host reaches "
+                   f"(s3://bucket/prefix?endpoint_override=host:port)")
     if trainer and len(hosts) > 1 and (t.weights_store is None or is_local(t.weights_store)):
         out.append(f"trainer.weights_store: a rollout engine that starts late on a host "
                    f"other than the trainer's ({trainer}) cannot read the weight "
-                   f"snapshots in a folder there; set a store every host reaches")
+                   f"snapshots in a folder there unless every host mounts it; set a "
+                   f"store every host reaches")
     if trainer and trainer != here and (t.checkpoint_store is None
                                          or is_local(t.checkpoint_store)):
         out.append(f"trainer.checkpoint_store: the trainer runs on {trainer}, not on this "
                    f"host ({here}): its checkpoints and final model stay on its disk, so "
                    f"this run's accounting and eval after cannot read them here, and a "
-                   f"restart on another host starts from scratch; set a store every host "
-                   f"reaches")
+                   f"restart on another host starts from scratch (unless every host "
+                   f"mounts that folder); set a store every host reaches")
     return out
 
 

@@ -180,6 +180,17 @@ class BusyWindow:
         span = now - self.start
         if span < self.window_s:
             return None
+        return self._write(span, now)
+
+    def close(self) -> float | None:
+        """Write the open window's busy fraction when the loop ends (a stage that ends,
+        or lives less than one window, still shows on the timeline); None when no time
+        passed since the last row."""
+        now = self.clock()
+        span = now - self.start
+        return self._write(span, now) if span > 0 else None
+
+    def _write(self, span: float, now: float) -> float:
         frac = min(1.0, self.busy_s / span)
         self.metrics.add(M.BUSY_FRAC, frac)
         self.metrics.flush()
@@ -214,7 +225,8 @@ def run_loop(turn: Callable[[], int], should_stop: Callable[[], bool], *,
             the reward stage counts only while it owns partitions).
         done: ends the loop when true after a round.
         busy: the stage's :class:`BusyWindow` (turns that did work count as busy; the
-            readiness wait and empty turns as idle).
+            readiness wait and empty turns as idle; the open window is written when the
+            loop ends, not when it raises).
     """
     idle_since: float | None = None
     last_periodic = time.monotonic()
@@ -239,6 +251,8 @@ def run_loop(turn: Callable[[], int], should_stop: Callable[[], bool], *,
         elif idle_since is None:
             idle_since = now
         elif exit_when_idle_s and now - idle_since >= exit_when_idle_s:
-            return
+            break
         if done is not None and done():
-            return
+            break
+    if busy is not None:
+        busy.close()

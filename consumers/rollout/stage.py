@@ -66,6 +66,7 @@ class RolloutStage:
         self.stats = RolloutStats()
         self.trainer_version: int | None = None
         self.groups_started = 0  # by this instance since it started
+        self._claim_s = 0.0  # the last claim's round trip (logged with its generate call)
         self._env_factory = (load_environment_factory(cfg.environment, cfg.environment_options)
                              if cfg.environment else None)
         self.rewards_topic = topics.run_topic(cfg.run, topics.REWARDS)
@@ -297,7 +298,9 @@ class RolloutStage:
             except (TemplateError, ValueError, TypeError, KeyError) as e:
                 self.stats.prompt_errors += 1
                 route_prompt_error(producer, item, e, self.cfg.engine_id)
+        t_claim = time.perf_counter()
         granted = set(self._claims.claim(list(wanted), self.allowance())) if wanted else set()
+        self._claim_s = time.perf_counter() - t_claim
         back = [item for gid, (item, _) in wanted.items() if gid not in granted]
         queue.items[:0] = back  # another instance took that credit first: later
         self.stats.claims_refused += len(back)
@@ -315,8 +318,6 @@ class RolloutStage:
         groups = self._sample(items, prompt_ids)
         took = time.perf_counter() - t0
         self.stats.generate_s += took
-        log.info("sampled %d groups in %.2f s (policy_version %s)", len(items), took,
-                 getattr(self.engine, "policy_version", None))
         finished = _ms()
         for item, samples in zip(items, groups):
             group_id = f"{item.row['prompt_id']}:{item.epoch}"
@@ -332,6 +333,10 @@ class RolloutStage:
             self.stats.samples += len(samples)
             self.stats.tokens += sum(sum(e.loss_mask) for e in samples)
         self._save_pending(producer)
+        log.info("sampled %d groups in %.2f s (policy_version %s; claim %.3f s, produce "
+                 "and flush %.3f s)", len(items), took,
+                 getattr(self.engine, "policy_version", None), self._claim_s,
+                 time.perf_counter() - t0 - took)
 
     def _save_pending(self, producer) -> None:
         """Record the groups whose prompts are not yet committed, after the groups

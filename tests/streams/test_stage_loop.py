@@ -178,6 +178,26 @@ def test_busy_window_writes_the_busy_fraction_of_each_window():
     assert metrics.flushes == 3 and busy.busy_s == 0.0
 
 
+def test_a_loop_shorter_than_a_window_still_writes_its_busy_fraction():
+    """The open window is written when the loop ends: a stage that lives less than one
+    window (a tiny run) still has a row on the dashboard's timeline."""
+    from relax.streams.stage import BusyWindow
+
+    now = [0.0]
+    metrics = _Metrics()
+    busy = BusyWindow(metrics, window_s=5.0, clock=lambda: now[0])
+    turns = iter([(1.5, 1), (0.5, 0), (1.0, 2)])
+
+    def turn():
+        s, n = next(turns)
+        now[0] += s
+        return n
+
+    run_loop(turn, lambda: now[0] >= 3.0, busy=busy)
+    assert metrics.rows == [("busy_frac", 2.5 / 3.0)] and metrics.flushes == 1
+    assert busy.close() is None  # nothing since: no second row
+
+
 def test_busy_window_caps_at_one():
     from relax.streams.stage import BusyWindow
 
