@@ -59,9 +59,10 @@ def test_scale_rollouts_1_2_1_in_a_live_run(any_broker, tmp_path):
     with open(log, "w") as out:
         proc = subprocess.Popen(
             [sys.executable, "-m", "relax.infra.cli", "train", str(RECIPES / "tiny_ci.yaml"),
-             # 40 steps: scaling out and back in takes 15-25 s here and a tiny step can
-             # take under a second (with 20, one CI run ended while it scaled)
-             f"run={run}", f"run_root={tmp_path}", PARITY_REWARD, "trainer.steps=40",
+             # 120 steps: scaling out and back in (with the wait for rollout-1's rows)
+             # takes 15-40 s here and a tiny step under a second: runs of 20 and then 40
+             # steps ended in CI while they scaled (40 steps ran 38-47 s in all)
+             f"run={run}", f"run_root={tmp_path}", PARITY_REWARD, "trainer.steps=120",
              "--bootstrap", broker, "--timeout-s", "600"],
             env=env, stdout=out, stderr=subprocess.STDOUT)
     try:
@@ -102,7 +103,7 @@ def test_scale_rollouts_1_2_1_in_a_live_run(any_broker, tmp_path):
     text = log.read_text()
     assert proc.returncode == 0, text[-4000:]
     f = dict(kv.split("=") for kv in text.strip().splitlines()[-1].split())
-    assert f["steps"] == "40"
+    assert f["steps"] == "120"
     assert int(f["trained"]) + int(f["stale"]) + int(f["filtered"]) + int(f["errors"]) \
         == int(f["sampled"]) > 0, f
     from relax.streams.client import BusConfig
