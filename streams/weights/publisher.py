@@ -160,6 +160,7 @@ class WeightPublisher:
         self._first_version: int | None = None
         self._digest: str | None = None  # checksum of the version in the send buffer
         self._snapshot_version: int | None = None  # newest version written to the store
+        self._log_seen = 0  # bytes of the membership log when the current group was formed
         self._late: Future | None = None
         self._closed = threading.Event()
         self.history: list[PublishStats] = []
@@ -169,9 +170,17 @@ class WeightPublisher:
 
     def members(self) -> list[str]:
         """Subscribers registered now (joined and not left), in join order."""
-        if not self.store.check([MEMBERSHIP_KEY]):
-            return []
-        return replay_membership(self.store.get(MEMBERSHIP_KEY))
+        return replay_membership(self._membership_log())
+
+    def _membership_log(self) -> bytes:
+        return self.store.get(MEMBERSHIP_KEY) if self.store.check([MEMBERSHIP_KEY]) else b""
+
+    def _rejoined(self, log_bytes: bytes) -> list[str]:
+        """Members of the current group that registered again since it was formed: a
+        restarted subscriber under its predecessor's id, which missed what the group
+        received and must not be taken for the dead process."""
+        new = log_bytes[self._log_seen:].decode().split("\n")
+        return [m for m in self._members if f"+{m}" in new]
 
     def wait_for_members(self, n: int, timeout_s: float = 60.0) -> list[str]:
         """Block until at least ``n`` subscribers registered (a launcher that knows how
@@ -264,9 +273,12 @@ class WeightPublisher:
         self._producer.flush()
 
     def _regroup(self) -> None:
-        members = self.members()
-        if self._group_name is not None and members == self._members:
+        raw = self._membership_log()
+        members = replay_membership(raw)
+        if self._group_name is not None and members == self._members \
+                and not self._rejoined(raw):
             return
+        self._log_seen = len(raw)
         self._group_index += 1
         self._group_name = f"{self.run}.weights.{self._incarnation}.g{self._group_index}"
         self._members = members
@@ -347,7 +359,9 @@ class WeightPublisher:
         version = self.history[-1].policy_version
         if self._snapshot_version == version:
             return
-        late = [m for m in self.members() if m not in self._members]
+        raw = self._membership_log()
+        late = [m for m in replay_membership(raw) if m not in self._members]
+        late += self._rejoined(raw)
         if late:
             log.info("weight subscribers %s joined after v%d was broadcast: snapshot for them",
                      late, version)
