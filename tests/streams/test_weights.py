@@ -442,3 +442,17 @@ def test_failed_receive_never_labels_a_half_written_buffer(bus, unique, tmp_path
             assert torch.equal(p, before[n]) or torch.equal(p, v1[n]), n
     finally:
         sub.close()
+
+
+def test_a_member_registered_again_since_the_group_formed_counts_as_rejoined():
+    """A restarted subscriber registers under its predecessor's id: replaying the log
+    does not show it, so the publisher reads what was appended since the group formed
+    (the chaos run that wedged: the successor never got the newest weights)."""
+    from relax.streams.weights.publisher import WeightPublisher
+
+    pub = WeightPublisher.__new__(WeightPublisher)  # only the membership bookkeeping
+    formed = b"+rollout-0\n+rollout-1\n"
+    pub._members, pub._log_seen = ["rollout-0", "rollout-1"], len(formed)
+    assert pub._rejoined(formed) == []
+    assert pub._rejoined(formed + b"+rollout-1\n") == ["rollout-1"]
+    assert pub._rejoined(formed + b"+rollout-2\n") == []  # new ids: the late-joiner path
