@@ -19,7 +19,10 @@ waited for data and the mean reward of the trained samples. From those:
   process has loaded its models; relax: from the start of its stages, so its stage
   start-up is included) to the end of the last step;
 * ``steady_samples_per_s``: samples of steps 2..N / time from the end of step 1 to
-  the end of step N (start-up and the first, cold step left out): the ratios use this;
+  the end of step N (start-up and the first, cold step left out), less the seconds
+  relax's trainer spent writing checkpoints in those steps (``checkpoint_s``: the last
+  step writes one; the loop and TRL write none; the e2e rate keeps them): the ratios
+  use this;
 * ``data_wait_pct``: trainer seconds waiting for data / step seconds, steps 2..N (a
   single-process loop waits for the whole of its generation and scoring);
 * ``rollout_idle_pct``: seconds the generator was not generating / the same window
@@ -250,7 +253,8 @@ def run_relax(w: dict, mode: str, staleness: int, threads: int, run_root: str,
             if r["component"] == "trainer" and r["name"] == "step_s"}
     per_step = [{"t": ends[int(s["step"])], "samples": s["samples_trained"],
                  "wait_s": s["data_wait_s"], "step_s": s["step_s"],
-                 "reward": s["reward_mean_trained"], "train_s": s["train_s"]}
+                 "reward": s["reward_mean_trained"], "train_s": s["train_s"],
+                 "checkpoint_s": s.get("checkpoint_s", 0.0)}
                 for s in step_rows(rows)]
     # rollout idle: its cumulative weight + budget waits between the ends of steps 1 and N-1
     # (its last batch is made during step N-1: after that it has nothing left to do)
@@ -305,8 +309,9 @@ def summarise(raw: dict) -> dict:
     st = raw["steps"]
     samples = sum(s["samples"] for s in st)
     rest = st[1:] or st
-    window = st[-1]["t"] - st[0]["t"] if len(st) > 1 else st[0]["t"]
-    step_total = sum(s["step_s"] for s in rest)
+    ckpt = sum(s.get("checkpoint_s", 0.0) for s in rest)  # relax only: the loop writes none
+    window = (st[-1]["t"] - st[0]["t"] if len(st) > 1 else st[0]["t"]) - ckpt
+    step_total = sum(s["step_s"] for s in rest) - ckpt
     wait = sum(s["wait_s"] for s in rest)
     idle = raw.get("rollout_idle_frac")
     if idle is None and "rollout_idle_frac" not in raw:  # one process: idle while training
@@ -321,6 +326,7 @@ def summarise(raw: dict) -> dict:
         "train_s_mean": round(sum(s.get("train_s", s["step_s"] - s["wait_s"])
                                   for s in rest) / len(rest), 2),
         "data_wait_pct": round(100 * wait / step_total, 1),
+        "checkpoint_s": round(ckpt, 2),
         "rollout_idle_pct": None if idle is None else round(100 * idle, 1),
         "reward_mean": round(sum(s["reward"] * s["samples"] for s in st) / samples, 4),
         "reward_curve": [round(s["reward"], 4) for s in st],

@@ -1,12 +1,14 @@
 """Weight sync: trainer -> N rollout engines over the weight channel, while they generate.
 
 The publisher (this process) loads ``--model`` and publishes ``--versions`` versions
-(each a perturbed copy of the weights) with :class:`relax.streams.weights.WeightPublisher`
-(gloo on CPU). ``--subscribers`` processes each run an HF engine in partial-rollout
-mode, generating continuously, with a :class:`WeightSubscriber` staging every
-received version into the engine's second buffer; the engine swaps at its next
-safe point. Each subscriber checks that its live weights at the end have the
-checksum of the last announcement.
+(each a perturbed copy of the weights) with :class:`relax.streams.weights.WeightPublisher`,
+once per transport of ``--transports`` (side by side in one run): ``gloo`` (the
+broadcast over TCP, what engines on other hosts get) and ``shm`` (the same-host file in
+``/dev/shm``, :mod:`relax.streams.weights.shm`). ``--subscribers`` processes each run
+an HF engine in partial-rollout mode, generating continuously, with a
+:class:`WeightSubscriber` staging every received version into the engine's second
+buffer; the engine swaps at its next safe point. Each subscriber checks that its live
+weights at the end have the checksum of the last announcement.
 
 Figures (versions after the first, whose time includes forming the group):
 
@@ -15,11 +17,21 @@ Figures (versions after the first, whose time includes forming the group):
 * ``memcpy_GBps``: a plain in-process copy of the same bytes (best of 3);
   ``ratio`` = GBps / memcpy_GBps;
 * ``blocked_ms``: the most any subscriber's generation waited per swap (engine
-  ``swap_blocked_s / swaps``), i.e. what double buffering leaves of the transfer.
+  ``swap_blocked_s / swaps``), i.e. what double buffering leaves of the transfer;
+* ``delivered_s`` / ``delivered_median_s``: mean / median seconds from ``publish()``
+  until the last subscriber has the version verified and staged in its engine (each
+  subscriber notes the time it sees a new version, polling every 5 ms);
+* ``pub_cpu_s`` / ``sub_cpu_s``: CPU seconds per version of the publisher process / of
+  one subscriber process (mean; with ``--batch 0`` a subscriber does nothing else).
 
-Last line: ``bytes=B publish_s=T GBps=X memcpy_GBps=Y ratio=R blocked_ms=Z``
+One line per transport: ``transport=T bytes=B publish_s=.. delivered_s=.. GBps=..
+memcpy_GBps=.. ratio=.. blocked_ms=.. pub_cpu_s=.. sub_cpu_s=..``; with both transports a
+last line ``shm_over_gloo delivered=.. sub_cpu=..`` (ratios of the means), and
+``--json PATH`` writes every figure.
 
     python benchmarks/weight_sync.py --model smollm2-135m --subscribers 2
+    python benchmarks/weight_sync.py --model smollm2-135m --subscribers 1 --batch 0 \
+        --versions 6 --json benchmarks/results/weight_transports.json
     python benchmarks/weight_sync.py --model tiny-llama --subscribers 2 --bootstrap 127.0.0.1:9092
 """
 
@@ -28,9 +40,12 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import resource
+import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -68,6 +83,16 @@ def subscriber(args) -> None:
         return_dict=False,
     )
     params = SamplingParams(max_new_tokens=32, temperature=0.8)
+    seen: dict[int, float] = {}
+
+    def watch() -> None:  # when each version is verified and staged here
+        while not (out / "stop").exists():
+            if sub.version is not None and sub.version not in seen:
+                seen[sub.version] = time.time()
+            time.sleep(0.005)
+
+    threading.Thread(target=watch, daemon=True).start()
+    cpu0 = _cpu_s()
     (out / f"{args.member}.ready").touch()
     generated = 0
     while not (out / "stop").exists():
@@ -94,9 +119,17 @@ def subscriber(args) -> None:
         checksum_failures=sub.stats.checksum_failures,
         tokens=generated,
         generate_s=engine.stats.generate_s,
+        seen=seen,
+        cpu_s=_cpu_s() - cpu0,
     )
     sub.close()
     (out / f"{args.member}.json").write_text(json.dumps(result))
+
+
+def _cpu_s() -> float:
+    """User + system CPU seconds of this process so far (all threads)."""
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
 
 
 def memcpy_gbps(nbytes: int) -> float:
@@ -112,19 +145,42 @@ def memcpy_gbps(nbytes: int) -> float:
 
 
 def publisher(args) -> None:
+    """Each transport of ``--transports`` in turn, on one broker; prints and writes the
+    figures (module docstring)."""
     from relax.infra.broker import LocalBroker
-    from relax.streams.client import BusConfig
-    from relax.streams.weights import AnnouncementReader, WeightPublisher
     from relax.trainer.models import load_model
 
     ctx = LocalBroker() if not args.bootstrap else contextlib.nullcontext()
-    with ctx as broker, tempfile.TemporaryDirectory() as tmp:
+    with ctx as broker:
         bootstrap = args.bootstrap or broker.bootstrap
+        named = dict(load_model(args.model).named_parameters())
+        out = {t: one_transport(args, bootstrap, named, t) for t in args.transports.split(",")}
+    if {"gloo", "shm"} <= out.keys():
+        g, m = out["gloo"], out["shm"]
+        out["shm_over_gloo"] = {"delivered": m["delivered_s"] / g["delivered_s"],
+                                "delivered_median": m["delivered_median_s"]
+                                / g["delivered_median_s"],
+                                "sub_cpu": m["sub_cpu_s"] / g["sub_cpu_s"],
+                                "pub_cpu": m["pub_cpu_s"] / g["pub_cpu_s"]}
+        print("shm_over_gloo " + " ".join(f"{k}={v:.3f}" for k, v in out["shm_over_gloo"].items()))
+    if args.json:
+        out["args"] = vars(args)
+        Path(args.json).write_text(json.dumps(out, indent=1) + "\n")
+
+
+def one_transport(args, bootstrap: str, named: dict, transport: str) -> dict:
+    """Publish ``--versions`` versions of ``named`` to ``--subscribers`` engine processes
+    over ``transport`` (``gloo`` or ``shm``); the figures of the module docstring."""
+    from relax.streams.client import BusConfig
+    from relax.streams.weights import AnnouncementReader, WeightPublisher
+
+    if transport not in ("gloo", "shm"):
+        raise SystemExit(f"--transports: gloo or shm, got {transport!r}")
+    with tempfile.TemporaryDirectory() as tmp:
         cfg = BusConfig(bootstrap_servers=bootstrap)
         run = f"wsync{uuid.uuid4().hex[:6]}"
-        model = load_model(args.model)
-        named = dict(model.named_parameters())
-        pub = WeightPublisher(cfg, run, bucket_bytes=args.bucket_bytes, join_timeout_s=300)
+        pub = WeightPublisher(cfg, run, bucket_bytes=args.bucket_bytes, join_timeout_s=300,
+                              shm_root="/dev/shm" if transport == "shm" else None)
         procs = [
             subprocess.Popen(
                 [
@@ -160,19 +216,22 @@ def publisher(args) -> None:
                         raise RuntimeError(f"subscriber {i} exited {procs[i].returncode}")
                     time.sleep(0.1)
             time.sleep(args.warmup_s)  # let generation run before the first version
-            history = []
+            history, published, cpu = [], {}, []
             for v in range(1, args.versions + 1):
                 with torch.no_grad():
                     for p in named.values():
                         p.mul_(1.0 + 1e-3)
+                c0 = _cpu_s()
+                published[v] = time.time()
                 stats = pub.publish(named, v).result()
+                cpu.append(_cpu_s() - c0)
                 if stats.error:
                     raise RuntimeError(stats.error)
                 history.append(stats)
                 print(
-                    f"v{v}: bytes={stats.bytes} blocked_s={stats.blocked_s:.3f} "
+                    f"{transport} v{v}: bytes={stats.bytes} blocked_s={stats.blocked_s:.3f} "
                     f"broadcast_s={stats.broadcast_s:.3f} publish_s={stats.publish_s:.3f} "
-                    f"members={len(stats.members)}",
+                    f"members={len(stats.members)} local={len(stats.local)}",
                     flush=True,
                 )
                 time.sleep(args.gap_s)
@@ -207,13 +266,21 @@ def publisher(args) -> None:
         steady = history[1:] or history
         nbytes = steady[0].bytes
         publish_s = sum(s.publish_s for s in steady) / len(steady)
+        versions = range(2, args.versions + 1) if args.versions > 1 else range(1, 2)
+        delivered = [max(r["seen"][str(v)] for r in results) - published[v] for v in versions]
         gbps = nbytes / publish_s / 1e9
         mgbps = memcpy_gbps(nbytes)
         blocked_ms = max(1000 * r["swap_blocked_s"] / max(r["swaps"], 1) for r in results)
-        print(
-            f"bytes={nbytes} publish_s={publish_s:.3f} GBps={gbps:.3f} memcpy_GBps={mgbps:.2f} "
-            f"ratio={gbps / mgbps:.4f} blocked_ms={blocked_ms:.3f}"
-        )
+        fig = dict(transport=transport, bytes=nbytes, publish_s=publish_s,
+                   delivered_s=sum(delivered) / len(delivered),
+                   delivered_median_s=statistics.median(delivered), GBps=gbps, memcpy_GBps=mgbps,
+                   ratio=gbps / mgbps, blocked_ms=blocked_ms,
+                   pub_cpu_s=sum(cpu[1:] or cpu) / len(cpu[1:] or cpu),
+                   sub_cpu_s=sum(r["cpu_s"] for r in results) / len(results) / args.versions,
+                   delivered_each_s=delivered)
+        print(" ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}"
+                       for k, v in fig.items() if k != "delivered_each_s"), flush=True)
+        return fig
 
 
 def main() -> None:
@@ -231,6 +298,8 @@ def main() -> None:
     ap.add_argument("--warmup-s", type=float, default=2.0)
     ap.add_argument("--gap-s", type=float, default=1.0, help="seconds between versions")
     ap.add_argument("--bootstrap", default=None, help="Kafka bootstrap (default: a local broker)")
+    ap.add_argument("--transports", default="gloo,shm", help="gloo, shm or both, in that order")
+    ap.add_argument("--json", default="", help="write every figure to this file")
     ap.add_argument("--role", default="publisher", choices=["publisher", "subscriber"])
     ap.add_argument("--run", default="")
     ap.add_argument("--member", default="")

@@ -42,6 +42,7 @@ from relax.infra.stages import disk_warnings, run_bus, stage_specs
 from relax.schemas import metric_names as M
 from relax.schemas import topics
 from relax.streams.client import BusConfig, ensure_topics
+from relax.streams.weights.shm import SHM_ROOT, remove_run_files
 
 log = logging.getLogger(__name__)
 
@@ -139,6 +140,7 @@ def train(recipe: Recipe, *, say: Callable[[str], None] = print,
     with contextlib.ExitStack() as stack:
         broker: dict[str, int] = {}
         bus = _bus(recipe, run_dir, stack, say, broker)  # set up: broker, topics, prompts
+        stack.callback(remove_run_files, SHM_ROOT, recipe.run)  # after the stages stop
         eval_rows = _eval_before(recipe, summary, say)
         follower = stack.enter_context(contextlib.closing(MetricsFollower(bus, recipe.run)))
         controller = Controller(stage_specs(recipe, bus, run_dir), bus, run_dir,

@@ -8,7 +8,9 @@ loopback. Nothing leaves the machine: the bridge has no uplink and no route.
 
 A host may have its own disk at a path (:meth:`Hosts.own_disk`): every command run on it
 then sees a folder of its own there (a bind mount in a private mount namespace), so
-what it writes under that path no other host sees, as on separate machines.
+what it writes under that path no other host sees, as on separate machines; it also gets
+a ``/dev/shm`` of its own (a tmpfs), so nothing passes between hosts through RAM files
+either (the weight channel's same-host transport looks there).
 
 Needs root and iproute2 (``ip netns``): :func:`unavailable` says why not, for a skip.
 The namespace and bridge names carry this process's pid, so concurrent sessions do not
@@ -59,7 +61,7 @@ class Hosts:
         self.bridge = f"rxbr{self.tag}"
         self.procs: list[subprocess.Popen] = []
         self._made: list[str] = []
-        self._disks: dict[str, tuple[str, str]] = {}
+        self._disks: dict[str, tuple[str, str, str]] = {}
 
     def ns(self, name: str) -> str:
         """The network namespace of host ``name``."""
@@ -86,15 +88,25 @@ class Hosts:
 
     def own_disk(self, name: str, path: str, backing: str) -> None:
         """From now on, commands on host ``name`` see folder ``backing`` at ``path`` (both
-        must exist): the host's own disk there. Processes a command leaves running (a
-        daemon) keep the view."""
-        self._disks[name] = (backing, path)
+        must exist): the host's own disk there; and a tmpfs of its own at ``/dev/shm``
+        (mounted at ``<backing>.shm``, the same for every command on the host).
+        Processes a command leaves running (a daemon) keep the view.
+
+        Raises:
+            subprocess.CalledProcessError: the tmpfs could not be mounted.
+        """
+        shm = f"{backing.rstrip('/')}.shm"
+        os.makedirs(shm, exist_ok=True)
+        subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4g", "tmpfs", shm], check=True,
+                       capture_output=True)
+        self._made.append(f"mount:{shm}")
+        self._disks[name] = (backing, path, shm)
 
     def command(self, name: str, cmd: list[str]) -> list[str]:
         """``cmd`` run inside host ``name`` (in a mount namespace of its own when the host
         has its own disk: ``unshare --mount`` then ``mount --bind``)."""
         if name in self._disks:
-            mount = 'mount --bind "$1" "$2" && shift 2 && exec "$@"'
+            mount = 'mount --bind "$1" "$2" && mount --bind "$3" /dev/shm && shift 3 && exec "$@"'
             cmd = ["unshare", "--mount", "--propagation", "private", "sh", "-c", mount,
                    f"host-{name}", *self._disks[name], *cmd]
         return ["ip", "netns", "exec", self.ns(name), *cmd]
@@ -124,6 +136,9 @@ class Hosts:
                 subprocess.run(["ip", "netns", "del", self.ns(name)], capture_output=True, check=False)
         if "bridge" in self._made:
             subprocess.run(["ip", "link", "del", self.bridge], capture_output=True, check=False)
+        for m in self._made:
+            if m.startswith("mount:"):  # lazily: a killed daemon may still hold a file
+                subprocess.run(["umount", "-l", m[6:]], capture_output=True, check=False)
         self._made.clear()
 
     def __exit__(self, *exc) -> None:

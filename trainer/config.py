@@ -83,6 +83,11 @@ class TrainerConfig(BaseModel):
             from each host's environment; :mod:`relax.streams.weights.store`). None =
             ``<run_dir>/weights``, which only engines on the trainer's host can read: a
             run across hosts sets a store every host reaches.
+        weights_shm: the publisher's send buffer is two files in ``/dev/shm`` (RAM for
+            two versions of the weights), and engines that share it (the trainer's host)
+            copy each version out of them with one memcpy instead of receiving the gloo
+            broadcast over TCP on loopback (:mod:`relax.streams.weights.shm`; CPU
+            weights only).
         checkpoint_store: where checkpoints and the final model go besides the trainer's
             disk: a folder or a ``pyarrow.fs`` URI (:mod:`relax.trainer.checkpoint`).
             None = ``<run_dir>/checkpoints`` on the trainer's host, which a trainer
@@ -116,6 +121,7 @@ class TrainerConfig(BaseModel):
     publish_bucket_bytes: int = Field(512 << 20, ge=1 << 10)
     weights_snapshot_every: int = Field(10, ge=1)
     weights_store: str | None = None
+    weights_shm: bool = True
     checkpoint_store: str | None = None
     freeze: tuple[str, ...] = ()
 

@@ -136,6 +136,7 @@ class TrainerStage:
         import torch
 
         from relax.streams.weights import WeightPublisher
+        from relax.streams.weights.shm import SHM_ROOT
 
         t = cfg.trainer
         if t.num_threads:
@@ -177,7 +178,8 @@ class TrainerStage:
             bus, cfg.run, host=cfg.weights_host or node_address(), port=cfg.weights_port,
             checkpoint_dir=t.weights_store or self.run_dir / "weights",
             checkpoint_every=t.weights_snapshot_every,
-            bucket_bytes=t.publish_bucket_bytes, producer=self.producer)
+            bucket_bytes=t.publish_bucket_bytes, producer=self.producer,
+            shm_root=SHM_ROOT if t.weights_shm else None)
         self.source = SampleSource(bus, cfg.run, self.ledger, batch_groups=t.batch_groups,
                                    max_staleness=t.max_staleness, offsets=state.offsets,
                                    on_drop=self._progress, start_version=self.version)
@@ -270,10 +272,17 @@ class TrainerStage:
         with self._progress_lock:
             self.counters["groups_consumed"] += len(batch.groups)
         if save:
+            tc = time.perf_counter()
             self._save(self._timed(out, batch, t0))
+            out[M.CHECKPOINT_S] = time.perf_counter() - tc
         tp = time.perf_counter()
         self.publisher.publish(self.backend.named_tensors(), self.version)
         out[M.PUBLISH_S] = time.perf_counter() - tp
+        if len(self.publisher.history) > 1:  # publish waited for the previous one's end
+            sent = self.publisher.history[-2]
+            out[M.WEIGHTS_SEND_S] = sent.publish_s
+            out[M.WEIGHTS_LOCAL] = len(sent.local)
+            out[M.WEIGHTS_BROADCAST] = len(sent.members) - len(sent.local)
         self.metrics.add_many(self._timed(out, batch, t0), self.version)
         self.metrics.flush()
         self._progress()

@@ -8,8 +8,8 @@ version into a receive buffer, verifies its checksum, and hands it to the engine
 ``update_weights``, which swaps at its next safe point (or keeps it for ``apply``).
 
 Modules, lowest first: ``layout`` (flat tensor layout, checksum), ``files`` (safetensors),
-``rendezvous`` (store, process groups), ``announce`` (topic, reader), ``publisher``,
-``subscriber``.
+``rendezvous`` (store, process groups), ``shm`` (the same-host transport), ``announce``
+(topic, reader), ``publisher``, ``subscriber``.
 """
 
 from relax.streams.weights.announce import (

@@ -31,13 +31,17 @@ def ensure_weights_topic(cfg: BusConfig, run: str) -> str:
 
 
 def _newest_live(rows: list[dict]) -> list[dict]:
-    """``rows`` with only the last broadcast announcement among them (checkpoints kept):
-    the publisher announces v+1 only after v's broadcast ended, and a restarted trainer
+    """``rows`` with only the last broadcast announcement and the last same-host
+    (``shm``) one among them, checkpoints kept: the publisher announces v+1 only after v's
+    broadcast ended and keeps only the newest same-host file, and a restarted trainer
     announces from a new rendezvous, so every earlier one is history (joining a dead
     publisher's store would only time out)."""
-    live = [i for i, r in enumerate(rows) if r["transport"] != "checkpoint"]
-    last = live[-1] if live else None
-    return [r for i, r in enumerate(rows) if r["transport"] == "checkpoint" or i == last]
+    last = {}
+    for i, r in enumerate(rows):
+        if r["transport"] != "checkpoint":
+            last[r["transport"] == "shm"] = i
+    keep = set(last.values())
+    return [r for i, r in enumerate(rows) if r["transport"] == "checkpoint" or i in keep]
 
 
 class AnnouncementReader:

@@ -18,6 +18,11 @@ Publisher (trainer), per policy_version ``v`` (:meth:`WeightPublisher.publish`):
    ``s3://...``) and announce it again with ``transport=checkpoint`` and its
    ``checkpoint_uri``.
 
+Same host (``shm_root``, CPU buffers only): the send buffer is two files in
+``/dev/shm`` used in turn; subscribers that share that tmpfs are left out of the
+broadcast group and copy each version out of its file, announced with
+``transport=shm`` before the broadcast (:mod:`relax.streams.weights.shm`).
+
 Device and backend: buffers on CPU use gloo, buffers on CUDA use nccl (imported
 lazily; only gloo is exercised on the CPU machines relax is tested on). Checksums are
 computed on host bytes (a device-to-host copy on CUDA).
@@ -51,6 +56,7 @@ from relax.streams.weights.layout import (
     plan_buckets,
     total_bytes,
 )
+from relax.streams.weights.shm import SHM_KEY, ShmOffer, member_key, shm_root_usable
 from relax.streams.weights.store import SnapshotStore
 from relax.streams.weights.rendezvous import (
     MEMBERSHIP_KEY,
@@ -67,7 +73,8 @@ class PublishStats:
     """One publish: ``policy_version``, ``bytes``, seconds the caller was blocked
     (``blocked_s``: waiting for the previous broadcast + copy), seconds of the
     broadcast (``broadcast_s``), of the whole background part (``publish_s``: from the
-    call to the last bucket sent), members that received it, checkpoint path."""
+    call to the last bucket sent), members that received it (``local``: those of them
+    that read the same-host file), checkpoint path."""
 
     policy_version: int
     bytes: int
@@ -76,6 +83,7 @@ class PublishStats:
     broadcast_s: float = 0.0
     publish_s: float = 0.0
     members: list[str] = field(default_factory=list)
+    local: list[str] = field(default_factory=list)
     group_name: str = ""
     checkpoint_uri: str | None = None
     error: str | None = None
@@ -102,6 +110,9 @@ class WeightPublisher:
         join_timeout_s: how long a new group waits for its members (seconds).
         producer: a :class:`~relax.streams.producer.BatchProducer` to announce with
             (default: its own).
+        shm_root: a tmpfs folder (``/dev/shm``) for the same-host transport
+            (:mod:`relax.streams.weights.shm`); None, or a folder that is not writable:
+            every subscriber gets the broadcast.
 
     Raises:
         ValueError: ``checkpoint_every``, ``keep_checkpoints`` or ``bucket_bytes`` < 1.
@@ -120,6 +131,7 @@ class WeightPublisher:
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         join_timeout_s: float = 60.0,
         producer=None,
+        shm_root: str | Path | None = None,
     ):
         import torch.distributed as dist
 
@@ -148,14 +160,23 @@ class WeightPublisher:
             use_libuv=True,
         )
         self.rendezvous = f"tcp://{host}:{self.store.port}"
+        self._incarnation = uuid.uuid4().hex[:6]  # a restarted publisher never reuses names
+        self._shm = None
+        if shm_root is not None and shm_root_usable(shm_root):
+            self._shm = ShmOffer(shm_root, run, self._incarnation)
+            self.store.set(SHM_KEY, self._shm.offer)
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="relax-weights-pub")
         self._pending: Future | None = None
         self._flat: torch.Tensor | None = None
         self._manifest: list[TensorEntry] | None = None
         self._group_index = 0
-        self._incarnation = uuid.uuid4().hex[:6]  # a restarted publisher never reuses names
         self._group_name: str | None = None
-        self._members: list[str] = []
+        self._members: list[str] = []  # registered when the current group was formed
+        self._gloo: list[str] = []  # those of them in the broadcast group
+        self._local: list[str] = []  # those that read the same-host file instead
+        self._bufs: list[torch.Tensor] | None = None  # the two same-host send buffers
+        self._slot = 0  # which of them holds the newest version
+        self._shm_version: int | None = None  # newest version announced as a same-host file
         self._pg = None
         self._first_version: int | None = None
         self._digest: str | None = None  # checksum of the version in the send buffer
@@ -164,7 +185,7 @@ class WeightPublisher:
         self._late: Future | None = None
         self._closed = threading.Event()
         self.history: list[PublishStats] = []
-        if self.snapshots is not None:
+        if self.snapshots is not None or self._shm is not None:
             threading.Thread(target=self._watch_late_joiners, name="relax-weights-late",
                              daemon=True).start()
 
@@ -230,10 +251,16 @@ class WeightPublisher:
         manifest = build_manifest(named_tensors)
         if self._manifest is None:
             device = next(iter(named_tensors.values())).device
-            self._flat = torch.empty(total_bytes(manifest), dtype=torch.uint8, device=device)
+            if self._shm is not None and device.type == "cpu":
+                self._bufs = self._shm.buffers(total_bytes(manifest))
+            self._flat = self._bufs[0] if self._bufs else torch.empty(
+                total_bytes(manifest), dtype=torch.uint8, device=device)
             self._manifest = manifest
         elif manifest != self._manifest:
             raise ValueError("the tensors differ (names, shapes or dtypes) from the first publish")
+        elif self._bufs:  # the other file: the one just announced may still be read
+            self._slot ^= 1
+            self._flat = self._bufs[self._slot]
         t1 = time.perf_counter()
         flatten_into(self._flat, named_tensors, manifest)
         if self._flat.device.type == "cuda":
@@ -272,36 +299,44 @@ class WeightPublisher:
         self._producer.send(self.topic, batch)
         self._producer.flush()
 
+    def _sees_shm(self, member: str) -> bool:
+        """Whether ``member`` said it shares this publisher's ``/dev/shm``."""
+        key = member_key(member)
+        return self._shm is not None and self.store.check([key]) \
+            and self.store.get(key) == b"1"
+
     def _regroup(self) -> None:
         raw = self._membership_log()
         members = replay_membership(raw)
+        local = [m for m in members if self._bufs and self._sees_shm(m)]
         if self._group_name is not None and members == self._members \
-                and not self._rejoined(raw):
+                and local == self._local and not self._rejoined(raw):
             return
         self._log_seen = len(raw)
         self._group_index += 1
         self._group_name = f"{self.run}.weights.{self._incarnation}.g{self._group_index}"
-        self._members = members
+        self._members, self._local = members, local
+        self._gloo = [m for m in members if m not in local]
         self._pg = None
-        self.store.set(f"{self._group_name}/members", "\n".join(members))
+        self.store.set(f"{self._group_name}/members", "\n".join(self._gloo))
 
     def _form(self) -> None:
-        """Create the process group of the current members (rank 0 = this publisher)."""
-        if self._pg is not None or not self._members:
+        """Create the process group of the broadcast's members (rank 0 = this publisher)."""
+        if self._pg is not None or not self._gloo:
             return
         self._pg = _make_group(
             self.store,
             self._group_name,
             0,
-            len(self._members) + 1,
+            len(self._gloo) + 1,
             self._flat.device,
             self.host,
             self.join_timeout_s,
         )
 
     def _drop_absent(self) -> None:
-        ready = [m for m in self._members if self.store.check([f"{self._group_name}/ready/{m}"])]
-        for m in self._members:
+        ready = [m for m in self._gloo if self.store.check([f"{self._group_name}/ready/{m}"])]
+        for m in self._gloo:
             if m not in ready:
                 log.warning(
                     "weight subscriber %s did not join %s within %.0fs: dropped",
@@ -316,16 +351,19 @@ class WeightPublisher:
     def _background(self, stats: PublishStats, t0: float) -> PublishStats:
         digest = self._digest = checksum(self._flat)
         self._regroup()
-        backend = "nccl" if self._flat.device.type == "cuda" else "gloo"
-        self._announce(stats.policy_version, digest, backend, self._group_name, None)
         stats.group_name = self._group_name
         t1 = time.perf_counter()
-        if self._members:
+        if self._local:
+            self._announce_shm(stats.policy_version, digest)
+            stats.members, stats.local = list(self._local), list(self._local)
+        backend = "nccl" if self._flat.device.type == "cuda" else "gloo"
+        self._announce(stats.policy_version, digest, backend, stats.group_name, None)
+        if self._gloo:
             try:
                 self._form()
                 for a, b, _ in plan_buckets(self._manifest, self.bucket_bytes):
                     _broadcast(self._pg, self._flat[a:b])
-                stats.members = list(self._members)
+                stats.members += self._gloo
             except RuntimeError as e:  # a member never came or died mid-broadcast
                 stats.error = f"broadcast of v{stats.policy_version} failed: {e}"
                 log.warning("%s", stats.error)
@@ -343,6 +381,11 @@ class WeightPublisher:
             stats.checkpoint_uri = self._snapshot(stats.policy_version, digest, stats.group_name)
         return stats
 
+    def _announce_shm(self, version: int, digest: str) -> None:
+        """Announce the send buffer's file as ``version``'s same-host copy."""
+        self._announce(version, digest, "shm", self._group_name, self._shm.path(self._slot))
+        self._shm_version = version
+
     def _snapshot(self, version: int, digest: str, group_name: str) -> str:
         """Write the send buffer to the checkpoint store and announce it (pool thread)."""
         uri = self._write_checkpoint(version, digest)
@@ -351,18 +394,24 @@ class WeightPublisher:
         return uri
 
     def _late_joiners(self) -> None:
-        """Snapshot the newest version for subscribers that registered after its group
-        was formed (a restarted engine, a new one): they would otherwise wait for the
-        next version, which may never come while the trainer waits for their samples."""
+        """Write the newest version for subscribers that registered after its group was
+        formed (a restarted engine, a new one) where they can read it: the same-host
+        file for those on this host, a snapshot in the store for the others. They would
+        otherwise wait for the next version, which may never come while the trainer
+        waits for their samples."""
         if not self.history or self._digest is None:
             return
         version = self.history[-1].policy_version
-        if self._snapshot_version == version:
-            return
         raw = self._membership_log()
         late = [m for m in replay_membership(raw) if m not in self._members]
         late += self._rejoined(raw)
-        if late:
+        local = [m for m in late if self._bufs and self._sees_shm(m)]
+        if local and self._shm_version != version:
+            log.info("weight subscribers %s on this host joined after v%d was published: "
+                     "its same-host file for them", local, version)
+            self._announce_shm(version, self._digest)
+        late = [m for m in late if m not in local]
+        if late and self.snapshots is not None and self._snapshot_version != version:
             log.info("weight subscribers %s joined after v%d was broadcast: snapshot for them",
                      late, version)
             self._snapshot(version, self._digest, self._group_name or "")
@@ -395,5 +444,7 @@ class WeightPublisher:
         finally:
             self._pool.shutdown(wait=True)
             self._pg = None
+            if self._shm is not None:
+                self._shm.close()
             if self._own_producer:
                 self._producer.close()

@@ -9,12 +9,16 @@ weights), verify the checksum, and hand the tensors to the engine's
 ``update_weights`` (which stages them in its own second buffer and swaps at a safe
 point between generation steps) or keep them for :meth:`WeightSubscriber.apply`.
 A subscriber that starts late first loads the newest ``checkpoint`` announcement's
-safetensors, then joins the broadcast at the next version.
+safetensors, then joins the broadcast at the next version. A subscriber that shares the
+publisher's ``/dev/shm`` reads each version from the file announced with
+``transport=shm`` instead of taking part in the broadcast
+(:mod:`relax.streams.weights.shm`).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
 import time
@@ -25,6 +29,7 @@ import torch
 
 from relax.streams.client import BusConfig
 from relax.streams.weights.announce import AnnouncementReader, _newest_live
+from relax.streams.weights.shm import SHM_KEY, copy_out, member_key, sees_offer
 from relax.streams.weights.store import read_snapshot
 from relax.streams.weights.layout import (
     TensorEntry,
@@ -48,8 +53,9 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class SubscriberStats:
-    """Counters of one subscriber: versions received by broadcast / loaded from a
-    checkpoint, bytes received, seconds receiving, checksum failures, versions skipped."""
+    """Counters of one subscriber: versions received (by broadcast or from a same-host
+    file) / loaded from a checkpoint, bytes received, seconds receiving, checksum
+    failures, versions skipped."""
 
     received: int = 0
     from_checkpoint: int = 0
@@ -113,6 +119,8 @@ class WeightSubscriber:
         self._rendezvous: str | None = None
         self._group: str | None = None
         self._pg = None
+        self._same_host = False  # shares the connected publisher's /dev/shm
+        self._version_from: str | None = None  # rendezvous of the publisher of .version
         self._flat: torch.Tensor | None = None
         self._manifest: list[TensorEntry] | None = None
         # the version whose verified bytes _flat holds; None while it is being written and
@@ -272,6 +280,9 @@ class WeightSubscriber:
         self._store.set_timeout(timedelta(seconds=self.join_timeout_s))
         self._rendezvous, self._group, self._pg = rendezvous, None, None
         self._gloo_host = local_ip_towards(host, port)
+        offer = self._store.get(SHM_KEY) if self._store.check([SHM_KEY]) else None
+        self._same_host = self.device.type == "cpu" and sees_offer(offer)
+        self._store.set(member_key(self.member_id), "1" if self._same_host else "0")
         self._store.append(MEMBERSHIP_KEY, f"+{self.member_id}\n")
 
     def _run(self) -> None:
@@ -315,6 +326,9 @@ class WeightSubscriber:
         newest = max(ckpts, key=lambda r: r["policy_version"])
         if self.version is not None and newest["policy_version"] <= self.version:
             return
+        shm = [r["policy_version"] for r in rows if r["transport"] == "shm"]
+        if self._same_host and shm and max(shm) >= newest["policy_version"]:
+            return  # the same-host file of a version as new is read next, from RAM
         self.load_checkpoint(newest)
 
     def load_checkpoint(self, row: dict) -> int:
@@ -337,10 +351,57 @@ class WeightSubscriber:
             self._flat, self._manifest = flat.to(self.device), manifest
             self._flat_version = row["policy_version"]
         self.stats.from_checkpoint += 1
-        self._deliver(row["policy_version"], "checkpoint")
+        self._deliver(row, "checkpoint")
+        return row["policy_version"]
+
+    def load_shm(self, row: dict) -> int | None:
+        """Copy a ``shm`` announcement's same-host file into the receive buffer, verify
+        its checksum, and deliver it like a broadcast.
+
+        Returns:
+            the version; None when the file is gone (its publisher closed) or no longer
+            holds that version (the publisher has since written a version two newer
+            into it: the checksum differs; a newer announcement follows). Then the
+            weights received before stay as they were if the file was gone, and the
+            receive buffer holds no whole version otherwise.
+
+        Raises:
+            ValueError: the file is shorter than the announcement says.
+        """
+        t0 = time.perf_counter()
+        path = row["checkpoint_uri"]
+        with self._buf_lock:
+            before = self._flat_version
+            self._flat_version = None  # overwritten from here on
+            try:
+                self._flat = copy_out(path, row["total_bytes"], self._flat)
+            except FileNotFoundError:
+                self._flat_version = before  # nothing was copied
+                self.stats.skipped += 1
+                return None
+            self._manifest = manifest_from_rows(row["manifest"])
+            if checksum(self._flat) != row["checksum"]:
+                self.stats.skipped += 1
+                log.warning("%s: %s no longer holds v%d (a newer version is being written "
+                            "there); waiting for the next", self.member_id, path,
+                            row["policy_version"])
+                return None
+            self._flat_version = row["policy_version"]
+        self.stats.received += 1
+        self.stats.bytes += self._flat.numel()
+        self.stats.receive_s += time.perf_counter() - t0
+        self._deliver(row, "shm")
         return row["policy_version"]
 
     def _handle(self, row: dict) -> None:
+        if row["transport"] == "shm":  # a restarted trainer's versions count from its checkpoint
+            newer = self.version is None or row["policy_version"] > self.version \
+                or row["rendezvous"] != self._version_from
+            if newer and os.path.exists(row["checkpoint_uri"]):  # else pruned, or no host of ours
+                self._connect(row["rendezvous"])
+                if self._same_host:
+                    self.load_shm(row)
+            return
         if row["transport"] == "checkpoint":
             newer = self.version is None or row["policy_version"] > self.version
             if self.catch_up and newer and self._group is None and row["checkpoint_uri"]:
@@ -404,13 +465,14 @@ class WeightSubscriber:
         self.stats.received += 1
         self.stats.bytes += size
         self.stats.receive_s += time.perf_counter() - t0
-        self._deliver(row["policy_version"], "broadcast")
+        self._deliver(row, "broadcast")
 
-    def _deliver(self, version: int, how: str) -> None:
+    def _deliver(self, row: dict, how: str) -> None:
+        version = row["policy_version"]
         if self.target is not None:
             with self._buf_lock:
                 self._install(self.target, views(self._flat, self._manifest), version)
                 self._applied = version
-        self.version = version
+        self.version, self._version_from = version, row.get("rendezvous")
         self.stats.history.append((version, how))
         self._events.put(version)

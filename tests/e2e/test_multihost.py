@@ -11,8 +11,9 @@ the ledger) and the blob store (``bus.blob_store``) on that server too. Skipped 
 network namespaces cannot be made (not root, no iproute2).
 
 Nothing is shared on disk: hosts b and c each have a disk of their own at the run root
-(:meth:`Hosts.own_disk`), so each stage writes its log on its own host, as on separate
-machines, and a stage that read another host's run folder would find nothing there. Host
+(:meth:`Hosts.own_disk`, with a ``/dev/shm`` of its own), so each stage writes its log on
+its own host, as on separate machines, the engines on b get the weights by broadcast (no
+same-host file), and a stage that read another host's run folder would find nothing there. Host
 a (the driver, the broker, the trainer's rank 0) keeps the run folder the summary writes.
 Shared still: this machine's installed packages and model cache (``$RELAX_CACHE``),
 which every host has a copy of in a real cluster."""
@@ -52,13 +53,13 @@ from relax.streams.client import BusConfig
 from relax.streams.read import read_table
 from relax.streams.weights import checksum
 from relax.streams.weights.store import read_snapshot
-rows = [r for r in read_table(BusConfig(bootstrap_servers=sys.argv[1]),
-                              sys.argv[2] + ".weights").to_pylist()
-        if r["transport"] == "checkpoint"]
+every = read_table(BusConfig(bootstrap_servers=sys.argv[1]), sys.argv[2] + ".weights").to_pylist()
+rows = [r for r in every if r["transport"] == "checkpoint"]
 newest = max(rows, key=lambda r: r["policy_version"])
 flat, _ = read_snapshot(newest["checkpoint_uri"])
 print(json.dumps({"uri": newest["checkpoint_uri"], "version": newest["policy_version"],
-                  "same": checksum(flat) == newest["checksum"], "bytes": flat.numel()}))
+                  "same": checksum(flat) == newest["checksum"], "bytes": flat.numel(),
+                  "shm": sum(r["transport"] == "shm" for r in every)}))
 """
 
 
@@ -159,3 +160,4 @@ def test_stages_on_three_hosts(tmp_path):
         got = json.loads(snap.stdout)
         assert got["uri"].startswith(f"s3://relax-weights/{run}/v") and got["same"], got
         assert got["version"] >= 2 and got["bytes"] > 0, got
+        assert got["shm"] == 0, got  # b has a /dev/shm of its own: no same-host file

@@ -14,6 +14,7 @@ import pytest
 from testdata import PARITY_REWARD, RECIPES, s3_uri, tiny_recipe
 
 from relax.schemas import metric_names as M
+from relax.streams.weights.shm import SHM_ROOT
 from relax.trainer import checkpoint
 from relax.trainer.ledger import Ledger
 
@@ -32,16 +33,24 @@ def test_tiny_async_run_accounts_for_every_rollout(tiny_run, broker):
     from relax.streams.read import read_table
     from relax.streams.client import BusConfig
 
-    versions = read_table(BusConfig(bootstrap_servers=broker),
-                          f"{recipe.run}.weights").column("policy_version").to_pylist()
-    assert sorted(set(versions)) == [0, 1, 2, 3]
+    weights = read_table(BusConfig(bootstrap_servers=broker), f"{recipe.run}.weights")
+    assert sorted(set(weights.column("policy_version").to_pylist())) == [0, 1, 2, 3]
+    # the rollout engine shares the trainer's host: every version after the one it
+    # started from came as a same-host file, none by broadcast; the run left no file
+    shm = [r["policy_version"] for r in weights.to_pylist() if r["transport"] == "shm"]
+    assert {1, 2, 3} <= set(shm), shm
+    assert not list(Path(SHM_ROOT).glob(f"relax-weights-{recipe.run}-*"))
     assert [ln.split()[1] for ln in s["lines"] if ln.startswith("step")] == ["1/3", "2/3", "3/3"]
     assert (Path(s["run_dir"]) / "curves.png").stat().st_size > 1000
     assert (Path(s["run_dir"]) / "final_model" / "model.safetensors").exists()
     from testdata import documented, readme_metric_names
 
-    written = set(read_table(BusConfig(bootstrap_servers=broker),
-                             f"{recipe.run}.metrics").column("name").to_pylist())
+    metrics = read_table(BusConfig(bootstrap_servers=broker), f"{recipe.run}.metrics")
+    written = set(metrics.column("name").to_pylist())
+    sent = [(r["name"], r["value"]) for r in metrics.to_pylist() if r["policy_version"] == 3
+            and r["name"] in ("weights_local_subscribers", "weights_broadcast_subscribers")]
+    assert sorted(sent) == [("weights_broadcast_subscribers", 0.0),
+                            ("weights_local_subscribers", 1.0)], sent
     names = readme_metric_names()
     assert not sorted(n for n in written if not documented(n, names)), "README metrics table"
     from wandb_records import history  # W&B offline (telemetry.wandb): one row per step

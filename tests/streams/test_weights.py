@@ -1,9 +1,13 @@
-"""Weight channel: flat layout, checksums, safetensors checkpoints, and a real gloo
-broadcast from a publisher to subscriber processes (with a late joiner)."""
+"""Weight channel: flat layout, checksums, safetensors checkpoints, a real gloo
+broadcast from a publisher to subscriber processes (with a late joiner), and the
+same-host transport (``relax.streams.weights.shm``): subscribers that share the
+publisher's ``/dev/shm`` read each version from a file there, the others (here: a
+process in a mount namespace with its own tmpfs) get the broadcast."""
 
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -28,6 +32,7 @@ from relax.streams.weights import (
     views,
     write_safetensors,
 )
+from relax.streams.weights.shm import ShmOffer, copy_out, sees_offer
 
 
 def _announcements(bus, run: str, n: int, timeout_s: float = 30.0) -> list[dict]:
@@ -456,3 +461,126 @@ def test_a_member_registered_again_since_the_group_formed_counts_as_rejoined():
     assert pub._rejoined(formed) == []
     assert pub._rejoined(formed + b"+rollout-1\n") == ["rollout-1"]
     assert pub._rejoined(formed + b"+rollout-2\n") == []  # new ids: the late-joiner path
+
+
+def test_an_offer_is_seen_only_with_its_probe_and_its_buffers_are_shared_files(tmp_path):
+    stale = tmp_path / "relax-weights-r-old"  # a killed trainer's folder of the same run
+    stale.mkdir()
+    other = tmp_path / "relax-weights-r-2-x"  # run "r-2"'s: left alone
+    other.mkdir()
+    offer = ShmOffer(tmp_path, "r", "new")
+    assert not stale.exists() and other.exists()
+    assert sees_offer(offer.offer) and sees_offer(offer.offer.encode())
+    folder, _, nonce = offer.offer.partition("\n")
+    assert not sees_offer(f"{folder}\n{nonce[::-1]}")  # another tmpfs holding that path
+    assert not sees_offer(f"{tmp_path}/nowhere\n{nonce}") and not sees_offer(None)
+    bufs = offer.buffers(1000)
+    assert [b.numel() for b in bufs] == [1000, 1000]
+    bufs[1].copy_(torch.arange(1000) % 251)  # what the publisher writes, another process reads
+    mine = torch.zeros(1000, dtype=torch.uint8)
+    got = copy_out(offer.path(1), 1000, mine)
+    assert got.data_ptr() == mine.data_ptr() and torch.equal(got, bufs[1])
+    assert torch.equal(copy_out(offer.path(1), 600, None), bufs[1][:600])
+    with pytest.raises(ValueError, match="announcement says 2000"):
+        copy_out(offer.path(1), 2000, None)
+    assert offer.buffers(1 << 60) is None  # no room: nothing offered
+    offer.close()
+    assert not offer.folder.exists()
+    with pytest.raises(FileNotFoundError):
+        copy_out(offer.path(0), 1000, None)
+
+
+def test_a_same_host_late_joiner_reads_the_newest_file_and_a_torn_copy_is_dropped(
+        bus, unique, tmp_path):
+    """No checkpoint store: a subscriber on the publisher's host that starts after v1
+    gets v1 from the same-host file announced for it, then v2 and v3 from the files
+    announced at publish (no broadcast group). v1's file holds v3 by then: a copy of it
+    under the label v1 fails the checksum and is dropped."""
+    model = torch.nn.Linear(4, 3)
+    (tmp_path / "shm").mkdir()
+    pub = WeightPublisher(bus, unique, shm_root=tmp_path / "shm", join_timeout_s=30)
+    target = torch.nn.Linear(4, 3)
+
+    def step(v: int):
+        with torch.no_grad():
+            model.weight.add_(1.0)
+        return pub.publish(dict(model.named_parameters()), v).result()
+
+    try:
+        assert step(1).members == []
+        with WeightSubscriber(bus, unique, member_id="late") as sub:
+            assert sub.wait_for(1, 30) == 1 and sub.apply(target) == 1
+            assert torch.equal(target.weight, model.weight)
+            for v in (2, 3):
+                stats = step(v)
+                assert stats.error is None and stats.members == stats.local == ["late"]
+                assert pub.store.get(f"{stats.group_name}/members") == b""  # no broadcast
+                assert sub.wait_for(v, 30) == v and sub.apply(target) == v
+                assert torch.equal(target.weight, model.weight)
+            assert sub.stats.history == [(1, "shm"), (2, "shm"), (3, "shm")]
+            rows = [r for r in _announcements(bus, unique, 6) if r["transport"] == "shm"]
+            assert [r["policy_version"] for r in rows] == [1, 2, 3]
+            assert rows[0]["checkpoint_uri"] == rows[2]["checkpoint_uri"]  # two files in turn
+            assert sub.load_shm(rows[0]) is None and sub.stats.skipped >= 1
+            assert sub.latest() is None  # the receive buffer holds no whole version now
+            assert sub.load_shm(rows[2]) == 3 and sub.latest()[0] == 3
+    finally:
+        pub.close()
+    assert not list((tmp_path / "shm").iterdir())  # close removed the folder
+
+
+def _private_tmpfs_works(path) -> bool:
+    r = subprocess.run(["unshare", "--mount", "--propagation", "private", "sh", "-c",
+                        f'mount -t tmpfs tmpfs "{path}"'], capture_output=True, check=False)
+    return r.returncode == 0
+
+
+def test_same_host_subscribers_read_the_file_others_get_the_broadcast(bus, unique, tmp_path):
+    """A subscriber here reads every version from the same-host file; an HF engine in a
+    process with its own tmpfs over the publisher's shm folder (another host, as far as
+    /dev/shm goes) cannot see the probe and gets the gloo broadcast; both end on v3 with
+    the publisher's bytes."""
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    if shutil.which("unshare") is None or not _private_tmpfs_works(shm):
+        pytest.skip("needs unshare --mount and tmpfs mounts (root)")
+    from relax.trainer.models import load_model
+
+    script = tmp_path / "subscriber.py"
+    script.write_text(_SUBSCRIBER)
+    params = dict(load_model("tiny-llama").named_parameters())
+    pub = WeightPublisher(bus, unique, shm_root=shm, bucket_bytes=4 << 20, join_timeout_s=120)
+    mount = 'mount -t tmpfs tmpfs "$1" && shift && exec "$@"'
+    remote = subprocess.Popen(
+        ["unshare", "--mount", "--propagation", "private", "sh", "-c", mount, "remote",
+         str(shm), sys.executable, str(script), bus.bootstrap_servers, unique, "B",
+         pub.rendezvous, str(tmp_path), "plain"], text=True)
+    local = WeightSubscriber(bus, unique, member_id="A", rendezvous=pub.rendezvous).start()
+    try:
+        pub.wait_for_members(2, 180)
+        for v in (1, 2, 3):
+            g = torch.Generator().manual_seed(v)
+            with torch.no_grad():
+                for p in params.values():
+                    p.add_(torch.randn(p.shape, generator=g) * 0.01)
+            stats = pub.publish(params, v).result()
+            assert stats.error is None and stats.members == ["A", "B"]
+            assert pub.store.get(f"{stats.group_name}/members") == b"B"
+            if v == 2:
+                _wait_file(tmp_path / "B.v2", [remote])
+        _wait_file(tmp_path / "B.json", [remote])
+        assert remote.wait(timeout=60) == 0
+        assert local.wait_for(3, 60) == 3
+        version, got = local.latest()
+    finally:
+        if remote.poll() is None:
+            remote.kill()
+        local.close()
+        pub.close()
+    v3 = [a for a in _announcements(bus, unique, 6) if a["policy_version"] == 3]
+    assert sorted(a["transport"] for a in v3) == ["gloo", "shm"]
+    assert all(torch.equal(got[n], p.detach()) for n, p in params.items())
+    assert local.stats.history == [(1, "shm"), (2, "shm"), (3, "shm")]
+    result = json.loads((tmp_path / "B.json").read_text())
+    assert result["history"] == [[1, "broadcast"], [2, "broadcast"], [3, "broadcast"]]
+    assert result["checksum"] == v3[0]["checksum"] and result["failures"] == 0

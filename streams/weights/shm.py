@@ -1,0 +1,171 @@
+"""The weight channel's same-host transport: the publisher's send buffer lives in
+``/dev/shm`` (RAM), and subscribers that share that tmpfs copy each version out of it.
+
+Why: on one host the gloo broadcast pushes every byte through TCP on loopback, in
+threads of both processes (538 MB a version for a 135M model in fp32). Here the
+publisher's copy of the weights into its send buffer *is* the transfer, and a
+subscriber pays one memcpy out of the mapped file (``benchmarks/weight_sync.py``).
+
+How:
+
+* The publisher (:class:`ShmOffer`) makes its own folder
+  ``<root>/relax-weights-<run>-<incarnation>/`` holding a ``probe`` file with a random
+  nonce, and puts ``<folder>\\n<nonce>`` in the rendezvous store under :data:`SHM_KEY`.
+* A subscriber that reaches the store reads the probe (:func:`sees_offer`): the same
+  nonce means the same ``/dev/shm``, so the same host (a network namespace with its own
+  tmpfs, or another machine, does not see it). It says so under ``shm/<member_id>``
+  (``1`` or ``0``, written before it registers), and the publisher leaves it out of the
+  broadcast group.
+* The send buffer is two files, ``buf0`` and ``buf1``, each the flat stream of one
+  version (:mod:`relax.streams.weights.layout`, no header: the announcement carries the
+  manifest), mapped shared and used in turn: version v is copied into one while the
+  other still holds v-1. Their pages are reserved up front (``posix_fallocate``), so a
+  full tmpfs is an error at the first publish, never a SIGBUS later.
+* Each version is announced with ``transport=shm`` and its file in ``checkpoint_uri``
+  before the broadcast. The subscriber copies it into its receive buffer
+  (:func:`copy_out`) and verifies the checksum.
+* There are no acknowledgements: the publisher never waits for a same-host subscriber,
+  so a dead one can stall nothing. A subscriber more than one version behind may read a
+  file the publisher is overwriting; the checksum then differs, the copy is dropped
+  and the subscriber takes the next announcement.
+
+Only CPU buffers use it (on a GPU the same-host path would be CUDA IPC). A publisher
+that finds too little room in the tmpfs for two versions offers nothing and everyone
+gets the broadcast. A publisher's folder is removed by :meth:`ShmOffer.close`, and
+folders left by an earlier incarnation of the same run (a trainer that was killed) by
+the next one and by ``relax train`` when the run ends (:func:`remove_run_files`).
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+import shutil
+import uuid
+from pathlib import Path
+
+import numpy as np
+import torch
+
+log = logging.getLogger(__name__)
+
+SHM_ROOT = "/dev/shm"
+"""Where the same-host files go by default (a tmpfs on Linux)."""
+
+SHM_KEY = "relax/shm"
+"""Rendezvous-store key of the publisher's offer: ``<folder>\\n<nonce>``."""
+
+_SPARE = 64 << 20
+"""Bytes of the tmpfs left free beyond the two buffers."""
+
+
+def member_key(member_id: str) -> str:
+    """Rendezvous-store key where a subscriber says whether it sees the offer."""
+    return f"shm/{member_id}"
+
+
+def remove_run_files(root: str | Path, run: str) -> None:
+    """Remove the same-host folders of every publisher of ``run`` under ``root`` (a
+    trainer that was killed leaves its own; the driver calls this when a run ends)."""
+    prefix = f"relax-weights-{run}-"
+    for old in Path(root).glob(f"{prefix}*"):
+        if old.name[len(prefix):].isalnum():  # not run "<run>-2"'s: "2-<incarnation>"
+            shutil.rmtree(old, ignore_errors=True)
+
+
+class ShmOffer:
+    """The publisher's same-host folder and send buffers (see the module docstring).
+
+    Args:
+        root: a tmpfs folder (``/dev/shm``).
+        run: run name (folders of earlier incarnations of it are removed).
+        incarnation: this publisher's unique tag (letters and digits).
+
+    Raises:
+        OSError: the folder cannot be made.
+    """
+
+    def __init__(self, root: str | Path, run: str, incarnation: str):
+        self.root = Path(root)
+        remove_run_files(self.root, run)  # left by a killed trainer of this run
+        self.folder = self.root / f"relax-weights-{run}-{incarnation}"
+        self.folder.mkdir(parents=True)
+        self.nonce = uuid.uuid4().hex
+        (self.folder / "probe").write_text(self.nonce)
+        self._maps: list[mmap.mmap] = []
+
+    @property
+    def offer(self) -> str:
+        """The value published under :data:`SHM_KEY`."""
+        return f"{self.folder}\n{self.nonce}"
+
+    def path(self, slot: int) -> str:
+        """The file of send buffer ``slot`` (0 or 1)."""
+        return str(self.folder / f"buf{slot}")
+
+    def buffers(self, nbytes: int) -> list[torch.Tensor] | None:
+        """The two send buffers, uint8 ``[nbytes]`` each, mapped shared on
+        :meth:`path` ``(0)`` and ``(1)`` with their pages reserved; None when the tmpfs
+        lacks room for them (then nothing is left behind)."""
+        if shutil.disk_usage(self.root).free < 2 * nbytes + _SPARE:
+            return None
+        out = []
+        for slot in (0, 1):
+            fd = os.open(self.path(slot), os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+            try:
+                os.posix_fallocate(fd, 0, nbytes)
+                self._maps.append(mmap.mmap(fd, nbytes))
+            except OSError as e:  # ENOSPC: another process filled the tmpfs meanwhile
+                log.warning("no room for the same-host send buffers in %s (%s)", self.root, e)
+                self.close()
+                return None
+            finally:
+                os.close(fd)
+            out.append(torch.frombuffer(self._maps[-1], dtype=torch.uint8))
+        return out
+
+    def close(self) -> None:
+        """Remove the folder (the mappings stay valid until dropped; a subscriber still
+        copying a file keeps it until it is done)."""
+        shutil.rmtree(self.folder, ignore_errors=True)
+
+
+def sees_offer(offer: bytes | str | None) -> bool:
+    """Whether this process shares the ``/dev/shm`` of the publisher whose offer
+    (:attr:`ShmOffer.offer`) it read: the probe file exists here and holds the nonce."""
+    if not offer:
+        return False
+    text = offer.decode() if isinstance(offer, bytes) else offer
+    folder, _, nonce = text.partition("\n")
+    try:
+        return (Path(folder) / "probe").read_text() == nonce
+    except OSError:
+        return False
+
+
+def copy_out(path: str, nbytes: int, flat: torch.Tensor | None) -> torch.Tensor:
+    """Copy the first ``nbytes`` of the file at ``path`` (a send buffer) into ``flat``
+    (uint8 ``[nbytes]`` on the CPU, reused when its size fits; a new one otherwise)
+    through a read-only mapping: one memcpy. Returns the buffer.
+
+    Raises:
+        FileNotFoundError: no file at ``path`` (its publisher closed).
+        ValueError: the file is shorter than ``nbytes``.
+    """
+    if flat is None or flat.numel() != nbytes or flat.device.type != "cpu":
+        flat = torch.empty(nbytes, dtype=torch.uint8)
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        if size < nbytes:
+            raise ValueError(f"{path}: {size} bytes, the announcement says {nbytes}")
+        with mmap.mmap(f.fileno(), nbytes, access=mmap.ACCESS_READ) as m:
+            src = np.frombuffer(m, dtype=np.uint8, count=nbytes)
+            np.copyto(flat.numpy(), src)
+            del src  # the mapping closes only once no array points into it
+    return flat
+
+
+def shm_root_usable(root: str | Path) -> bool:
+    """Whether ``root`` is a writable folder (``/dev/shm`` exists on Linux, not on macOS)."""
+    return os.path.isdir(root) and os.access(root, os.W_OK)
