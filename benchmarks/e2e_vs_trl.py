@@ -59,6 +59,7 @@ SYSTEMS = {
     "async1": "relax async s=1",
     "async2": "relax async s=2",
     "async1fixed": "relax async s=1, no elastic threads",
+    "syncgloo": "relax sync, weights by broadcast (no /dev/shm)",
 }
 
 
@@ -220,9 +221,10 @@ def run_loop(w: dict, threads: int) -> dict:
 
 
 def run_relax(w: dict, mode: str, staleness: int, threads: int, run_root: str,
-              elastic: bool = True) -> dict:
+              elastic: bool = True, shm: bool = True) -> dict:
     """``relax train`` on the demo recipe (every stage its own process, local broker);
-    ``elastic=False`` keeps the trainer at its fixed threads (no ``max_torch_threads``)."""
+    ``elastic=False`` keeps the trainer at its fixed threads (no ``max_torch_threads``);
+    ``shm=False`` sends the weights by the gloo broadcast (``trainer.weights_shm``)."""
     import yaml
 
     from relax.infra.launch import train
@@ -234,7 +236,7 @@ def run_relax(w: dict, mode: str, staleness: int, threads: int, run_root: str,
                 run_root=run_root, eval=None)
     tree["data"].update(limit=w["steps"] * w["batch_groups"], partitions=1)
     tree["rollout"]["seed"] = w["seed"]
-    tree["trainer"].update(steps=w["steps"], max_staleness=staleness)
+    tree["trainer"].update(steps=w["steps"], max_staleness=staleness, weights_shm=shm)
     tree["trainer"]["loss"].update(clip_eps_low=w["clip_eps"], clip_eps_high=w["clip_eps"])
     for stage in ("rollout", "trainer"):
         tree["resources"][stage]["torch_threads"] = threads
@@ -285,7 +287,8 @@ def one(system: str, w: dict, threads: int, out: Path) -> None:
         name = system.removesuffix("fixed")
         mode, s = ("sync", 0) if name.startswith("sync") else ("async", int(name[-1]))
         with tempfile.TemporaryDirectory(prefix="relax-bench-") as d:
-            res = run_relax(w, mode, s, threads, d, elastic=not system.endswith("fixed"))
+            res = run_relax(w, mode, s, threads, d, elastic=not system.endswith("fixed"),
+                            shm=not system.endswith("gloo"))
             png = Path(res.pop("run_dir")) / "timeline.png"  # the stages' CPU use
             if png.exists():
                 shutil.copy(png, out.parent / f"{out.stem.replace('raw_', 'timeline_')}.png")
@@ -295,11 +298,12 @@ def one(system: str, w: dict, threads: int, out: Path) -> None:
 
 # ------------------------------------------------------------------ the comparison
 THREADS = {"trl": 2, "loop": 2, "loop1t": 1, "sync": 2, "sync1t": 1, "async1": 1, "async2": 1,
-           "async1fixed": 1}
+           "async1fixed": 1, "syncgloo": 2}
 """torch threads per process. A single process, and relax sync whose stages take turns,
 use both cores; the overlapped relax async stages get one each (two would fight).
 ``sync1t``: relax sync with async's per-stage threads (the same resources section);
 ``loop1t``: the plain loop at one thread (for :func:`derived_limit`);
+``syncgloo``: relax sync with the weights sent by the gloo broadcast, not /dev/shm;
 ``async1fixed``: relax async s=1 without the trainer's elastic second thread
 (:mod:`relax.trainer.cores`), to measure what it earns."""
 

@@ -9,7 +9,8 @@ version into a receive buffer, verifies its checksum, and hands it to the engine
 
 Modules, lowest first: ``layout`` (flat tensor layout, checksum), ``files`` (safetensors),
 ``rendezvous`` (store, process groups), ``shm`` (the same-host transport), ``announce``
-(topic, reader), ``publisher``, ``subscriber``.
+(topic, reader), ``install`` (a version into an engine or module), ``publisher``,
+``subscriber``.
 """
 
 from relax.streams.weights.announce import (
@@ -18,8 +19,10 @@ from relax.streams.weights.announce import (
     weights_topic,
 )
 from relax.streams.weights.files import read_safetensors_flat, write_safetensors
+from relax.streams.weights.install import install_weights
 from relax.streams.weights.layout import (
     DEFAULT_BUCKET_BYTES,
+    ChecksumError,
     TensorEntry,
     build_manifest,
     checksum,
@@ -40,7 +43,7 @@ from relax.streams.weights.rendezvous import (
     parse_rendezvous,
     replay_membership,
 )
-from relax.streams.weights.subscriber import ChecksumError, SubscriberStats, WeightSubscriber
+from relax.streams.weights.subscriber import SubscriberStats, WeightSubscriber
 
 __all__ = [
     "CONNECT_S",
@@ -59,6 +62,7 @@ __all__ = [
     "dtype_name",
     "ensure_weights_topic",
     "flatten_into",
+    "install_weights",
     "local_ip_towards",
     "manifest_from_rows",
     "manifest_rows",

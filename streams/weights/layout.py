@@ -148,6 +148,10 @@ def flatten_into(
             copy_tensor_(targets[e.name], t.detach())
 
 
+class ChecksumError(RuntimeError):
+    """Received bytes do not match the announced checksum."""
+
+
 def checksum(flat: torch.Tensor) -> str:
     """``crc32c:<8 hex>`` over the bytes of ``flat`` (``[N]`` uint8; copied to host if on
     a device). crc32c runs at several GB/s with SSE4.2."""

@@ -30,14 +30,16 @@ import torch
 from relax.streams.client import BusConfig
 from relax.streams.weights.announce import AnnouncementReader, _newest_live
 from relax.streams.weights.shm import SHM_KEY, copy_out, member_key, sees_offer
-from relax.streams.weights.store import read_snapshot
+from relax.streams.weights.install import install_weights
 from relax.streams.weights.layout import (
+    ChecksumError,
     TensorEntry,
     checksum,
     manifest_from_rows,
     plan_buckets,
     views,
 )
+from relax.streams.weights.store import read_snapshot
 from relax.streams.weights.rendezvous import (
     CONNECT_S,
     MEMBERSHIP_KEY,
@@ -64,10 +66,6 @@ class SubscriberStats:
     checksum_failures: int = 0
     skipped: int = 0
     history: list[tuple[int, str]] = field(default_factory=list)
-
-
-class ChecksumError(RuntimeError):
-    """Received bytes do not match the announced checksum."""
 
 
 class WeightSubscriber:
@@ -214,7 +212,7 @@ class WeightSubscriber:
             version = self._flat_version
             if version is None or version == self._applied:
                 return None
-            self._install(target, views(self._flat, self._manifest), version)
+            install_weights(target, views(self._flat, self._manifest), version)
             self._applied = version
             return version
 
@@ -232,29 +230,6 @@ class WeightSubscriber:
     def _raise_if_dead(self) -> None:
         if self.error is not None:
             raise RuntimeError(f"weight subscriber {self.member_id} stopped") from self.error
-
-    @staticmethod
-    def _install(target, named: dict[str, torch.Tensor], version: int) -> None:
-        """Hand ``named`` to an engine, or copy it into a module's parameters/buffers in
-        place once every name and shape is checked (a bad update changes nothing).
-
-        Raises:
-            KeyError: a name the module does not have. ValueError: a shape that differs.
-        """
-        if hasattr(target, "update_weights"):
-            target.update_weights(named, version)
-            return
-        own = dict(target.named_parameters(remove_duplicate=False))
-        own.update(dict(target.named_buffers(remove_duplicate=False)))
-        for name, t in named.items():
-            if name not in own:
-                raise KeyError(f"{name!r} is not a parameter or buffer of the model")
-            if t.shape != own[name].shape:
-                raise ValueError(f"{name}: received shape {tuple(t.shape)}, "
-                                 f"the model's is {tuple(own[name].shape)}")
-        with torch.no_grad():
-            for name, t in named.items():
-                own[name].copy_(t)
 
     def _main(self) -> None:
         try:
@@ -448,19 +423,14 @@ class WeightSubscriber:
             except RuntimeError:
                 self._group, self._pg = None, None  # the publisher forms a new group
                 self.stats.skipped += 1
-                log.warning(
-                    "%s: broadcast of v%d failed; waiting for the next version",
-                    self.member_id,
-                    row["policy_version"],
-                )
+                log.warning("%s: broadcast of v%d failed; waiting for the next version",
+                            self.member_id, row["policy_version"])
                 self._store.append(MEMBERSHIP_KEY, f"+{self.member_id}\n")
                 return
             if checksum(self._flat) != row["checksum"]:
                 self.stats.checksum_failures += 1
-                raise ChecksumError(
-                    f"{self.member_id}: v{row['policy_version']} received bytes "
-                    f"do not match checksum {row['checksum']}"
-                )
+                raise ChecksumError(f"{self.member_id}: v{row['policy_version']} received "
+                                    f"bytes do not match checksum {row['checksum']}")
             self._flat_version = row["policy_version"]
         self.stats.received += 1
         self.stats.bytes += size
@@ -471,7 +441,7 @@ class WeightSubscriber:
         version = row["policy_version"]
         if self.target is not None:
             with self._buf_lock:
-                self._install(self.target, views(self._flat, self._manifest), version)
+                install_weights(self.target, views(self._flat, self._manifest), version)
                 self._applied = version
         self.version, self._version_from = version, row.get("rendezvous")
         self.stats.history.append((version, how))

@@ -24,6 +24,7 @@ from relax.streams.weights import (
     build_manifest,
     checksum,
     flatten_into,
+    install_weights,
     manifest_rows,
     plan_buckets,
     read_safetensors_flat,
@@ -386,9 +387,9 @@ def test_install_into_a_module_checks_every_tensor_before_copying():
     model = torch.nn.Linear(4, 3)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     with pytest.raises(ValueError, match="bias"):
-        WeightSubscriber._install(model, {"weight": torch.ones(3, 4), "bias": torch.ones(1)}, 2)
+        install_weights(model, {"weight": torch.ones(3, 4), "bias": torch.ones(1)}, 2)
     with pytest.raises(KeyError, match="nope"):
-        WeightSubscriber._install(model, {"weight": torch.ones(3, 4), "nope": torch.ones(1)}, 2)
+        install_weights(model, {"weight": torch.ones(3, 4), "nope": torch.ones(1)}, 2)
     for n, p in model.named_parameters():
         assert torch.equal(p, before[n]), n
 
