@@ -27,7 +27,13 @@ waited for data and the mean reward of the trained samples. From those:
   single-process loop waits for the whole of its generation and scoring);
 * ``rollout_idle_pct``: seconds the generator was not generating / the same window
   (single process: its training time; relax: the rollout stage's weight and budget
-  waits).
+  waits);
+* ``train_ms_per_row``: training seconds per row trained (systems train different
+  numbers of informative rows a step); ``train_cpu_per_s`` (relax): the trainer
+  process's CPU seconds per second of training;
+* ``limit`` / ``limit_corun``: the best perfect overlap of the halves on 2 cores
+  (:func:`derived_limit`), from one-thread times measured alone (``loop1t``) or with
+  the other core busy (``loop1tx2``).
 
 Writes ``benchmarks/results/e2e_vs_trl.json`` (with ``async_over_sync`` and
 ``relax_over_trl``, ratios of steady samples/s) and ``e2e_vs_trl.png``; last line
@@ -60,6 +66,7 @@ SYSTEMS = {
     "async2": "relax async s=2",
     "async1fixed": "relax async s=1, no elastic threads",
     "syncgloo": "relax sync, weights by broadcast (no /dev/shm)",
+    "loop1tx2": "two 1-thread plain loops side by side",
 }
 
 
@@ -256,7 +263,9 @@ def run_relax(w: dict, mode: str, staleness: int, threads: int, run_root: str,
     per_step = [{"t": ends[int(s["step"])], "samples": s["samples_trained"],
                  "wait_s": s["data_wait_s"], "step_s": s["step_s"],
                  "reward": s["reward_mean_trained"], "train_s": s["train_s"],
-                 "checkpoint_s": s.get("checkpoint_s", 0.0)}
+                 "checkpoint_s": s.get("checkpoint_s", 0.0), "rows": s.get("rows_computed"),
+                 "tokens": s.get("tokens_trained"),
+                 "cpu_s": s.get("train_cpu_user_s", 0.0) + s.get("train_cpu_sys_s", 0.0)}
                 for s in step_rows(rows)]
     # rollout idle: its cumulative weight + budget waits between the ends of steps 1 and N-1
     # (its last batch is made during step N-1: after that it has nothing left to do)
@@ -298,12 +307,14 @@ def one(system: str, w: dict, threads: int, out: Path) -> None:
 
 # ------------------------------------------------------------------ the comparison
 THREADS = {"trl": 2, "loop": 2, "loop1t": 1, "sync": 2, "sync1t": 1, "async1": 1, "async2": 1,
-           "async1fixed": 1, "syncgloo": 2}
+           "async1fixed": 1, "syncgloo": 2, "loop1tx2": 1}
 """torch threads per process. A single process, and relax sync whose stages take turns,
 use both cores; the overlapped relax async stages get one each (two would fight).
 ``sync1t``: relax sync with async's per-stage threads (the same resources section);
 ``loop1t``: the plain loop at one thread (for :func:`derived_limit`);
 ``syncgloo``: relax sync with the weights sent by the gloo broadcast, not /dev/shm;
+``loop1tx2``: two ``loop1t`` processes at once (each half's time while the other core is
+busy too, for :func:`derived_limit`; samples/s is the two together);
 ``async1fixed``: relax async s=1 without the trainer's elastic second thread
 (:mod:`relax.trainer.cores`), to measure what it earns."""
 
@@ -331,6 +342,14 @@ def summarise(raw: dict) -> dict:
                                   for s in rest) / len(rest), 2),
         "data_wait_pct": round(100 * wait / step_total, 1),
         "checkpoint_s": round(ckpt, 2),
+        # training per row trained (the halves differ in informative rows across systems),
+        # and the trainer's CPU seconds per wall second of training (relax only)
+        "train_ms_per_row": (round(1000 * sum(s["train_s"] for s in rest)
+                                   / sum(s["rows"] for s in rest), 1)
+                             if all(s.get("rows") for s in rest) else None),
+        "train_cpu_per_s": (round(sum(s["cpu_s"] for s in rest)
+                                  / sum(s["train_s"] for s in rest), 2)
+                            if all("cpu_s" in s for s in rest) else None),
         "rollout_idle_pct": None if idle is None else round(100 * idle, 1),
         "reward_mean": round(sum(s["reward"] * s["samples"] for s in st) / samples, 4),
         "reward_curve": [round(s["reward"], 4) for s in st],
@@ -338,24 +357,37 @@ def summarise(raw: dict) -> dict:
     }
 
 
-def derived_limit(res: dict) -> dict | None:
+def derived_limit(res: dict, one: str = "loop1t") -> dict | None:
     """The best a perfect overlap of generation and training could do on 2 cores, from
     the plain loop's steady per-step times at two threads (``g2`` generation and scoring,
     ``t2`` training) and at one (``g1``, ``t1``): the two halves of consecutive steps run
     side by side on a core each, and when the shorter one ends, the longer one takes both
     cores. With ``t1 >= g1`` a step then takes ``g1 + (1 - g1 / t1) * t2`` seconds (else
     the same with g and t swapped); the limit is the loop's samples per step over that.
-    None without both loops."""
-    if "loop" not in res or "loop1t" not in res:
+    ``one="loop1tx2"`` takes g1 and t1 from two one-thread loops run at once instead (the
+    halves as fast as they run while the other core works: cores that slow each other
+    down lower the limit). None without both loops."""
+    if "loop" not in res or one not in res:
         return None
     g2, t2 = res["loop"]["wait_s_mean"], res["loop"]["train_s_mean"]
-    g1, t1 = res["loop1t"]["wait_s_mean"], res["loop1t"]["train_s_mean"]
+    g1, t1 = res[one]["wait_s_mean"], res[one]["train_s_mean"]
     (a1, _a2), (b1, b2) = sorted([(g1, g2), (t1, t2)])  # a: the shorter half at 1 thread
     step = a1 + (1 - a1 / b1) * b2
     per_step = res["loop"]["trained_samples"] / res["loop"]["steps"]
     return {"g1_s": g1, "t1_s": t1, "g2_s": g2, "t2_s": t2, "step_s": round(step, 2),
             "samples_per_s": round(per_step / step, 3),
             "sequential_2thread_step_s": round(g2 + t2, 2)}
+
+
+def corun(results: list[dict]) -> dict:
+    """One summary of two loops run at once: their samples/s added, per-step seconds
+    averaged (each half's time while the other core is busy too)."""
+    a, b = results
+    out = {k: round((a[k] + b[k]) / 2, 2) if isinstance(a[k], float) and k.endswith("_mean")
+           else a[k] for k in a}
+    for k in ("samples_per_s", "steady_samples_per_s"):
+        out[k] = round(a[k] + b[k], 3)
+    return out
 
 
 def ratios(res: dict) -> dict:
@@ -378,6 +410,11 @@ def ratios(res: dict) -> dict:
     out["async_over_limit"] = (round(res[best_async]["steady_samples_per_s"]
                                      / limit["samples_per_s"], 3)
                                if limit and best_async in res else None)
+    corun_limit = derived_limit(res, "loop1tx2")
+    out["limit_corun"] = corun_limit
+    out["async_over_limit_corun"] = (round(res[best_async]["steady_samples_per_s"]
+                                           / corun_limit["samples_per_s"], 3)
+                                     if corun_limit and best_async in res else None)
     out["trainer_data_wait"] = (round(res[best_async]["data_wait_pct"] / 100, 4)
                                 if best_async in res else None)
     return out
@@ -432,17 +469,24 @@ def main() -> None:
         raw = out.parent / f"raw_{name}.json"
         log = out.parent / f"log_{name}.txt"
         print(f"== {SYSTEMS[name]} ({THREADS[name]} torch threads per process)", flush=True)
-        with log.open("w") as f:
-            p = subprocess.run([sys.executable, __file__, "--one", name, "--steps", str(args.steps),
-                                "--threads", str(THREADS[name]), "--raw", str(raw)],
-                               stdout=f, stderr=subprocess.STDOUT, env=env, timeout=args.timeout_s,
-                               check=False)
-        if p.returncode != 0:
-            tail = log.read_text()[-3000:]
-            raise SystemExit(f"{name} failed (exit {p.returncode}); log {log}:\n{tail}")
-        results[name] = summarise(json.loads(raw.read_text()))
-        raw.unlink()
-        log.unlink()
+        copies = 2 if name == "loop1tx2" else 1
+        raws = [raw] if copies == 1 else [raw.with_suffix(f".{i}.json") for i in range(copies)]
+        logs = [log] if copies == 1 else [log.with_suffix(f".{i}.txt") for i in range(copies)]
+        procs = []
+        for r, lg in zip(raws, logs):
+            with lg.open("w") as f:
+                procs.append(subprocess.Popen(
+                    [sys.executable, __file__, "--one", name.removesuffix("x2"), "--steps",
+                     str(args.steps), "--threads", str(THREADS[name]), "--raw", str(r)],
+                    stdout=f, stderr=subprocess.STDOUT, env=env))
+        for p, lg in zip(procs, logs):
+            if p.wait(timeout=args.timeout_s) != 0:
+                tail = lg.read_text()[-3000:]
+                raise SystemExit(f"{name} failed (exit {p.returncode}); log {lg}:\n{tail}")
+        each = [summarise(json.loads(r.read_text())) for r in raws]
+        results[name] = each[0] if copies == 1 else corun(each)
+        for f in raws + logs:
+            f.unlink()
         r = results[name]
         print(f"   samples/s steady={r['steady_samples_per_s']} e2e={r['samples_per_s']} "
               f"step_s={r['step_s_mean']} data-wait={r['data_wait_pct']}% "
