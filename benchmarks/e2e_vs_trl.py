@@ -380,8 +380,9 @@ def derived_limit(res: dict, one: str = "loop1t") -> dict | None:
 
 
 def corun(results: list[dict]) -> dict:
-    """One summary of two loops run at once: their samples/s added, per-step seconds
-    averaged (each half's time while the other core is busy too)."""
+    """One summary of two loops run at once: their samples/s added, the per-step means
+    (``*_mean`` seconds) averaged (each half's time while the other core is busy too);
+    every other figure is the first loop's."""
     a, b = results
     out = {k: round((a[k] + b[k]) / 2, 2) if isinstance(a[k], float) and k.endswith("_mean")
            else a[k] for k in a}
