@@ -28,12 +28,15 @@ waited for data and the mean reward of the trained samples. From those:
 * ``rollout_idle_pct``: seconds the generator was not generating / the same window
   (single process: its training time; relax: the rollout stage's weight and budget
   waits);
-* ``train_ms_per_row``: training seconds per row trained (systems train different
-  numbers of informative rows a step); ``train_cpu_per_s`` (relax): the trainer
-  process's CPU seconds per second of training;
+* ``rows_mean``: rows trained a step (rows of zero-variance groups are skipped, so the
+  systems, which sample different answers, train different numbers);
+  ``train_ms_per_row``: training seconds per row trained; ``train_cpu_per_s``: the
+  trainer process's CPU seconds per second of training (all its threads);
+  ``train_faults_per_row``: its minor page faults per row trained;
 * ``limit`` / ``limit_corun``: the best perfect overlap of the halves on 2 cores
   (:func:`derived_limit`), from one-thread times measured alone (``loop1t``) or with
-  the other core busy (``loop1tx2``).
+  the other core busy (``loop1tx2``); ``limit_rows``: ``limit`` with the loops'
+  training times scaled to the best async system's rows a step.
 
 Writes ``benchmarks/results/e2e_vs_trl.json`` (with ``async_over_sync`` and
 ``relax_over_trl``, ratios of steady samples/s) and ``e2e_vs_trl.png``; last line
@@ -46,6 +49,7 @@ import argparse
 import json
 import os
 import platform
+import resource
 import shutil
 import subprocess
 import sys
@@ -64,7 +68,6 @@ SYSTEMS = {
     "sync1t": "relax sync, 1 thread/stage",
     "async1": "relax async s=1",
     "async2": "relax async s=2",
-    "async1fixed": "relax async s=1, no elastic threads",
     "syncgloo": "relax sync, weights by broadcast (no /dev/shm)",
     "loop1tx2": "two 1-thread plain loops side by side",
 }
@@ -179,6 +182,7 @@ def run_loop(w: dict, threads: int) -> dict:
     from relax.trainer.backends.torch_backend import TorchBackend
     from relax.trainer.batching import informative_rows, loss_counts, micro_batches
     from relax.trainer.config import TrainerConfig
+    from relax.trainer.loop import cpu_usage
     from relax.trainer.models import load_tokenizer
 
     torch.set_num_threads(threads)
@@ -216,6 +220,7 @@ def run_loop(w: dict, threads: int) -> dict:
             cells = {f"g{step}-{gi}/{k}": {"correct": (v, None)} for k, v in enumerate(rewards)}
             groups.append(build_train_samples(table, cells, None, acfg))
         wait = time.perf_counter() - ts
+        before = resource.getrusage(resource.RUSAGE_SELF)
         stats = backend.train_step(micro_batches(informative_rows(groups), 8192),
                                    counts=loss_counts(groups))
         now = time.perf_counter()
@@ -223,14 +228,20 @@ def run_loop(w: dict, threads: int) -> dict:
         per_step.append({"t": now - t0, "samples": len(rew), "wait_s": wait,
                          "step_s": now - ts, "reward": sum(rew) / len(rew),
                          "train_s": stats["train_s"], "rows": stats["rows_computed"],
-                         "tokens": stats["tokens_trained"]})
+                         "tokens": stats["tokens_trained"],
+                         **train_cpu(cpu_usage(before, resource.getrusage(resource.RUSAGE_SELF)))})
     return {"steps": per_step, "train_s": per_step[-1]["t"]}
 
 
+def train_cpu(m: dict) -> dict:
+    """A step's trainer CPU seconds (user + kernel) and minor page faults from its metrics."""
+    return {"cpu_s": m.get("train_cpu_user_s", 0.0) + m.get("train_cpu_sys_s", 0.0),
+            "faults": m.get("train_page_faults", 0.0)}
+
+
 def run_relax(w: dict, mode: str, staleness: int, threads: int, run_root: str,
-              elastic: bool = True, shm: bool = True) -> dict:
+              shm: bool = True) -> dict:
     """``relax train`` on the demo recipe (every stage its own process, local broker);
-    ``elastic=False`` keeps the trainer at its fixed threads (no ``max_torch_threads``);
     ``shm=False`` sends the weights by the gloo broadcast (``trainer.weights_shm``)."""
     import yaml
 
@@ -247,8 +258,6 @@ def run_relax(w: dict, mode: str, staleness: int, threads: int, run_root: str,
     tree["trainer"]["loss"].update(clip_eps_low=w["clip_eps"], clip_eps_high=w["clip_eps"])
     for stage in ("rollout", "trainer"):
         tree["resources"][stage]["torch_threads"] = threads
-    if mode == "sync" or not elastic:  # sync: the stages take turns, each has both cores
-        tree["resources"]["trainer"].pop("max_torch_threads", None)
     recipe = load_recipe(None, [], tree=tree)
     summary = train(recipe, say=lambda s: print(s, flush=True))
     run_dir = Path(summary["run_dir"])
@@ -265,7 +274,7 @@ def run_relax(w: dict, mode: str, staleness: int, threads: int, run_root: str,
                  "reward": s["reward_mean_trained"], "train_s": s["train_s"],
                  "checkpoint_s": s.get("checkpoint_s", 0.0), "rows": s.get("rows_computed"),
                  "tokens": s.get("tokens_trained"),
-                 "cpu_s": s.get("train_cpu_user_s", 0.0) + s.get("train_cpu_sys_s", 0.0)}
+                 **train_cpu(s)}
                 for s in step_rows(rows)]
     # rollout idle: its cumulative weight + budget waits between the ends of steps 1 and N-1
     # (its last batch is made during step N-1: after that it has nothing left to do)
@@ -293,10 +302,10 @@ def one(system: str, w: dict, threads: int, out: Path) -> None:
     elif system.startswith("loop"):
         res = run_loop(w, threads)
     else:
-        name = system.removesuffix("fixed")
+        name = system.removesuffix("gloo")
         mode, s = ("sync", 0) if name.startswith("sync") else ("async", int(name[-1]))
         with tempfile.TemporaryDirectory(prefix="relax-bench-") as d:
-            res = run_relax(w, mode, s, threads, d, elastic=not system.endswith("fixed"),
+            res = run_relax(w, mode, s, threads, d,
                             shm=not system.endswith("gloo"))
             png = Path(res.pop("run_dir")) / "timeline.png"  # the stages' CPU use
             if png.exists():
@@ -307,16 +316,14 @@ def one(system: str, w: dict, threads: int, out: Path) -> None:
 
 # ------------------------------------------------------------------ the comparison
 THREADS = {"trl": 2, "loop": 2, "loop1t": 1, "sync": 2, "sync1t": 1, "async1": 1, "async2": 1,
-           "async1fixed": 1, "syncgloo": 2, "loop1tx2": 1}
+           "syncgloo": 2, "loop1tx2": 1}
 """torch threads per process. A single process, and relax sync whose stages take turns,
 use both cores; the overlapped relax async stages get one each (two would fight).
 ``sync1t``: relax sync with async's per-stage threads (the same resources section);
 ``loop1t``: the plain loop at one thread (for :func:`derived_limit`);
 ``syncgloo``: relax sync with the weights sent by the gloo broadcast, not /dev/shm;
 ``loop1tx2``: two ``loop1t`` processes at once (each half's time while the other core is
-busy too, for :func:`derived_limit`; samples/s is the two together);
-``async1fixed``: relax async s=1 without the trainer's elastic second thread
-(:mod:`relax.trainer.cores`), to measure what it earns."""
+busy too, for :func:`derived_limit`; samples/s is the two together)."""
 
 
 def summarise(raw: dict) -> dict:
@@ -329,6 +336,8 @@ def summarise(raw: dict) -> dict:
     step_total = sum(s["step_s"] for s in rest) - ckpt
     wait = sum(s["wait_s"] for s in rest)
     idle = raw.get("rollout_idle_frac")
+    rows = (sum(s["rows"] for s in rest)  # a step may train none (all groups zero-variance)
+            if all(s.get("rows") is not None for s in rest) else None)
     if idle is None and "rollout_idle_frac" not in raw:  # one process: idle while training
         idle = (step_total - wait) / step_total
     return {
@@ -343,21 +352,22 @@ def summarise(raw: dict) -> dict:
         "data_wait_pct": round(100 * wait / step_total, 1),
         "checkpoint_s": round(ckpt, 2),
         # training per row trained (the halves differ in informative rows across systems),
-        # and the trainer's CPU seconds per wall second of training (relax only)
-        "train_ms_per_row": (round(1000 * sum(s["train_s"] for s in rest)
-                                   / sum(s["rows"] for s in rest), 1)
-                             if all(s.get("rows") for s in rest) else None),
+        # and the trainer's CPU seconds per wall second of training
+        "rows_mean": rows and round(rows / len(rest), 1),
+        "train_ms_per_row": rows and round(1000 * sum(s["train_s"] for s in rest) / rows, 1),
         "train_cpu_per_s": (round(sum(s["cpu_s"] for s in rest)
                                   / sum(s["train_s"] for s in rest), 2)
                             if all("cpu_s" in s for s in rest) else None),
+        "train_faults_per_row": rows and round(sum(s.get("faults", 0) for s in rest) / rows),
         "rollout_idle_pct": None if idle is None else round(100 * idle, 1),
         "reward_mean": round(sum(s["reward"] * s["samples"] for s in st) / samples, 4),
         "reward_curve": [round(s["reward"], 4) for s in st],
+        "wait_s_curve": [round(s["wait_s"], 2) for s in st],
         **({"accounting": raw["accounting"]} if "accounting" in raw else {}),
     }
 
 
-def derived_limit(res: dict, one: str = "loop1t") -> dict | None:
+def derived_limit(res: dict, one: str = "loop1t", rows_of: str | None = None) -> dict | None:
     """The best a perfect overlap of generation and training could do on 2 cores, from
     the plain loop's steady per-step times at two threads (``g2`` generation and scoring,
     ``t2`` training) and at one (``g1``, ``t1``): the two halves of consecutive steps run
@@ -366,15 +376,22 @@ def derived_limit(res: dict, one: str = "loop1t") -> dict | None:
     the same with g and t swapped); the limit is the loop's samples per step over that.
     ``one="loop1tx2"`` takes g1 and t1 from two one-thread loops run at once instead (the
     halves as fast as they run while the other core works: cores that slow each other
-    down lower the limit). None without both loops."""
-    if "loop" not in res or one not in res:
+    down lower the limit). ``rows_of`` (a relax system) scales each loop's training time
+    to that system's trained rows per step (``rows_mean``): the systems sample different
+    answers, so their steps hold different numbers of informative rows, and this limit is
+    the one for the rows that system actually trained. None without both loops."""
+    if "loop" not in res or one not in res or (rows_of and rows_of not in res):
         return None
     g2, t2 = res["loop"]["wait_s_mean"], res["loop"]["train_s_mean"]
     g1, t1 = res[one]["wait_s_mean"], res[one]["train_s_mean"]
+    if rows_of:
+        rows = res[rows_of]["rows_mean"]
+        t2, t1 = t2 * rows / res["loop"]["rows_mean"], t1 * rows / res[one]["rows_mean"]
     (a1, _a2), (b1, b2) = sorted([(g1, g2), (t1, t2)])  # a: the shorter half at 1 thread
     step = a1 + (1 - a1 / b1) * b2
     per_step = res["loop"]["trained_samples"] / res["loop"]["steps"]
-    return {"g1_s": g1, "t1_s": t1, "g2_s": g2, "t2_s": t2, "step_s": round(step, 2),
+    return {"g1_s": g1, "t1_s": round(t1, 2), "g2_s": g2, "t2_s": round(t2, 2),
+            "step_s": round(step, 2),
             "samples_per_s": round(per_step / step, 3),
             "sequential_2thread_step_s": round(g2 + t2, 2)}
 
@@ -416,6 +433,11 @@ def ratios(res: dict) -> dict:
     out["async_over_limit_corun"] = (round(res[best_async]["steady_samples_per_s"]
                                            / corun_limit["samples_per_s"], 3)
                                      if corun_limit and best_async in res else None)
+    rows_limit = derived_limit(res, rows_of=best_async)
+    out["limit_rows"] = rows_limit
+    out["async_over_limit_rows"] = (round(res[best_async]["steady_samples_per_s"]
+                                          / rows_limit["samples_per_s"], 3)
+                                    if rows_limit else None)
     out["trainer_data_wait"] = (round(res[best_async]["data_wait_pct"] / 100, 4)
                                 if best_async in res else None)
     return out

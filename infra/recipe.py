@@ -102,9 +102,6 @@ class Resources(StrictModel):
     num_cpus: float = Field(1.0, ge=0)
     num_gpus: float = Field(0.0, ge=0)
     torch_threads: int | None = Field(None, ge=1)
-    max_torch_threads: int | None = Field(
-        None, ge=1, description="trainer only: threads while no rollout engine of the run "
-        "generates (co-located stages, trainer/cores.py); None = torch_threads always")
     host: str | None = Field(
         None, pattern=r"^[A-Za-z0-9_.-]+$",
         description="run on the Ray node that offers the custom resource 'host:<host>' "
@@ -117,13 +114,6 @@ class Resources(StrictModel):
         None, description="trainer only: the host of each rank 1..processes-1 (Ray nodes "
         "offering 'host:<name>'; each rank asks for num_cpus there); None = child processes "
         "on the trainer's host")
-
-    @model_validator(mode="after")
-    def _check_threads(self):
-        if self.max_torch_threads is not None and self.max_torch_threads < (self.torch_threads or 1):
-            raise ValueError(f"max_torch_threads {self.max_torch_threads} is below torch_threads "
-                             f"{self.torch_threads or 1}")
-        return self
 
 
 class ApiSection(StrictModel):
@@ -197,10 +187,6 @@ class Recipe(StrictModel):
         bad = set(self.resources) - set(STAGES)
         if bad:
             raise ValueError(f"resources: unknown stage(s) {sorted(bad)}; valid: {', '.join(STAGES)}")
-        elastic = [s for s, r in self.resources.items() if r.max_torch_threads and s != "trainer"]
-        if elastic:
-            raise ValueError(f"resources: max_torch_threads is for the trainer only, set for "
-                             f"{sorted(elastic)}")
         multi = [s for s, r in self.resources.items() if r.processes > 1 and s != "trainer"]
         if multi:
             raise ValueError(f"resources: processes is for the trainer only (use "

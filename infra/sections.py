@@ -43,15 +43,15 @@ def section_of(config: type[BaseModel], title: str, wiring: frozenset[str], doc:
     return create_model(title, __base__=base, __doc__=doc, **fields)
 
 
-ROLLOUT_WIRING = frozenset({"bus", "run", "dataset", "model", "engine_id", "rollouts_partitions", "busy_dir",
+ROLLOUT_WIRING = frozenset({"bus", "run", "dataset", "model", "engine_id", "rollouts_partitions",
                             "environment_reward"})
 REWARD_WIRING = frozenset({"bus", "run", "reward", "name"})
 REFERENCE_WIRING = frozenset({"bus", "run", "model", "role"})
 TEACHER_WIRING = frozenset({"bus", "run", "role", "member_id", "follow_every",
                             "weights_rendezvous"})
 AGGREGATE_WIRING = frozenset({"run", "partitions", "advantage"})
-TRAINER_WIRING = frozenset({"run", "run_dir", "trainer", "busy_dir", "max_threads",
-                            "processes", "rank_hosts", "rank_num_cpus", "telemetry"})
+TRAINER_WIRING = frozenset({"run", "run_dir", "trainer", "processes", "rank_hosts",
+                            "rank_num_cpus", "telemetry"})
 BUS_WIRING = frozenset({"bootstrap_servers", "max_message_bytes"})
 """Per stage, the fields of its config the launcher fills (from the recipe's top level,
 ``data``, ``advantage``, ``resources`` and the process's place in the run); every other

@@ -65,9 +65,6 @@ def stage_specs(recipe: Recipe, bus: BusConfig, run_dir: Path) -> list[StageSpec
 
     run, ro = recipe.run, recipe.rollout
     busd = bus.model_dump()
-    # co-located cores: rollouts flag their generate calls, the trainer takes the idle core
-    max_threads = recipe.resources_of("trainer").max_torch_threads
-    busy_dir = str(run_dir / "busy") if max_threads else None
     specs = []
     options = ro.model_dump(exclude={"instances"})
     for i in range(ro.instances):
@@ -75,7 +72,7 @@ def stage_specs(recipe: Recipe, bus: BusConfig, run_dir: Path) -> list[StageSpec
         config = _checked(f"stage {name} (rollout)", RolloutConfig, dict(
             options, bus=busd, run=run, dataset=recipe.data.dataset, model=recipe.model,
             engine_id=name,
-            rollouts_partitions=recipe.partitions, busy_dir=busy_dir,
+            rollouts_partitions=recipe.partitions,
             environment_reward=recipe.environment_reward()))
         specs.append(StageSpec(name, "rollout", config, recipe.resources_of("rollout")))
     for r in recipe.rewards:
@@ -106,8 +103,8 @@ def stage_specs(recipe: Recipe, bus: BusConfig, run_dir: Path) -> list[StageSpec
     if stage["weights_host"] is None and not recipe.ray_address:
         stage["weights_host"] = "127.0.0.1"  # one host: loopback (else the Ray node's address)
     config = _checked("stage trainer (trainer)", TrainerStageConfig, dict(
-        stage, run=run, run_dir=str(run_dir), trainer=trainer, busy_dir=busy_dir,
-        max_threads=max_threads, processes=recipe.resources_of("trainer").processes,
+        stage, run=run, run_dir=str(run_dir), trainer=trainer,
+        processes=recipe.resources_of("trainer").processes,
         rank_hosts=recipe.resources_of("trainer").rank_hosts,
         rank_num_cpus=recipe.resources_of("trainer").num_cpus,
         telemetry=recipe.telemetry.model_dump()))

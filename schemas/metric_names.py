@@ -24,7 +24,6 @@ CHECKPOINT_S = "checkpoint_s"          # time the step spent writing its checkpo
 TRAIN_CPU_USER_S = "train_cpu_user_s"  # trainer process CPU seconds in user mode during train_step
 TRAIN_CPU_SYS_S = "train_cpu_sys_s"    # ... in the kernel (page faults show here)
 TRAIN_PAGE_FAULTS = "train_page_faults"  # trainer process minor page faults during train_step
-THREADS_HIGH_S = "threads_high_s"      # trainer: cumulative seconds at max_torch_threads (cores.py)
 LOSS = "loss"
 GRAD_NORM = "grad_norm"
 REWARD_MEAN = "reward_mean"            # mean final reward of the samples decided this step

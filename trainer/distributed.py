@@ -31,6 +31,14 @@ def default_backend() -> str:
     return "nccl" if torch.cuda.is_available() else "gloo"
 
 
+def node_address() -> str:
+    """The address other hosts reach this process at: the Ray node's IP when this process
+    is a Ray worker (the address the cluster's nodes registered with), else 127.0.0.1."""
+    import ray
+
+    return ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1"
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     """A TCP port that was free on ``host`` a moment ago (bind to port 0; another
     process may take it before rank 0 listens, which is fine for tests)."""

@@ -39,7 +39,7 @@ from relax.trainer.backends import build_backend
 from relax.trainer.batching import (informative_rows, loss_counts, micro_batches, split_groups,
                                    teacher_kl)
 from relax.trainer.config import TrainerConfig
-from relax.trainer.cores import node_address
+from relax.trainer.distributed import node_address
 from relax.trainer.ledger import Ledger
 from relax.trainer.source import Batch, SampleSource
 from relax.trainer.telemetry import Telemetry, TelemetryConfig
@@ -56,12 +56,11 @@ class TrainerStageConfig(BaseModel):
         trainer: the trainer settings.
         weights_host: address subscribers reach the weight rendezvous at (announced with
             every version); None = this node's address as Ray knows it
-            (:func:`relax.trainer.cores.node_address`; 127.0.0.1 outside Ray and in single-host runs).
+            (:func:`relax.trainer.distributed.node_address`; 127.0.0.1 outside Ray and in
+            single-host runs).
         weights_port: rendezvous port (0 = free).
         telemetry: TensorBoard, Prometheus and W&B (recipe block ``telemetry:``,
             :class:`~relax.trainer.telemetry.TelemetryConfig`).
-        busy_dir / max_threads: take up to ``max_threads`` torch threads while no rollout
-            engine flags ``busy_dir`` (co-located stages, ``relax.trainer.cores``); None = off.
         processes: trainer ranks (``relax.trainer.ranks``): data-parallel with the torch
             back end, tensor-parallel (``tp * pp``) with megatron; this process is rank 0.
         rank_hosts: the host of each rank 1..processes-1 (Ray tasks on the nodes that
@@ -76,8 +75,6 @@ class TrainerStageConfig(BaseModel):
     weights_host: str | None = None
     weights_port: int = 0
     telemetry: TelemetryConfig = Field(default_factory=TelemetryConfig)
-    busy_dir: str | None = None
-    max_threads: int | None = None
     processes: int = Field(1, ge=1)
     rank_hosts: list[str] | None = None
     rank_num_cpus: float = Field(1.0, ge=0)
@@ -191,14 +188,6 @@ class TrainerStage:
         # rows with zero advantage add exactly 0 to a pure policy-gradient loss: skip their
         # forward/backward (the loss keeps the whole batch's normalisation)
         self._skip_zero = not (loss.kl_coef and loss.kl_in == "loss") and loss.entropy_coef == 0
-        self.threads = None
-        if cfg.busy_dir and cfg.max_threads:
-            from relax.trainer.cores import ElasticThreads, host_folder
-
-            low = torch.get_num_threads()
-            self.threads = ElasticThreads(host_folder(cfg.busy_dir), low=low,
-                                          high=max(low, cfg.max_threads))
-            self.threads.install(self.backend.model)
 
     # -- progress for the rollout stage's credit
     def _progress(self, consumed_delta: int = 0) -> None:
@@ -234,8 +223,6 @@ class TrainerStage:
     def _timed(self, out: dict[str, float], batch, t0: float) -> dict[str, float]:
         """``out`` with the step's timings so far (seconds since ``t0``)."""
         out[M.STEP_S] = time.perf_counter() - t0
-        if self.threads is not None:
-            out[M.THREADS_HIGH_S] = self.threads.seconds_at(self.threads.high)
         out[M.SAMPLES_PER_S] = batch.rows / out[M.STEP_S]
         out[M.BUSY_FRAC] = max(0.0, 1.0 - batch.wait_s / out[M.STEP_S])
         return out

@@ -36,8 +36,8 @@ from pathlib import Path
 import torch.distributed as dist
 
 from relax.trainer.config import TrainerConfig
-from relax.trainer.cores import node_address
-from relax.trainer.distributed import destroy_data_parallel, free_port, init_data_parallel
+from relax.trainer.distributed import (destroy_data_parallel, free_port, init_data_parallel,
+                                       node_address)
 
 log = logging.getLogger(__name__)
 

@@ -51,8 +51,6 @@ class RolloutConfig(BaseModel):
         poll_timeout_s: prompt poll timeout (seconds).
         metrics_every_s: seconds between metric flushes.
         from_beginning: where a new consumer group starts on the prompt topic.
-        busy_dir: folder of the run's busy flags: each engine call is marked there so a
-            co-located trainer can take the idle core (``relax.trainer.cores``); None = off.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -91,7 +89,6 @@ class RolloutConfig(BaseModel):
     poll_timeout_s: float = Field(0.5, gt=0)
     metrics_every_s: float = Field(5.0, gt=0)
     from_beginning: bool = True
-    busy_dir: str | None = None
 
     @model_validator(mode="after")
     def _check(self):

@@ -4,7 +4,6 @@ for credit or weights, sample, produce, commit. See the package docstring
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import time
@@ -38,7 +37,6 @@ from relax.schemas import topics
 from relax.streams.client import ensure_topics
 from relax.streams.progress import TrainerProgress
 from relax.streams.stage import BusyWindow, run_loop
-from relax.trainer.cores import BusyFlag, host_folder
 from relax.trainer.models import load_processor
 from relax.trainer.multimodal import encode_prompt
 
@@ -79,8 +77,6 @@ class RolloutStage:
         self._progress: TrainerProgress | None = None
         self._claims: ClaimLog | None = None
         self._started_ids: set[str] = set()
-        self._busy = (BusyFlag(host_folder(cfg.busy_dir), cfg.engine_id) if cfg.busy_dir
-                      else None)
 
     # ---------------------------------------------------------------- budget
     def _granted(self) -> int:
@@ -210,10 +206,6 @@ class RolloutStage:
         return render_ids(self.tokenizer, msgs)
 
     def _sample(self, items: list[_Item], prompt_ids: list[list[int]]) -> list[list[Episode]]:
-        with self._busy.busy() if self._busy else contextlib.nullcontext():
-            return self._sample_now(items, prompt_ids)
-
-    def _sample_now(self, items: list[_Item], prompt_ids: list[list[int]]) -> list[list[Episode]]:
         seed = None if self.cfg.seed is None else self.cfg.seed + self.groups_started
         params = self.cfg.sampling(seed)
         if self._env_factory is None and self.processor is not None:

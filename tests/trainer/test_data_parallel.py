@@ -278,3 +278,14 @@ def test_a_child_rank_that_exits_before_the_group_forms_fails_rank_0_at_once(tmp
     import torch.distributed as dist
 
     assert not dist.is_initialized()
+
+
+def test_node_address_outside_ray_is_loopback(monkeypatch):
+    """Outside Ray (the session's shared local Ray may be up in this process) every
+    rendezvous this process opens is on loopback."""
+    import ray
+
+    from relax.trainer.distributed import node_address
+
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    assert node_address() == "127.0.0.1"
