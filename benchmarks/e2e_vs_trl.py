@@ -207,8 +207,10 @@ def run_loop(w: dict, threads: int) -> dict:
         batch = rows[step * w["batch_groups"]:(step + 1) * w["batch_groups"]]
         ids = [render_ids(tok, [{"role": "user", "content": w["prompt_template"].format(
             prompt=r[w["prompt_field"]])}]) for r in batch]
-        params = SamplingParams(max_new_tokens=w["max_new_tokens"],
-                                temperature=w["temperature"], seed=w["seed"] + step)
+        # seeded as the rollout stage seeds a call: seed + its group counter, counted
+        # with the call's own groups (so relax sync samples exactly what the loop does)
+        params = SamplingParams(max_new_tokens=w["max_new_tokens"], temperature=w["temperature"],
+                                seed=w["seed"] + (step + 1) * w["batch_groups"])
         episodes = sample_groups(engine, ids, w["group_size"], params)
         groups = []
         for gi, (r, eps) in enumerate(zip(batch, episodes)):
