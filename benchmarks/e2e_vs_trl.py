@@ -28,8 +28,9 @@ waited for data and the mean reward of the trained samples. From those:
 * ``rollout_idle_pct``: seconds the generator was not generating / the same window
   (single process: its training time; relax: the rollout stage's weight and budget
   waits);
-* ``rows_mean``: rows trained a step (rows of zero-variance groups are skipped, so the
-  systems, which sample different answers, train different numbers);
+* ``rows_mean``: rows trained a step (rows of zero-variance groups are skipped, so
+  systems that sample different answers, like async against the loop, train different
+  numbers; the loop and relax sync sample the same);
   ``train_ms_per_row``: training seconds per row trained; ``train_cpu_per_s``: the
   trainer process's CPU seconds per second of training (all its threads);
   ``train_faults_per_row``: its minor page faults per row trained;
@@ -355,12 +356,14 @@ def summarise(raw: dict) -> dict:
         "checkpoint_s": round(ckpt, 2),
         # training per row trained (the halves differ in informative rows across systems),
         # and the trainer's CPU seconds per wall second of training
-        "rows_mean": rows and round(rows / len(rest), 1),
-        "train_ms_per_row": rows and round(1000 * sum(s["train_s"] for s in rest) / rows, 1),
+        "rows_mean": None if rows is None else round(rows / len(rest), 1),
+        "train_ms_per_row": (round(1000 * sum(s["train_s"] for s in rest) / rows, 1)
+                             if rows else None),
         "train_cpu_per_s": (round(sum(s["cpu_s"] for s in rest)
                                   / sum(s["train_s"] for s in rest), 2)
                             if all("cpu_s" in s for s in rest) else None),
-        "train_faults_per_row": rows and round(sum(s.get("faults", 0) for s in rest) / rows),
+        "train_faults_per_row": (round(sum(s.get("faults", 0) for s in rest) / rows)
+                                 if rows else None),
         "rollout_idle_pct": None if idle is None else round(100 * idle, 1),
         "reward_mean": round(sum(s["reward"] * s["samples"] for s in st) / samples, 4),
         "reward_curve": [round(s["reward"], 4) for s in st],
@@ -384,6 +387,9 @@ def derived_limit(res: dict, one: str = "loop1t", rows_of: str | None = None) ->
     the one for the rows that system actually trained. None without both loops."""
     if "loop" not in res or one not in res or (rows_of and rows_of not in res):
         return None
+    if rows_of and not (res[rows_of]["rows_mean"] and res["loop"]["rows_mean"]
+                        and res[one]["rows_mean"]):
+        return None  # rows unknown, or none trained
     g2, t2 = res["loop"]["wait_s_mean"], res["loop"]["train_s_mean"]
     g1, t1 = res[one]["wait_s_mean"], res[one]["train_s_mean"]
     if rows_of:
