@@ -111,7 +111,6 @@ class MegatronBackend:
         self.layout = Layout.from_hf_config(hf.config)
         self.layout.check(tp)
         self.gpt = build_gpt(hf.config, tp).to(self.device)
-        self.model = self.gpt  # the trained module, named as in every back end
         self._load_shard(hf_to_megatron({k: v.detach() for k, v in hf.state_dict().items()},
                                         self.layout, tp)[self.rank])
         self._hf = hf if self.rank == 0 else None  # config and save_pretrained
