@@ -171,15 +171,9 @@ def run_trl(w: dict, threads: int) -> dict:
 def run_loop(w: dict, threads: int) -> dict:
     """The floor: relax's own pieces (HF engine, scorer, GRPO advantages, shared-prefix
     trainer step) called one after the other in one process, one model, no bus."""
-    import pyarrow as pa
     import torch
 
-    from relax.consumers.samples import AdvantageConfig, build_train_samples
-    from relax.consumers.engines.base import SamplingParams
     from relax.consumers.engines.hf import HFEngine
-    from relax.consumers.multiturn import render_ids
-    from relax.consumers.rollout import RolloutConfig, rollout_batch, sample_groups
-    from relax.streams.client import BusConfig
     from relax.trainer.backends.torch_backend import TorchBackend
     from relax.trainer.batching import informative_rows, loss_counts, micro_batches
     from relax.trainer.config import TrainerConfig
@@ -188,40 +182,17 @@ def run_loop(w: dict, threads: int) -> dict:
 
     torch.set_num_threads(threads)
     torch.manual_seed(w["seed"])
-    tcfg = TrainerConfig(model=w["model"], batch_groups=w["batch_groups"], steps=w["steps"],
-                         optim={"lr": w["lr"], "grad_clip": w["grad_clip"]},
-                         loss={"policy_loss": "ppo_clip", "loss_agg_mode": "token-mean",
-                               "clip_eps_low": w["clip_eps"], "clip_eps_high": w["clip_eps"]},
-                         old_logprobs="rollout", max_tokens_per_microbatch=8192)
-    backend = TorchBackend(tcfg)
+    trainer, rcfg, acfg = loop_configs(w)
+    backend = TorchBackend(TrainerConfig(**trainer))
     tok = load_tokenizer(w["model"])
     engine = HFEngine(backend.model, tok, engine_id="loop")
-    rcfg = RolloutConfig(bus=BusConfig(bootstrap_servers="unused:0"), run="loop", dataset="arith",
-                         model=w["model"], group_size=w["group_size"],
-                         max_new_tokens=w["max_new_tokens"], temperature=w["temperature"])
-    acfg = AdvantageConfig(estimator="grpo", rewards={"correct": 1.0})
     rows = prompt_rows(w)
     per_step = []
     t0 = time.perf_counter()
     for step in range(w["steps"]):
         ts = time.perf_counter()
         batch = rows[step * w["batch_groups"]:(step + 1) * w["batch_groups"]]
-        ids = [render_ids(tok, [{"role": "user", "content": w["prompt_template"].format(
-            prompt=r[w["prompt_field"]])}]) for r in batch]
-        # seeded as the rollout stage seeds a call: seed + its group counter, counted
-        # with the call's own groups (so relax sync samples exactly what the loop does)
-        params = SamplingParams(max_new_tokens=w["max_new_tokens"], temperature=w["temperature"],
-                                seed=w["seed"] + (step + 1) * w["batch_groups"])
-        episodes = sample_groups(engine, ids, w["group_size"], params)
-        groups = []
-        for gi, (r, eps) in enumerate(zip(batch, episodes)):
-            prow = {"prompt_id": f"p{step}-{gi}", "dataset": "arith", "prompt": r[w["prompt_field"]],
-                    "label": str(r[w["label_field"]]), "metadata": "{}"}
-            table = pa.Table.from_batches([rollout_batch(prow, f"g{step}-{gi}", eps, rcfg, "loop",
-                                                         0, 0)])
-            rewards = score([e.response_text for e in eps], [prow["label"]] * len(eps))
-            cells = {f"g{step}-{gi}/{k}": {"correct": (v, None)} for k, v in enumerate(rewards)}
-            groups.append(build_train_samples(table, cells, None, acfg))
+        groups, _ = grpo_groups(engine, tok, batch, step, w, rcfg, acfg)
         wait = time.perf_counter() - ts
         before = resource.getrusage(resource.RUSAGE_SELF)
         stats = backend.train_step(micro_batches(informative_rows(groups), 8192),
@@ -234,6 +205,81 @@ def run_loop(w: dict, threads: int) -> dict:
                          "tokens": stats["tokens_trained"],
                          **train_cpu(cpu_usage(before, resource.getrusage(resource.RUSAGE_SELF)))})
     return {"steps": per_step, "train_s": per_step[-1]["t"]}
+
+
+def loop_configs(w: dict, budget: int = 8192) -> tuple[dict, object, object]:
+    """The settings the plain loop shares with relax's stages for workload ``w``.
+
+    Args:
+        w: the workload (:func:`workload`).
+        budget: ``max_tokens_per_microbatch`` (padded tokens a micro-batch).
+
+    Returns:
+        ``(trainer, rollout, advantage)``: ``TrainerConfig`` keyword arguments (PPO-clip,
+        token-mean, pi_old from the rollout), the ``RolloutConfig`` and the
+        ``AdvantageConfig`` (GRPO, reward ``correct``).
+    """
+    from relax.consumers.rollout import RolloutConfig
+    from relax.consumers.samples import AdvantageConfig
+    from relax.streams.client import BusConfig
+
+    trainer = dict(model=w["model"], batch_groups=w["batch_groups"], steps=w["steps"],
+                   optim={"lr": w["lr"], "grad_clip": w["grad_clip"]},
+                   loss={"policy_loss": "ppo_clip", "loss_agg_mode": "token-mean",
+                         "clip_eps_low": w["clip_eps"], "clip_eps_high": w["clip_eps"]},
+                   old_logprobs="rollout", max_tokens_per_microbatch=budget)
+    rollout = RolloutConfig(bus=BusConfig(bootstrap_servers="unused:0"), run="loop",
+                            dataset="arith", model=w["model"], group_size=w["group_size"],
+                            max_new_tokens=w["max_new_tokens"], temperature=w["temperature"])
+    return trainer, rollout, AdvantageConfig(estimator="grpo", rewards={"correct": 1.0})
+
+
+def grpo_groups(engine, tok, batch: list[dict], step: int, w: dict, rcfg, acfg
+                ) -> tuple[list, dict]:
+    """One step of the plain loop's sampling: each prompt row of ``batch`` rendered with
+    the chat template, ``group_size`` samples of each in one engine call, scored, made
+    into train samples with GRPO advantages (the rollout, reward and aggregate stages'
+    own functions, called in a row).
+
+    Args:
+        engine: a :class:`relax.consumers.engines.base.Engine` (HF engine, any device).
+        tok: its tokenizer.
+        batch: ``batch_groups`` source rows (``w["prompt_field"]``, ``w["label_field"]``).
+        step: the step number (seeds the call, names the groups).
+        w: the workload (:func:`workload`).
+        rcfg, acfg: the rollout's ``RolloutConfig`` and the ``AdvantageConfig``.
+
+    Returns:
+        ``(groups, timing)``: one ``train_samples`` table per group; timing holds
+        ``gen_s`` (the engine call, seconds) and ``gen_tokens`` (response tokens made).
+    """
+    import pyarrow as pa
+
+    from relax.consumers.engines.base import SamplingParams
+    from relax.consumers.multiturn import render_ids
+    from relax.consumers.rollout import rollout_batch, sample_groups
+    from relax.consumers.samples import build_train_samples
+
+    ids = [render_ids(tok, [{"role": "user", "content": w["prompt_template"].format(
+        prompt=r[w["prompt_field"]])}]) for r in batch]
+    # seeded as the rollout stage seeds a call: seed + its group counter, counted
+    # with the call's own groups (so relax sync samples exactly what the loop does)
+    params = SamplingParams(max_new_tokens=w["max_new_tokens"], temperature=w["temperature"],
+                            seed=w["seed"] + (step + 1) * w["batch_groups"])
+    t = time.perf_counter()
+    episodes = sample_groups(engine, ids, w["group_size"], params)
+    timing = {"gen_s": time.perf_counter() - t,
+              "gen_tokens": sum(len(e.response_ids) for eps in episodes for e in eps)}
+    groups = []
+    for gi, (r, eps) in enumerate(zip(batch, episodes)):
+        prow = {"prompt_id": f"p{step}-{gi}", "dataset": "arith", "prompt": r[w["prompt_field"]],
+                "label": str(r[w["label_field"]]), "metadata": "{}"}
+        table = pa.Table.from_batches([rollout_batch(prow, f"g{step}-{gi}", eps, rcfg, "loop",
+                                                     0, 0)])
+        rewards = score([e.response_text for e in eps], [prow["label"]] * len(eps))
+        cells = {f"g{step}-{gi}/{k}": {"correct": (v, None)} for k, v in enumerate(rewards)}
+        groups.append(build_train_samples(table, cells, None, acfg))
+    return groups, timing
 
 
 def train_cpu(m: dict) -> dict:

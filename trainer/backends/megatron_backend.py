@@ -69,7 +69,8 @@ class MegatronBackend:
         device: ignored on the CPU; with CUDA the rank's GPU (what
             :func:`relax.trainer.distributed.init_data_parallel` returns; default
             ``"cuda"``).
-        model: an already loaded HF model (tests); default ``load_model(cfg.model)``.
+        model: an already loaded HF model (tests); default ``load_model(cfg.model)``
+            (float32). The megatron-core model is built in this model's dtype.
 
     Raises:
         ValueError: a process count other than ``tp * pp``, a model family or setting
@@ -110,10 +111,13 @@ class MegatronBackend:
         hf = model if model is not None else load_model(cfg.model)
         self.layout = Layout.from_hf_config(hf.config)
         self.layout.check(tp)
-        self.gpt = build_gpt(hf.config, tp).to(self.device)
+        # megatron-core's parameters take the dtype of the model given (fp32 from
+        # load_model; a bf16 model trains in bf16, as the torch back end does)
+        self.gpt = build_gpt(hf.config, tp, next(hf.parameters()).dtype).to(self.device)
         self._load_shard(hf_to_megatron({k: v.detach() for k, v in hf.state_dict().items()},
                                         self.layout, tp)[self.rank])
         self._hf = hf if self.rank == 0 else None  # config and save_pretrained
+        self.pad_id = hf.get_input_embeddings().padding_idx  # no gradient from its lookups
         self.gpt.train()
         o = cfg.optim
         self.optimizer = torch.optim.AdamW(self.gpt.parameters(), lr=o.lr, betas=o.betas,
@@ -173,7 +177,7 @@ class MegatronBackend:
         )
 
         mb = to_device(mb, self.device)
-        logits = response_logits(self.gpt, mb, self.layout.vocab)
+        logits = response_logits(self.gpt, mb, self.layout.vocab, self.pad_id)
         lp = vocab_parallel_logprobs(logits, mb.targets, mb.temperature)
         ent = vocab_parallel_entropy(logits, mb.temperature) if with_entropy else None
         return lp, ent

@@ -84,18 +84,22 @@ def transformer_config(hf_config, tp: int, dtype: torch.dtype = torch.float32):
 
 def build_gpt(hf_config, tp: int, dtype: torch.dtype = torch.float32):
     """An (uninitialised) megatron-core ``GPTModel`` for ``hf_config``, this rank's TP
-    shard; model parallelism must be initialised (``parallel_state``)."""
+    shard, every parameter in ``dtype``; model parallelism must be initialised
+    (``parallel_state``)."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.models.gpt.gpt_model import GPTModel
 
     lay = Layout.from_hf_config(hf_config)
-    return GPTModel(transformer_config(hf_config, tp, dtype),
+    gpt = GPTModel(transformer_config(hf_config, tp, dtype),
                     get_gpt_layer_local_spec(normalization="RMSNorm"),
                     vocab_size=lay.padded_vocab(tp),
                     max_sequence_length=hf_config.max_position_embeddings,
                     share_embeddings_and_output_weights=lay.tied,
                     position_embedding_type="rope", rotary_base=_rope_theta(hf_config),
                     parallel_output=True)
+    for p in gpt.parameters():  # the local spec's torch RMSNorm is made in float32 always
+        p.data = p.data.to(dtype)
+    return gpt
 
 
 def row_sequences(mb: MicroBatch) -> tuple[torch.Tensor, torch.Tensor]:
@@ -116,13 +120,21 @@ def row_sequences(mb: MicroBatch) -> tuple[torch.Tensor, torch.Tensor]:
     return ids, p_len
 
 
-def response_logits(gpt, mb: MicroBatch, vocab: int) -> torch.Tensor:
+def response_logits(gpt, mb: MicroBatch, vocab: int, pad_id: int | None = None
+                    ) -> torch.Tensor:
     """``[B, R, V / tp]`` vocab-parallel logits (float32) of this TP rank that predict
     each response token; columns of the vocabulary padding (ids >= ``vocab``) are -inf.
 
     Runs megatron-core's embedding, RoPE and decoder (with the final norm) on the
     right-padded rows (:func:`row_sequences`) under an explicit causal mask, then its
     vocab-parallel output layer on the response positions only.
+
+    Args:
+        pad_id: the HF model's ``pad_token_id`` (its ``nn.Embedding(padding_idx=...)``):
+            the embeddings looked up for this id are detached, so that row of the word
+            embeddings gets no gradient from its lookups, as in the HF model (a tied
+            output layer still trains it). SmolLM2 pads with ``<|im_end|>`` (id 2),
+            which ends every turn of a chat prompt.
     """
     from megatron.core import parallel_state
 
@@ -130,6 +142,8 @@ def response_logits(gpt, mb: MicroBatch, vocab: int) -> torch.Tensor:
     b, s = ids.shape
     pos = torch.arange(s, device=ids.device)
     emb = gpt.embedding(input_ids=ids, position_ids=pos[None, :].expand(b, s))   # [S, B, H]
+    if pad_id is not None:
+        emb = torch.where((ids == pad_id).T[..., None], emb.detach(), emb)
     causal = torch.triu(torch.ones(s, s, dtype=torch.bool, device=ids.device), 1)[None, None]
     hidden = gpt.decoder(hidden_states=emb, attention_mask=causal,
                          rotary_pos_emb=gpt.rotary_pos_emb(s))                   # [S, B, H]
@@ -166,10 +180,11 @@ def vocab_parallel_logprobs(logits: torch.Tensor, targets: torch.Tensor, tempera
 
 def vocab_parallel_entropy(logits: torch.Tensor, temperature: float) -> torch.Tensor:
     """``[B, R]`` float32 entropy (nats) of ``softmax(logits / T)`` over the TP-split
-    vocabulary: ``H = m + log s - w / s`` with ``m`` the global max, ``s = sum exp(x - m)``
-    and ``w = sum exp(x - m) x``, the sums all-reduced over the tensor-parallel group
-    (megatron-core's ``reduce_from_tensor_model_parallel_region``: backward is the
-    identity, right because every TP rank computes the same loss). Differentiable.
+    vocabulary: ``H = log s - w / s`` with ``m`` the global max, ``s = sum exp(x - m)``
+    and ``w = sum exp(x - m) (x - m)`` (centred: float32 loses nothing to a cancellation
+    of ~``m``), the sums all-reduced over the tensor-parallel group (megatron-core's
+    ``reduce_from_tensor_model_parallel_region``: backward is the identity, right because
+    every TP rank computes the same loss). Differentiable.
     """
     import torch.distributed as dist
     from megatron.core import parallel_state
@@ -178,8 +193,9 @@ def vocab_parallel_entropy(logits: torch.Tensor, temperature: float) -> torch.Te
     x = logits / temperature
     m = x.detach().amax(-1)
     dist.all_reduce(m, op=dist.ReduceOp.MAX, group=parallel_state.get_tensor_model_parallel_group())
-    e = torch.exp(x - m[..., None])  # 0 on the vocabulary padding (-inf)
-    finite = torch.where(torch.isfinite(x), x, 0.0)  # so that 0 * x is 0, not nan, both ways
+    xc = x - m[..., None]
+    e = torch.exp(xc)  # 0 on the vocabulary padding (-inf)
+    finite = torch.where(torch.isfinite(xc), xc, 0.0)  # so that 0 * x is 0, not nan, both ways
     s = reduce_from_tensor_model_parallel_region(e.sum(-1))
     w = reduce_from_tensor_model_parallel_region((e * finite).sum(-1))
-    return m + torch.log(s) - w / s
+    return torch.log(s) - w / s
