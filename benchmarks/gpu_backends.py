@@ -3,7 +3,7 @@ trainer, generation and weight-refit figures of one GPU (issue 19), in one prepa
 
     python benchmarks/gpu_backends.py --json /tmp/gpu_backends.json             # on a GPU
     python benchmarks/gpu_backends.py --model tiny-llama --steps 2 --groups 2 \\
-        --max-new-tokens 8 --json /tmp/g.json                                  # CPU smoke run
+        --max-new-tokens 8 --sections tiny,parity,train --json /tmp/g.json     # CPU smoke run
 
 Sections, each printed as one line per figure and written to ``--json``:
 
@@ -17,14 +17,18 @@ Sections, each printed as one line per figure and written to ``--json``:
   can move it by up to ``lr`` either way: on a deep model ``weights_max_diff`` is
   bounded by ``2 * lr``, and ``grad_rel_diff`` is the figure that shows agreement. ``tiny``: the tests' tiny Llama (grouped-query
   attention, odd vocabulary 1003, tied) and Qwen2 (QKV bias, untied) on random token
-  batches; ``parity``: ``--model`` on the first real batch.
+  batches; ``arch``: SmolLM2-135M's architecture with random weights on a random batch
+  (no weights file needed); ``parity``: ``--model`` on the first real batch. With the
+  deep models, ``floor_*``: the same figures between HF's ``sdpa`` and ``eager``
+  attention in the torch back end alone (the noise of a change of kernel order).
 * ``train``: ``--steps`` GRPO steps of ``--model`` with each back end (float32 and
   bfloat16) on the same batches, sampled once up front by relax's HF engine from the
   initial weights (float32) on GSM8K-style 2-digit additions asked to show their
   working: per step the loss and gradient norm (the loss curves), and steady
   tokens/s (steps 2..N): ``tokens_per_s`` counts prompt + response tokens of the rows
-  trained (NeMo-RL's per-GPU figure: one GPU here), ``loss_tokens_per_s`` the response
-  tokens under the loss. ``final_weights_max_diff``: torch vs megatron after all steps.
+  trained (NeMo-RL's per-GPU figure: one GPU here), ``loss_tokens_per_s`` their
+  response tokens under the loss (rows of groups without reward variance are not
+  computed, as in the trainer stage). ``final_weights_max_diff``: torch vs megatron after all steps.
 * ``generation``: response tokens/s of the HF engine (float32, one call per step of
   ``groups x group_size`` rows).
 * ``refit``: what moving one version of the weights costs on this device: the back
@@ -92,17 +96,38 @@ def grads(b) -> dict[str, torch.Tensor]:
     return host({n: p.grad for n, p in b.model.named_parameters()})
 
 
+def response_values(b, mbs: list) -> tuple[torch.Tensor, torch.Tensor]:
+    """``([N], [N])`` float32 log-probs and entropies of the N real response tokens of
+    ``mbs`` under back end ``b``'s current weights."""
+    with torch.no_grad():
+        pairs = [b.logprobs(mb, with_entropy=True) for mb in mbs]
+    mask = [mb.response_mask.bool() for mb in mbs]
+    return (torch.cat([p[0].float().cpu()[m] for p, m in zip(pairs, mask)]),
+            torch.cat([p[1].float().cpu()[m] for p, m in zip(pairs, mask)]))
+
+
+def floor(model_dir: str, mbs: list, dtype: torch.dtype) -> dict:
+    """Max |diff| of the torch back end's log-probs and entropies under HF's two
+    attention implementations (``sdpa``, ``eager``): what a mere change of kernel order
+    costs in ``dtype``, the yardstick for :func:`parity`'s figures."""
+    got = []
+    for impl in ("sdpa", "eager"):
+        b = backend("torch", model_dir, dtype, **STEP)
+        b.model.set_attn_implementation(impl)
+        got.append(response_values(b, mbs))
+        del b
+    (la, ea), (lb, eb) = got
+    return {"floor_logprobs_max_diff": float((la - lb).abs().max()),
+            "floor_entropy_max_diff": float((ea - eb).abs().max())}
+
+
 def parity(model_dir: str, mbs: list, dtype: torch.dtype) -> dict:
     """Max |diff| torch vs megatron of one batch's log-probs, entropies, loss and the
-    weights after one step (module docstring)."""
+    weights after one step (module docstring), and the :func:`floor`."""
     out, dtypes = {}, {}
     for kind in ("torch", "megatron"):
         b = backend(kind, model_dir, dtype, **STEP)
-        with torch.no_grad():
-            pairs = [b.logprobs(mb, with_entropy=True) for mb in mbs]
-        mask = [mb.response_mask.bool() for mb in mbs]
-        lp = torch.cat([p[0].float().cpu()[m] for p, m in zip(pairs, mask)])
-        ent = torch.cat([p[1].float().cpu()[m] for p, m in zip(pairs, mask)])
+        lp, ent = response_values(b, mbs)
         stats = b.train_step(mbs)
         out[kind] = (lp, ent, stats["loss"], host(b.named_tensors()), grads(b))
         dtypes[kind] = {k: str(v.dtype) for k, v in b.named_tensors().items()}
@@ -115,7 +140,8 @@ def parity(model_dir: str, mbs: list, dtype: torch.dtype) -> dict:
             "grad_rel_diff": max_diff({k: gt[k] for k in both}, {k: gm[k] for k in both})
             / max(float(gt[k].abs().max()) for k in both),
             "weights_max_diff": max_diff(wt, wm), "tokens": int(lt.numel()),
-            "same_published_dtypes": float(dtypes["torch"] == dtypes["megatron"])}
+            "same_published_dtypes": float(dtypes["torch"] == dtypes["megatron"]),
+            **floor(model_dir, mbs, dtype)}
 
 
 def tiny_parity(tmp: Path, dtype: torch.dtype) -> dict:
@@ -139,6 +165,34 @@ def tiny_parity(tmp: Path, dtype: torch.dtype) -> dict:
         cls(c).save_pretrained(d)
         res[name] = parity(str(d), mbs, dtype)
     return res
+
+
+SMOLLM2_ARCH = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                    num_attention_heads=9, num_key_value_heads=3, vocab_size=49152,
+                    max_position_embeddings=8192, rms_norm_eps=1e-5, tie_word_embeddings=True,
+                    rope_parameters={"rope_type": "default", "rope_theta": 100000.0},
+                    bos_token_id=1, eos_token_id=2, pad_token_id=2)
+"""SmolLM2-135M's ``LlamaConfig`` (its GGUF's, as ``relax.trainer.models`` converts it)."""
+
+
+def arch_parity(tmp: Path, dtype: torch.dtype, groups: int = 8) -> dict:
+    """:func:`parity` on SmolLM2-135M's architecture with random weights (no weights
+    file needed) and a random batch of ``groups`` groups x 8 rows, prompts of 20-40
+    tokens and responses of 60-120 (ids < 200, so the pad id 2 occurs)."""
+    from testdata import train_sample_table
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from relax.streams.codec import group_by_key
+    from relax.trainer.batching import micro_batches
+
+    d = tmp / "smollm2-arch"
+    if not d.exists():
+        torch.manual_seed(0)
+        LlamaForCausalLM(LlamaConfig(**SMOLLM2_ARCH)).save_pretrained(d)
+    t = train_sample_table(groups, group_size=8, prompt_len=(20, 40), response_len=(60, 120),
+                           seed=7)
+    return parity(str(d), micro_batches([g for _, g in group_by_key(t, "group_id")],
+                                        65536), dtype)
 
 
 def additions(n: int, seed: int) -> list[dict]:
@@ -202,7 +256,8 @@ def train_run(kind: str, dtype: torch.dtype, w: dict, batches: list) -> tuple[di
         sync()
         steps.append({"s": time.perf_counter() - t, "loss": stats["loss"],
                       "grad_norm": stats["grad_norm"], "tokens": seq_tokens(mbs),
-                      "loss_tokens": stats["tokens_trained"], "rows": stats["rows_computed"]})
+                      "loss_tokens": sum(int(mb.loss_mask.sum()) for mb in mbs),
+                      "rows": stats["rows_computed"]})
     final = host(b.named_tensors())
     refit = weight_refit(b.named_tensors(), w["model"], dtype)
     del b
@@ -263,8 +318,9 @@ def main() -> None:
     ap.add_argument("--budget", type=int, default=65536,
                     help="max_tokens_per_microbatch (padded tokens)")
     ap.add_argument("--sections", default="tiny,parity,train",
-                    help="tiny: parity of the tests' tiny models; parity: of --model on a "
-                         "real batch; train: the --steps runs")
+                    help="tiny: parity of the tests' tiny models; arch: of SmolLM2-135M's "
+                         "architecture, random weights; parity: of --model on a real "
+                         "batch; train: the --steps runs")
     ap.add_argument("--json", type=Path, required=True)
     a = ap.parse_args()
     import tempfile
@@ -296,6 +352,14 @@ def main() -> None:
                 for m, r in got.items():
                     print(f"parity {dn} {m} " + " ".join(f"{k}={v:.3g}" for k, v in r.items()),
                           flush=True)
+                save()
+    if "arch" in sections:
+        with tempfile.TemporaryDirectory() as tmp:
+            for dn, dt in DTYPES.items():
+                r = arch_parity(Path(tmp), dt)
+                res.setdefault("parity", {}).setdefault(dn, {})["smollm2-arch-random"] = r
+                print(f"parity {dn} smollm2-arch-random "
+                      + " ".join(f"{k}={v:.3g}" for k, v in r.items()), flush=True)
                 save()
     if "train" in sections or "parity" in sections:
         batches, res["generation"] = sample_batches(w)
