@@ -15,8 +15,8 @@ the model, not the data). Each step:
 * the global gradient norm counts each TP-split tensor once per shard (sum of squares
   all-reduced) and each replicated one (the RMSNorm weights) once, and clips like
   ``torch.nn.utils.clip_grad_norm_``;
-* torch AdamW on each rank's shard (AdamW is element-wise, so the step is the one the
-  torch back end takes on the whole tensor);
+* torch's fused AdamW on each rank's shard (:func:`.step.adamw`; AdamW is element-wise,
+  so the step is the one the torch back end takes on the whole tensor);
 * rank 0 gathers the shards into HF names and shapes (vocabulary padding dropped):
   :meth:`named_tensors` is what the weight channel publishes, so an engine cannot tell
   which back end trained. With ``gather_optimizer`` the AdamW moments are gathered the
@@ -44,6 +44,7 @@ from relax.trainer.backends.megatron_convert import (
     replicated,
 )
 from relax.trainer.backends.step import (
+    adamw,
     add_metrics,
     fill_missing_grads,
     micro_batch_loss,
@@ -119,9 +120,7 @@ class MegatronBackend:
         self._hf = hf if self.rank == 0 else None  # config and save_pretrained
         self.pad_id = hf.get_input_embeddings().padding_idx  # no gradient from its lookups
         self.gpt.train()
-        o = cfg.optim
-        self.optimizer = torch.optim.AdamW(self.gpt.parameters(), lr=o.lr, betas=o.betas,
-                                           eps=o.eps, weight_decay=o.weight_decay)
+        self.optimizer = adamw(self.gpt.parameters(), cfg.optim)
         self.steps_done = 0
         self._params = dict(self.gpt.named_parameters())
         self._sharded = {n for n in self._params if not replicated(n)}
@@ -328,7 +327,7 @@ class MegatronBackend:
         moments = {m: hf_to_megatron(d, self.layout, self.tp)[self.rank]
                    for m, d in opt["optimizer"]["by_hf_name"].items()}
         for name, p in self._params.items():
-            self.optimizer.state[p] = {"step": torch.tensor(float(steps)),
+            self.optimizer.state[p] = {"step": torch.tensor(float(steps), device=p.device),
                                        **{m: moments[m][name].to(p.device, copy=True)
                                           for m in MOMENTS}}
         self.steps_done, self._loaded = steps, None

@@ -42,6 +42,7 @@ import torch.distributed as dist
 
 from relax.trainer.backends import fsdp
 from relax.trainer.backends.step import (
+    adamw,
     add_metrics,
     fill_missing_grads,
     freeze,
@@ -167,10 +168,8 @@ class TorchBackend:
 
             # buffers (rotary inv_freq) are deterministic: no broadcast at every forward
             self.module = DistributedDataParallel(self.module, broadcast_buffers=False)
-        o = cfg.optim
-        self.optimizer = torch.optim.AdamW([p for p in self.model.parameters() if p.requires_grad],
-                                           lr=o.lr, betas=o.betas, eps=o.eps,
-                                           weight_decay=o.weight_decay)
+        self.optimizer = adamw([p for p in self.model.parameters() if p.requires_grad],
+                               cfg.optim)
         self.steps_done = 0
         # FSDP2: rank 0's unsharded weights (and optimizer state when gathered), refreshed
         # by collectives every rank takes part in
