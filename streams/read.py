@@ -34,12 +34,20 @@ class TopicReader:
     Args:
         cfg: bus settings.
         name: part of the client id (``relax-<name>-<random>``), for the broker's logs.
+        fetch_wait_ms: longest time the broker holds an empty fetch (default
+            :data:`relax.streams.client.FETCH_WAIT_MS`). A reader polled only when it
+            needs an answer (not in a loop) loses nothing by a short one, and Tansu
+            answers a fetch already waiting when a record arrives only at about half
+            of it (``benchmarks/bus_latency.py``).
     """
 
-    def __init__(self, cfg: BusConfig, name: str = "read"):
+    def __init__(self, cfg: BusConfig, name: str = "read", fetch_wait_ms: int | None = None):
         from kafka import KafkaConsumer
 
-        self._kc = KafkaConsumer(**consumer_kwargs(cfg, None, f"relax-{name}-{uuid.uuid4().hex[:6]}"))
+        kw = consumer_kwargs(cfg, None, f"relax-{name}-{uuid.uuid4().hex[:6]}")
+        if fetch_wait_ms is not None:
+            kw["fetch_max_wait_ms"] = fetch_wait_ms
+        self._kc = KafkaConsumer(**kw)
 
     def read_range(self, todo: dict[tuple[str, int], tuple[int, int]],
                    timeout_s: float = 30.0) -> Iterator:

@@ -27,6 +27,11 @@ from relax.streams.read import TopicReader
 
 log = logging.getLogger(__name__)
 
+CLAIM_FETCH_WAIT_MS = 10
+"""The claim reader's longest empty fetch (``fetch_max_wait_ms``): it is polled only
+around a claim, so it never spins; with the default 200 ms, every claim made after an
+``allowance()`` poll waited ~100 ms for its own record (Tansu)."""
+
 
 class ClaimTimeout(TimeoutError):
     """An instance's own claim did not come back from the claim log in time."""
@@ -60,7 +65,10 @@ class ClaimLog:
         self._seq = 0
         self._mine: dict[str, list[str]] = {}
         ensure_topics(cfg, {self.topic: 1})
-        self._reader = TopicReader(cfg, "claims")
+        # polled on demand, never idle in a loop: a short fetch wait costs no CPU, and a
+        # claim is read back ~5 ms after it is written instead of at ~half the default
+        # wait (the fetch left waiting by the last poll, benchmarks/bus_latency.py)
+        self._reader = TopicReader(cfg, "claims", fetch_wait_ms=CLAIM_FETCH_WAIT_MS)
         self._reader.follow(self.topic, 1)
         self._next_offset = 0
         self.catch_up(high_watermarks(cfg, [self.topic], timeout_s).get((self.topic, 0), 0))

@@ -1,0 +1,126 @@
+"""Read-after-write latency on the bus: how long a record takes to reach a reader.
+
+    python benchmarks/bus_latency.py                       # embedded broker (Tansu)
+    python benchmarks/bus_latency.py --bootstrap HOST:PORT --json out.json
+
+Two readers, each at the default fetch wait (``relax.streams.client.FETCH_WAIT_MS``) and
+at a short one, side by side in one run:
+
+* ``hop``: a reader looping on ``poll`` (as every stage's consumer does) and a producer
+  writing one record at random moments 0.3-0.6 s apart; the seconds from the end of the
+  producer's ``flush`` to the record's arrival (min / median / max of ``--records``);
+* ``claim``: the rollout's claim round trip (:class:`relax.consumers.rollout.claims.
+  ClaimLog`): a poll of the claim log (``allowance()``), then a claim written and read
+  back; the seconds of the read-back.
+
+Last line: ``hop_median_ms=.. hop_max_ms=.. claim_median_ms=..`` for each wait.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import threading
+import time
+import uuid
+from pathlib import Path
+
+
+def hop(bus, wait_ms: int, records: int) -> list[float]:
+    """Arrival delays (s) of ``records`` records at a reader looping on ``poll``."""
+    from relax.streams.client import ensure_topics
+    from relax.streams.producer import BatchProducer
+    from relax.streams.read import TopicReader
+
+    topic = f"latency-{uuid.uuid4().hex[:8]}"
+    ensure_topics(bus, {topic: 1})
+    reader = TopicReader(bus, "latency", fetch_wait_ms=wait_ms)
+    reader.follow(topic, 1)
+    producer = BatchProducer(bus)
+    sent: dict[int, float] = {}
+
+    def produce():
+        for i in range(records):
+            time.sleep(random.uniform(0.3, 0.6))
+            producer.send_value(topic, str(i).encode())
+            producer.flush()
+            sent[i] = time.perf_counter()
+
+    t = threading.Thread(target=produce)
+    t.start()
+    delays: list[float] = []
+    deadline = time.monotonic() + records + 10
+    while len(delays) < records and time.monotonic() < deadline:
+        for m in reader.poll(0.5):
+            now = time.perf_counter()
+            while int(m.value) not in sent:  # flush returned, sent[] not yet written
+                time.sleep(0.0001)
+            delays.append(now - sent[int(m.value)])
+    t.join()
+    reader.close()
+    producer.close()
+    return delays
+
+
+def claims(bus, wait_ms: int, records: int) -> list[float]:
+    """Read-back delays (s) of ``records`` claims, each after an ``allowance()`` poll."""
+    import relax.consumers.rollout.claims as claim_log
+    from relax.streams.producer import BatchProducer
+
+    default = claim_log.CLAIM_FETCH_WAIT_MS
+    claim_log.CLAIM_FETCH_WAIT_MS = wait_ms
+    try:
+        producer = BatchProducer(bus)
+        log = claim_log.ClaimLog(bus, f"latency-{uuid.uuid4().hex[:8]}", "rollout-0", producer)
+    finally:
+        claim_log.CLAIM_FETCH_WAIT_MS = default
+    delays = []
+    for i in range(records):
+        time.sleep(0.3)
+        log.poll(0.0)
+        t = time.perf_counter()
+        log.claim([f"g{i}"], 10 * records)
+        delays.append(time.perf_counter() - t)
+    log.close()
+    producer.close()
+    return delays
+
+
+def summary(delays: list[float]) -> dict:
+    ms = sorted(d * 1e3 for d in delays)
+    return {"n": len(ms), "min_ms": round(ms[0], 1), "median_ms": round(statistics.median(ms), 1),
+            "max_ms": round(ms[-1], 1)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--bootstrap", help="an existing cluster (default: start Tansu)")
+    ap.add_argument("--records", type=int, default=20)
+    ap.add_argument("--short-ms", type=int, default=10)
+    ap.add_argument("--json", type=Path)
+    a = ap.parse_args()
+    from relax.infra.broker import start_broker, stop_broker
+    from relax.streams.client import FETCH_WAIT_MS, BusConfig
+
+    handle = None if a.bootstrap else start_broker()
+    try:
+        bus = BusConfig(bootstrap_servers=a.bootstrap or handle.bootstrap)
+        res = {}
+        for wait in (FETCH_WAIT_MS, a.short_ms):
+            res[f"wait_{wait}ms"] = {"hop": summary(hop(bus, wait, a.records)),
+                                     "claim": summary(claims(bus, wait, a.records))}
+            r = res[f"wait_{wait}ms"]
+            print(f"fetch_wait={wait}ms hop_median_ms={r['hop']['median_ms']} "
+                  f"hop_max_ms={r['hop']['max_ms']} claim_median_ms={r['claim']['median_ms']}",
+                  flush=True)
+    finally:
+        if handle is not None:
+            stop_broker(handle)
+    if a.json:
+        a.json.write_text(json.dumps(res, indent=1))
+
+
+if __name__ == "__main__":
+    main()
