@@ -7,28 +7,30 @@ trainer, generation and weight-refit figures of one GPU (issue 19), in one prepa
 
 Sections, each printed as one line per figure and written to ``--json``:
 
-* ``tiny`` and ``parity``: the same global batch and the same initial weights through the torch and
-  the megatron back end (TP=1, ``trainer.backend: megatron`` on one device), in float32
-  and in bfloat16 (both models held in that dtype, AdamW on them): max |diff| of the
-  response log-probs and entropies before the step, of the loss, of the clipped
-  gradients (``grad_rel_diff``: over the largest gradient element) and of every updated
-  weight after one AdamW step (HF names). AdamW's first step moves a weight by about
-  ``lr * g / (|g| + eps)``, so gradients near ``eps`` (1e-8) that differ by float noise
-  can move it by up to ``lr`` either way: on a deep model ``weights_max_diff`` is
-  bounded by ``2 * lr``, and ``grad_rel_diff`` is the figure that shows agreement. ``tiny``: the tests' tiny Llama (grouped-query
-  attention, odd vocabulary 1003, tied) and Qwen2 (QKV bias, untied) on random token
-  batches; ``arch``: SmolLM2-135M's architecture with random weights on a random batch
-  (no weights file needed); ``parity``: ``--model`` on the first real batch. With the
-  deep models, ``floor_*``: the same figures between HF's ``sdpa`` and ``eager``
-  attention in the torch back end alone (the noise of a change of kernel order).
+* ``tiny``, ``arch`` and ``parity``: the same global batch and the same initial weights
+  through the torch and the megatron back end (TP=1, ``trainer.backend: megatron`` on
+  one device), in float32 and in bfloat16 (both models held in that dtype, AdamW on
+  them): max |diff| of the response log-probs and entropies before the step, of the
+  loss, of the clipped gradients (``grad_rel_diff``: over the largest gradient element)
+  and of every updated weight after one AdamW step (HF names). AdamW's first step moves
+  a weight by about ``lr * g / (|g| + eps)``, so gradients near ``eps`` (1e-8) that
+  differ by float noise can move it by up to ``lr`` either way: on a deep model
+  ``weights_max_diff`` is bounded by ``2 * lr``, and ``grad_rel_diff`` is the figure
+  that shows agreement. ``tiny``: the tests' tiny Llama (grouped-query attention, odd
+  vocabulary 1003, tied) and Qwen2 (QKV bias, untied) on random token batches;
+  ``arch``: SmolLM2-135M's architecture with random weights on a random batch (no
+  weights file needed); ``parity``: ``--model`` on the first real batch. With the deep
+  models, ``floor_*``: the same figures between HF's ``sdpa`` and ``eager`` attention in
+  the torch back end alone (the noise of a change of kernel order).
 * ``train``: ``--steps`` GRPO steps of ``--model`` with each back end (float32 and
   bfloat16) on the same batches, sampled once up front by relax's HF engine from the
-  initial weights (float32) on GSM8K-style 2-digit additions asked to show their
+  initial weights (float32) on 2-digit additions asked to show their
   working: per step the loss and gradient norm (the loss curves), and steady
   tokens/s (steps 2..N): ``tokens_per_s`` counts prompt + response tokens of the rows
   trained (NeMo-RL's per-GPU figure: one GPU here), ``loss_tokens_per_s`` their
   response tokens under the loss (rows of groups without reward variance are not
-  computed, as in the trainer stage). ``final_weights_max_diff``: torch vs megatron after all steps.
+  computed, as in the trainer stage). ``final_weights_max_diff``: torch vs megatron
+  after all steps.
 * ``generation``: response tokens/s of the HF engine (float32, one call per step of
   ``groups x group_size`` rows).
 * ``refit``: what moving one version of the weights costs on this device: the back

@@ -121,8 +121,8 @@ burn CPU that co-located stages need (measured on Tansu, 2 cores, one idle consu
 10.5 % of a core at 20 ms, 1.7 % at 200 ms, 0.8 % at 500 ms). The price: Tansu answers a
 fetch already waiting when a record arrives only at about half this wait, so a record
 reaches a reader that loops on ``poll`` in up to ~100 ms (median 20-44 ms in two runs)
-at 200 ms, in 2-12 ms at 10-20 ms (``benchmarks/bus_latency.py``). A reader polled only on demand
-takes a short wait of its own (``TopicReader(fetch_wait_ms=...)``)."""
+at 200 ms, in 2-12 ms at 10-20 ms (``benchmarks/bus_latency.py``). A reader polled only
+on demand takes a short wait of its own (``TopicReader(fetch_wait_ms=...)``)."""
 
 
 def consumer_kwargs(cfg: BusConfig, group_id: str | None, client_id: str | None = None,

@@ -91,12 +91,12 @@ def build_gpt(hf_config, tp: int, dtype: torch.dtype = torch.float32):
 
     lay = Layout.from_hf_config(hf_config)
     gpt = GPTModel(transformer_config(hf_config, tp, dtype),
-                    get_gpt_layer_local_spec(normalization="RMSNorm"),
-                    vocab_size=lay.padded_vocab(tp),
-                    max_sequence_length=hf_config.max_position_embeddings,
-                    share_embeddings_and_output_weights=lay.tied,
-                    position_embedding_type="rope", rotary_base=_rope_theta(hf_config),
-                    parallel_output=True)
+                   get_gpt_layer_local_spec(normalization="RMSNorm"),
+                   vocab_size=lay.padded_vocab(tp),
+                   max_sequence_length=hf_config.max_position_embeddings,
+                   share_embeddings_and_output_weights=lay.tied,
+                   position_embedding_type="rope", rotary_base=_rope_theta(hf_config),
+                   parallel_output=True)
     for p in gpt.parameters():  # the local spec's torch RMSNorm is made in float32 always
         p.data = p.data.to(dtype)
     return gpt
@@ -195,7 +195,7 @@ def vocab_parallel_entropy(logits: torch.Tensor, temperature: float) -> torch.Te
     dist.all_reduce(m, op=dist.ReduceOp.MAX, group=parallel_state.get_tensor_model_parallel_group())
     xc = x - m[..., None]
     e = torch.exp(xc)  # 0 on the vocabulary padding (-inf)
-    finite = torch.where(torch.isfinite(xc), xc, 0.0)  # so that 0 * x is 0, not nan, both ways
+    finite = torch.where(torch.isfinite(xc), xc, 0.0)  # 0 * x is 0, not nan, both ways
     s = reduce_from_tensor_model_parallel_region(e.sum(-1))
     w = reduce_from_tensor_model_parallel_region((e * finite).sum(-1))
     return torch.log(s) - w / s

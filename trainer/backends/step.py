@@ -1,6 +1,7 @@
 """The parts of an optimizer step every trainer back end shares: the optimizer, the
 learning rate of a step, one micro-batch's policy loss, the metric sums, the zero
-gradients of parameters a step did not reach. Pure functions; the back ends own their forward and collectives."""
+gradients of parameters a step did not reach. Pure functions; the back ends own their
+forward and collectives."""
 
 from __future__ import annotations
 
