@@ -218,21 +218,20 @@ def sample_batches(w: dict) -> tuple[list, dict]:
     tok = load_tokenizer(w["model"])
     engine = HFEngine(load_model(w["model"], device=device), tok, engine_id="bench")
     rows = additions(w["steps"] * w["batch_groups"], w["seed"])
-    batches, gen_s, gen_tokens, rewards = [], [], 0, []
+    batches, gen_s, gen_tokens, rewards = [], [], [], []
     for step in range(w["steps"]):
         batch = rows[step * w["batch_groups"]:(step + 1) * w["batch_groups"]]
         groups, timing = e2e.grpo_groups(engine, tok, batch, step, w, rcfg, acfg)
         batches.append(groups)
         gen_s.append(timing["gen_s"])
-        gen_tokens += timing["gen_tokens"]
+        gen_tokens.append(timing["gen_tokens"])
         rewards += [x for g in groups for x in g.column("reward").to_pylist()]
         print(f"sampled step {step}: {timing['gen_tokens']} tokens in {timing['gen_s']:.2f} s",
               flush=True)
-    steady = sum(gen_s[1:]) or sum(gen_s)
-    per_step_tokens = gen_tokens / len(gen_s)
+    steady = slice(1, None) if len(gen_s) > 1 else slice(None)  # steps 2..N
     del engine
     return batches, {"gen_s": gen_s, "gen_tokens": gen_tokens,
-                     "tokens_per_s": per_step_tokens * max(len(gen_s) - 1, 1) / steady,
+                     "tokens_per_s": sum(gen_tokens[steady]) / sum(gen_s[steady]),
                      "reward_mean": sum(rewards) / len(rewards)}
 
 

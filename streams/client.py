@@ -120,7 +120,7 @@ kafka-python consumer polls the broker again after each empty fetch, so short wa
 burn CPU that co-located stages need (measured on Tansu, 2 cores, one idle consumer:
 10.5 % of a core at 20 ms, 1.7 % at 200 ms, 0.8 % at 500 ms). The price: Tansu answers a
 fetch already waiting when a record arrives only at about half this wait, so a record
-reaches a reader that loops on ``poll`` in up to ~100 ms (median 20-44 ms in two runs)
+reaches a reader that loops on ``poll`` in up to ~100 ms (median 20-44 ms in three runs)
 at 200 ms, in 2-12 ms at 10-20 ms (``benchmarks/bus_latency.py``). A reader polled only
 on demand takes a short wait of its own (``TopicReader(fetch_wait_ms=...)``)."""
 

@@ -54,7 +54,7 @@ class ClaimLog:
     """
 
     def __init__(self, cfg: BusConfig, run: str, engine_id: str, producer,
-                 timeout_s: float = 30.0):
+                 timeout_s: float = 30.0, fetch_wait_ms: int = CLAIM_FETCH_WAIT_MS):
         self.topic = topics.rollout_claims_topic(run)
         self.engine_id = engine_id
         self.ledger = ClaimLedger()
@@ -68,7 +68,7 @@ class ClaimLog:
         # polled on demand, never idle in a loop: a short fetch wait costs no CPU, and a
         # claim is read back ~5 ms after it is written instead of at ~half the default
         # wait (the fetch left waiting by the last poll, benchmarks/bus_latency.py)
-        self._reader = TopicReader(cfg, "claims", fetch_wait_ms=CLAIM_FETCH_WAIT_MS)
+        self._reader = TopicReader(cfg, "claims", fetch_wait_ms=fetch_wait_ms)
         self._reader.follow(self.topic, 1)
         self._next_offset = 0
         self.catch_up(high_watermarks(cfg, [self.topic], timeout_s).get((self.topic, 0), 0))
