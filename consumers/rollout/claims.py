@@ -48,6 +48,7 @@ class ClaimLog:
         producer: a :class:`relax.streams.producer.BatchProducer` (flushed by
             :meth:`claim`).
         timeout_s: how long :meth:`catch_up` and :meth:`claim` wait for the log.
+        fetch_wait_ms: the claim reader's longest empty fetch (:data:`CLAIM_FETCH_WAIT_MS`).
 
     Raises:
         TimeoutError: the log's end could not be read within ``timeout_s``.
