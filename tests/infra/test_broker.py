@@ -176,7 +176,13 @@ def test_kafka_three_nodes_replicate_every_topic(tmp_path, unique):
 
         a = admin(cfg)
         try:
+            # KRaft creates the topic on the controller; the broker this admin client asks
+            # may learn of it a moment later and until then lists no partitions (ci61)
+            deadline = time.monotonic() + 30
             parts = a.describe_topics([t])[0]["partitions"]
+            while not parts and time.monotonic() < deadline:
+                time.sleep(0.2)
+                parts = a.describe_topics([t])[0]["partitions"]
         finally:
             a.close()
         assert [len(x["replica_nodes"]) for x in parts] == [3, 3]
