@@ -244,7 +244,7 @@ def _finish(recipe: Recipe, bus: BusConfig, run_dir: Path, follower: MetricsFoll
     from relax.infra.report import accounting, plot_curves, ts_ms, write_metrics_jsonl
     from relax.trainer import checkpoint
 
-    follower.poll(1.0)
+    follower.read_to_end()
     summary.update(_accounting(bus, recipe, run_dir, accounting))
     steps = step_rows(follower.rows)
     summary["steps"] = len(steps)

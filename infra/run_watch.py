@@ -47,19 +47,49 @@ class MetricsFollower:
     def __init__(self, bus: BusConfig, run: str):
         from relax.streams.read import TopicReader
 
+        self.bus = bus
         self.topic = topics.run_topic(run, topics.METRICS)
         self.reader = TopicReader(bus, "train")
         self.reader.follow(self.topic, 1)
         self.rows: list[dict] = []
+        self.next_offset = 0
 
     def poll(self, timeout_s: float = 1.0) -> list[dict]:
         """New metric rows since the last call (records that are not a metrics batch are
         logged and skipped: not ours to stop on)."""
         from relax.streams.read import decoded_rows
 
-        new = [r for m in self.reader.poll(timeout_s) for r in decoded_rows(m, "metrics", log)]
+        msgs = self.reader.poll(timeout_s)
+        if msgs:
+            self.next_offset = max(self.next_offset, max(m.offset for m in msgs) + 1)
+        new = [r for m in msgs for r in decoded_rows(m, "metrics", log)]
         self.rows.extend(new)
         return new
+
+    def read_to_end(self, timeout_s: float = 30.0) -> bool:
+        """Poll until every record written before the call is read (the topic's high
+        watermark then); False when that took over ``timeout_s`` seconds or the end
+        could not be learnt (a warning says how far it got). After a broker node is
+        lost, the new leader of the topic may answer only seconds later: one short poll
+        at the end of a run missed the last steps (CI, 3-node Kafka)."""
+        from kafka.errors import KafkaError
+
+        from relax.streams.lag import high_watermarks
+
+        deadline = time.monotonic() + timeout_s
+        try:
+            end = high_watermarks(self.bus, [self.topic], timeout_s).get((self.topic, 0), 0)
+        except (KafkaError, TimeoutError) as e:
+            log.warning("%s: its end offset could not be read (%s); %d records read",
+                        self.topic, e, self.next_offset)
+            return False
+        while self.next_offset < end:
+            if time.monotonic() > deadline:
+                log.warning("%s: read to offset %d of %d in %.0fs", self.topic,
+                            self.next_offset, end, timeout_s)
+                return False
+            self.poll(0.5)
+        return True
 
     def close(self) -> None:
         self.reader.close()

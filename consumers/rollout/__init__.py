@@ -23,8 +23,10 @@ groups still needed to finish the run). The run may have started ``consumed +
 min(B, needed)`` groups, ``consumed = groups_consumed`` (``V * batch_groups`` before the
 first report): groups the trainer dropped are replaced instead of stalling the run, and
 no group beyond what the run still needs is sampled. While the budget is used up the
-stage pauses its prompt partitions (keeping its group membership) and waits for an
-announcement or new progress.
+stage holds one fetch of prompts, pauses its prompt partitions (keeping its group
+membership) and waits for an announcement or new progress; a held prompt whose group
+the claim log granted before (to an instance that died before producing it) is sampled
+at once, since its claim already holds that credit.
 
 Dynamic credit: the instances share that one credit through the claim log
 ``<run>.rollout_claims`` (:mod:`.claims`). Before sampling, an instance appends a claim

@@ -27,6 +27,11 @@ class _Item:
     epoch: int
     media_inputs: dict | None = None
 
+    @property
+    def group_id(self) -> str:
+        """``<prompt_id>:<epoch>``: the group sampled from this prompt in this epoch."""
+        return f"{self.row['prompt_id']}:{self.epoch}"
+
 
 def _read_to_end(kc, tp) -> bool:
     """Whether assigned partition ``tp`` was fetched up to its high watermark; False when
@@ -81,6 +86,13 @@ class PromptQueue:
         self.exhausted_partitions: set = set()
         self.saved_epochs: dict[tuple[str, int], int] = {}
         self.producer = None
+
+    def regrants(self, granted: set[str], started: set[str]) -> list[_Item]:
+        """Queued prompts whose groups are in ``granted`` (the claim log granted them
+        before, to an instance that died or lost the partition before producing them)
+        and not in ``started`` (by this instance): they need no new credit."""
+        return [it for it in self.items
+                if it.group_id in granted and it.group_id not in started]
 
     def fetch(self, consumer) -> None:
         """Poll ``consumer`` for prompts; with none queued, rewind finished partitions

@@ -88,12 +88,8 @@ class RolloutStage:
     def allowance(self) -> int:
         """Groups the run may have started in all (:func:`credit.run_allowance`)."""
         return credit.run_allowance(
-            self.trainer_version or 0,
-            self.cfg.max_staleness,
-            self.cfg.batch_groups,
-            groups_consumed=self._reported("consumed"),
-            groups_needed=self._reported("needed"),
-        )
+            self.trainer_version or 0, self.cfg.max_staleness, self.cfg.batch_groups,
+            groups_consumed=self._reported("consumed"), groups_needed=self._reported("needed"))
 
     def budget(self) -> int:
         """Groups any instance may still claim now (:func:`credit.credit_left` of the
@@ -138,12 +134,8 @@ class RolloutStage:
         max_staleness. None when the trainer's version is unknown
         (:func:`credit.oldest_usable_version`)."""
         return credit.oldest_usable_version(
-            self.trainer_version,
-            None if self._progress is None else self._progress.version,
-            self.groups_in_flight(),
-            self.cfg.batch_groups,
-            self.cfg.max_staleness,
-        )
+            self.trainer_version, None if self._progress is None else self._progress.version,
+            self.groups_in_flight(), self.cfg.batch_groups, self.cfg.max_staleness)
 
     def _weights_behind(self) -> bool:
         """The engine's weights (staged included) are older than :meth:`weights_needed`
@@ -244,11 +236,18 @@ class RolloutStage:
             )
         return out
 
+    def _regrants(self) -> list[_Item]:
+        """Queued prompts granted before and not started here (:meth:`PromptQueue.regrants`):
+        the run's credit may be all spent on them, their claims holding it."""
+        granted = set() if self._claims is None else self._claims.ledger.granted
+        return self._prompts.regrants(granted, self._started_ids)
+
     def ready(self, reader) -> bool:
         """The readiness gate: the engine has the weights the trainer announced, and the
-        credit lets this instance start a group (learns the trainer's version first)."""
+        credit lets this instance start a group, or a queued prompt's group was granted
+        before (:meth:`_regrants`; learns the trainer's version first)."""
         self._learn(reader, 0.0)
-        return not self._weights_behind() and self.budget() > 0
+        return not self._weights_behind() and (self.budget() > 0 or bool(self._regrants()))
 
     def wait(self, consumer, reader) -> None:
         """While the gate is closed: wait for the weights, or for credit (keeping the
@@ -260,7 +259,11 @@ class RolloutStage:
             self.stats.weight_wait_s += time.perf_counter() - t0
         else:
             self.stats.budget_waits += 1
-            self._idle(consumer, lambda: self._learn(reader, self.cfg.poll_timeout_s))
+            if self._prompts.items:
+                self._idle(consumer, lambda: self._learn(reader, self.cfg.poll_timeout_s))
+            else:  # fetch: prompts granted to a predecessor come again and open the gate
+                self._prompts.fetch(consumer)
+                self._learn(reader, 0.0)
             self.stats.budget_wait_s += time.perf_counter() - t0
 
     def turn(self, consumer, producer) -> int:
@@ -277,11 +280,13 @@ class RolloutStage:
             queue.fetch(consumer)
         if not queue.items:
             return 0
-        take = queue.items[: credit.groups_per_call(left, self.cfg.groups_per_generate)]
+        take = self._regrants()[: self.cfg.groups_per_generate]
+        if not take and left > 0:
+            take = queue.items[: credit.groups_per_call(left, self.cfg.groups_per_generate)]
         wanted: dict[str, tuple[_Item, list[int]]] = {}
         for item in take:
             queue.items.remove(item)
-            gid = f"{item.row['prompt_id']}:{item.epoch}"
+            gid = item.group_id
             if gid in self._started_ids or gid in wanted:  # redelivered or repeated: exists
                 self.stats.repeated_prompts += 1
                 continue
@@ -312,7 +317,7 @@ class RolloutStage:
         self.stats.generate_s += took
         finished = _ms()
         for item, samples in zip(items, groups):
-            group_id = f"{item.row['prompt_id']}:{item.epoch}"
+            group_id = item.group_id
             batch = rollout_batch(
                 item.row, group_id, samples, self.cfg, self.cfg.engine_id, started, finished
             )

@@ -135,3 +135,40 @@ def test_a_fast_instance_takes_the_credit_a_slow_one_leaves(bus, unique):
     print(f"first credit: fast {first[0]}, slow {first[1]}; in all: fast {fast.stats.groups}, "
           f"slow {slow.stats.groups}; claims refused: fast {fast.stats.claims_refused}, "
           f"slow {slow.stats.claims_refused}")
+
+
+@pytest.mark.timeout(180)
+def test_groups_granted_to_a_dead_instance_are_sampled_with_the_credit_all_spent(bus, unique):
+    """The wedge of CI's chaos run (rollout-0 killed while sampling the last groups the
+    credit allowed): an instance died after its claim was granted and before it produced
+    the groups, so the claim log holds the run's whole allowance and the trainer needs
+    exactly those groups. Its successor gets the prompts again and samples them on the
+    old grants, taking no new credit (before the fix it waited for credit forever)."""
+    rows = [dict(r, messages=None) for r in prompt_rows(4, dataset=unique)]
+    _publish_prompts(bus, unique, rows)
+    gids = [f"{r['prompt_id']}:0" for r in rows]
+    p = BatchProducer(bus)
+    dead = ClaimLog(bus, unique, "rollout-0", p)
+    assert dead.claim(gids, allowance=4) == gids  # granted; never produced, never committed
+    dead.close(), p.close()
+    # B = (1 + 1) * 2 = 4 and the trainer needs 4: allowance 4, all granted, budget 0
+    _trainer_progress(bus, unique, consumed=0, needed=4)
+    cfg = RolloutConfig(bus=bus, run=unique, dataset=unique, group_size=1, batch_groups=2,
+                        max_staleness=1, max_new_tokens=3, follow_weights=False,
+                        metrics_every_s=0.5, groups_per_generate=1, engine_id="rollout-0")
+    stage = RolloutStage(cfg)
+    runner = _Runner(stage)
+    try:
+        _wait(lambda: runner.check() or stage.stats.groups >= 4, timeout_s=60,
+              what="the 4 granted groups sampled")
+        time.sleep(1.0)
+        assert stage.budget() == 0 and stage.groups_in_flight() == 4
+    finally:
+        runner.stop()
+    got = read_table(bus, topics.run_topic(unique, "rollouts")).column("group_id").to_pylist()
+    assert sorted(got) == sorted(gids)
+    late = ClaimLog(bus, unique, "late", BatchProducer(bus))
+    try:
+        assert late.granted == 4 and late.claims_read == 5  # the dead one's and 4 regrants
+    finally:
+        late.close()
