@@ -261,9 +261,9 @@ class RolloutStage:
             self.stats.budget_waits += 1
             if self._prompts.items:
                 self._idle(consumer, lambda: self._learn(reader, self.cfg.poll_timeout_s))
-            else:  # fetch: prompts granted to a predecessor come again and open the gate
-                self._prompts.fetch(consumer)
-                self._learn(reader, 0.0)
+            else:  # take prompts meanwhile: those granted to a predecessor open the gate
+                self._prompts.enqueue(consumer, consumer.poll(0))
+                self._learn(reader, self.cfg.poll_timeout_s)
             self.stats.budget_wait_s += time.perf_counter() - t0
 
     def turn(self, consumer, producer) -> int:
