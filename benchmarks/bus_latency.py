@@ -8,7 +8,8 @@ at a short one, side by side in one run:
 
 * ``hop``: a reader looping on ``poll`` (as every stage's consumer does) and a producer
   writing one record at random moments 0.3-0.6 s apart; the seconds from the producer's
-  ``send`` (its ``flush`` included, ~2 ms) to the record's arrival (min / median / max of ``--records``);
+  ``send`` (its ``flush`` included) to the record's arrival (min / median / max of
+  ``--records``);
 * ``claim``: the rollout's claim round trip (:class:`relax.consumers.rollout.claims.
   ClaimLog`): a poll of the claim log (``allowance()``), then a claim written and read
   back; the seconds of the read-back.
