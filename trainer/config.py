@@ -33,14 +33,14 @@ class MegatronConfig(BaseModel):
 
     Attributes:
         tp: tensor-parallel size (the model's query groups must divide by it).
-        pp: pipeline-parallel size; only 1 is built (megatron-core's pipeline schedules
-            assume CUDA, and no GPU was available to build and check them).
+        pp: pipeline-parallel size (the model's layers must divide by it): relax's own
+            1F1B schedule (:mod:`relax.trainer.backends.megatron_pipeline`), on the CPU too.
     The trainer stage runs ``tp * pp`` processes (``resources.trainer.processes``).
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
     tp: int = Field(1, ge=1)
-    pp: int = Field(1, ge=1, le=1)
+    pp: int = Field(1, ge=1)
 
 
 class TrainerConfig(BaseModel):
@@ -49,7 +49,7 @@ class TrainerConfig(BaseModel):
     Attributes:
         model: model name (``smollm2-135m``, ``tiny-llama``), folder or Hub id.
         backend: ``torch`` (CPU/GPU, DDP or FSDP2) or ``megatron`` (megatron-core GPTModel,
-            tensor parallel; the ``megatron`` install extra).
+            tensor and pipeline parallel; the ``megatron`` install extra).
         megatron: its parallel sizes (:class:`MegatronConfig`).
         data_parallel: how the torch back end's ranks (``resources.trainer.processes``
             > 1) share the model: ``ddp`` (every rank holds it all; gradients

@@ -4,15 +4,16 @@ Weight conversion (``relax.trainer.backends.megatron_convert``): HF -> Megatron 
 -> HF is exact, and the shards hold what megatron-core expects (query groups interleaved
 and kept whole per TP rank, [gate; up] per rank, vocabulary padding as zero rows). Tiny
 models built from transformers configs, random weights: grouped-query attention, an odd
-vocabulary, tied and untied heads, Qwen2's QKV bias.
+vocabulary, tied and untied heads, Qwen2's QKV bias; pipeline stages split and join.
 
-The back end (``relax.trainer.backends.megatron_backend``): its TP ranks run as
+The back end (``relax.trainer.backends.megatron_backend``): its ranks run as
 subprocesses (this file as a script) over gloo on loopback, load the shards into
 megatron-core 0.16.1's own GPTModel (``load_state_dict``: every name and shape must be
 megatron-core's) and take two AdamW steps on the same batches as the torch back end:
 log-probs, entropy, losses and the updated weights in HF names within 1e-5 (fp32), at
-TP 1 and 2; a TP-2 checkpoint resumes at TP 1; and a TP-2 ``relax train`` run through
-the broker. Skipped without the ``megatron`` extra."""
+TP x PP 1x1, 2x1, 1x2 and 2x2 (relax's 1F1B schedule); a TP-2 checkpoint resumes at
+TP 1 and at PP 2; and TP-2 and PP-2 ``relax train`` runs through the broker. Skipped
+without the ``megatron`` extra."""
 
 from __future__ import annotations
 
@@ -25,8 +26,11 @@ from relax.trainer.backends.megatron_convert import (
     Layout,
     hf_to_megatron,
     interleave_qkv,
+    from_stages,
     megatron_to_hf,
     split_qkv,
+    stage_layers,
+    to_stage,
 )
 
 
@@ -68,6 +72,34 @@ def test_hf_megatron_hf_round_trip_is_exact(family, tied, tp, te):
     assert ("output_layer.weight" in shards[0]) == (not tied)
     norm = "self_attention.linear_qkv.layer_norm_weight" if te else "input_layernorm.weight"
     assert f"decoder.layers.0.{norm}" in shards[-1]
+
+
+@pytest.mark.parametrize(("family", "tied"), CASES)
+def test_pipeline_stages_split_the_layers_and_join_back_exactly(family, tied):
+    """tp 2 x pp 2: stage 0 holds the embedding and layer 0, stage 1 layer 1 (named 0, as
+    megatron-core's TransformerBlock numbers a stage's layers), the final norm and the
+    output layer (a tied model: a copy of the embedding); joined back, the shards equal
+    hf_to_megatron's and the HF dict is exact."""
+    model = _model(family, tied)
+    hf = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    lay = Layout.from_hf_config(model.config)
+    shards = hf_to_megatron(hf, lay, 2)
+    for shard in shards:
+        first, last = (to_stage(shard, lay, 2, s) for s in (0, 1))
+        assert "embedding.word_embeddings.weight" in first and "output_layer.weight" in last
+        assert "decoder.final_layernorm.weight" in last
+        assert not any(k.startswith("decoder.layers.1.") for k in (*first, *last))
+        qkv = "decoder.layers.0.self_attention.linear_qkv.weight"
+        assert torch.equal(last[qkv], shard[qkv.replace(".0.", ".1.")])
+        if tied:
+            assert torch.equal(last["output_layer.weight"],
+                               shard["embedding.word_embeddings.weight"])
+        joined = from_stages([first, last], lay)
+        assert joined.keys() == shard.keys()
+        assert all(torch.equal(joined[k], shard[k]) for k in shard)
+    back = megatron_to_hf([from_stages([to_stage(sh, lay, 2, s) for s in (0, 1)], lay)
+                           for sh in shards], lay)
+    assert all(torch.equal(back[k], hf[k]) for k in hf)
 
 
 @pytest.mark.parametrize("tp", [1, 2])
@@ -121,6 +153,27 @@ def test_a_tp_size_that_splits_a_query_group_is_refused():
     assert Layout(1, 4, 4, 16, 1025, True, divisible_by=128).padded_vocab(2) == 1280
 
 
+def test_the_1f1b_order_keeps_at_most_p_minus_s_micro_batches_alive():
+    """Stage s of p: p - s - 1 warm-up forwards, then one forward and one backward in
+    turn; every micro-batch once forward, then once backward; at most p - s alive."""
+    from relax.trainer.backends.megatron_pipeline import one_f_one_b
+
+    assert one_f_one_b(3, 0, 1) == [("F", 0), ("B", 0), ("F", 1), ("B", 1), ("F", 2), ("B", 2)]
+    assert one_f_one_b(4, 0, 3) == [("F", 0), ("F", 1), ("F", 2), ("B", 0), ("F", 3),
+                                    ("B", 1), ("B", 2), ("B", 3)]
+    for p, n in ((2, 1), (3, 2), (4, 7)):
+        for stage in range(p):
+            order = one_f_one_b(n, stage, p)
+            assert sorted(order) == sorted([("F", i) for i in range(n)] +
+                                           [("B", i) for i in range(n)])
+            alive = peak = 0
+            for kind, i in order:
+                assert kind == "F" or ("F", i) in order[:order.index((kind, i))]
+                alive += 1 if kind == "F" else -1
+                peak = max(peak, alive)
+            assert peak == min(p - stage, n), (p, n, stage)
+
+
 # ---------------------------------------------------------------------------- the back end
 STEP_CFG = {"optim": {"lr": 1e-4, "grad_clip": 0.5}, "old_logprobs": "recompute",
             "loss": {"entropy_coef": 0.01}, "seed": 3}
@@ -155,7 +208,8 @@ def _steps(backend, load: str | None, save: str | None) -> dict:
     batches = [micro_batches(g, BUDGET) for g in _step_batches()]
     out: dict = {"stats": [], "weights": []}
     if load:
-        backend.load(Path(load))
+        if dist_rank() == 0:
+            backend.load(Path(load))
         backend.broadcast_state()
         batches = batches[1:]
     else:
@@ -177,29 +231,29 @@ def dist_rank() -> int:
     return rank_and_world()[0]
 
 
-def _megatron_worker(tp: int, rank: int, port: int, jobs: str) -> None:
-    """One TP rank of the megatron back end running each job of the JSON list ``jobs``
-    (``[model_dir, out, load, save]``; :func:`_steps`) in turn on one process group;
-    rank 0 writes each ``out``."""
+def _megatron_worker(tp: int, pp: int, rank: int, port: int, jobs: str) -> None:
+    """One rank of the megatron back end (``tp * pp`` of them) running each job of the
+    JSON list ``jobs`` (``[model_dir, out, load, save]``; :func:`_steps`) in turn on one
+    process group; rank 0 writes each ``out``."""
     import json
 
     from relax.trainer.backends.megatron_backend import MegatronBackend
     from relax.trainer.config import TrainerConfig
     from relax.trainer.distributed import init_data_parallel
 
-    if tp > 1:
-        init_data_parallel(rank, tp, master_port=port)
+    if tp * pp > 1:
+        init_data_parallel(rank, tp * pp, master_port=port)
     for model_dir, out, load, save in json.loads(jobs):
         b = MegatronBackend(TrainerConfig(model=model_dir, backend="megatron",
-                                          megatron={"tp": tp}, **STEP_CFG))
+                                          megatron={"tp": tp, "pp": pp}, **STEP_CFG))
         res = _steps(b, load or None, save or None)
         if rank == 0:
             torch.save(res, out)
 
 
-def _run_megatron(tp: int, jobs: list[tuple[Path, Path, str, str]]) -> list[dict]:
+def _run_megatron(tp: int, pp: int, jobs: list[tuple[Path, Path, str, str]]) -> list[dict]:
     """``jobs`` (model folder, output file, checkpoint to load, checkpoint to save) run
-    one after another by one launch of ``tp`` rank processes (the ~13 s import of
+    one after another by one launch of ``tp * pp`` rank processes (the ~13 s import of
     megatron-core paid once); their results in order."""
     import json
     import subprocess
@@ -209,11 +263,13 @@ def _run_megatron(tp: int, jobs: list[tuple[Path, Path, str, str]]) -> list[dict
 
     port = free_port()
     spec = json.dumps([[str(x) for x in job] for job in jobs])
-    procs = [subprocess.Popen([sys.executable, __file__, str(tp), str(r), str(port), spec],
-                              stderr=subprocess.PIPE, text=True) for r in range(tp)]
+    procs = [subprocess.Popen([sys.executable, __file__, str(tp), str(pp), str(r), str(port),
+                               spec], stderr=subprocess.PIPE, text=True)
+             for r in range(tp * pp)]
     errs = [p.communicate(timeout=300)[1] for p in procs]
-    for p, err in zip(procs, errs):
-        assert p.returncode == 0, err[-4000:]
+    failed = [f"rank {r}: {err[-3000:]}" for r, (p, err) in enumerate(zip(procs, errs))
+              if p.returncode != 0]
+    assert not failed, "\n".join(failed)
     return [torch.load(job[1]) for job in jobs]
 
 
@@ -229,30 +285,37 @@ def _max_diff(a: dict, b: dict) -> float:
     return max(float((a[k] - b[k]).abs().max()) for k in a)
 
 
-CASES_STEP = [(1, "llama", True), (2, "llama", True), (2, "qwen2", False)]
-"""(tp, family, tied): grouped-query attention (4 heads, 2 groups) and a vocabulary of
-1003 (padded to 1024) in all; Qwen2 adds the QKV bias and an untied LM head."""
+CASES_STEP = [(1, 1, "llama", True), (2, 1, "llama", True), (2, 1, "qwen2", False),
+              (1, 2, "llama", True), (2, 2, "qwen2", False)]
+"""(tp, pp, family, tied): grouped-query attention (4 heads, 2 groups) and a vocabulary of
+1003 (padded to 1024) in all; Qwen2 adds the QKV bias and an untied LM head. At pp 2
+each stage holds one of the two layers; the tied Llama's last stage a copy of the
+embedding."""
 
 
 @pytest.fixture(scope="module")
 def step_runs(tmp_path_factory):
     """Each case of ``CASES_STEP`` run by the megatron back end (its TP ranks in
     subprocesses; a checkpoint after step 1) and by the torch back end, on the same
-    model and batches; and the tp=2 Llama checkpoint resumed at tp=1."""
+    model and batches; the tp=2 Llama checkpoint resumed at tp=1 and at pp=2."""
     pytest.importorskip("megatron.core")
     root = tmp_path_factory.mktemp("megatron")
     runs = {}
-    for family, tied in {(f, t) for _, f, t in CASES_STEP}:
+    for family, tied in {(f, t) for _, _, f, t in CASES_STEP}:
         _model(family, tied).save_pretrained(root / family)
         runs[family] = _reference(root / family)
-    by_tp: dict[int, list] = {}
-    for tp, family, _ in CASES_STEP:
-        by_tp.setdefault(tp, []).append(((tp, family), (root / family, root / f"{family}{tp}.pt",
-                                                        "", root / f"ckpt-{family}{tp}")))
-    by_tp[1].append(("resumed", (root / "llama", root / "resumed.pt", root / "ckpt-llama2", "")))
-    for tp in sorted(by_tp, reverse=True):  # tp 2 first: the tp-1 launch resumes its checkpoint
-        keys, jobs = zip(*by_tp[tp])
-        runs.update(zip(keys, _run_megatron(tp, list(jobs))))
+    launches: dict[tuple[int, int], list] = {}
+    for tp, pp, family, _ in CASES_STEP:
+        name = f"{family}{tp}{pp}"
+        launches.setdefault((tp, pp), []).append(
+            ((tp, pp, family), (root / family, root / f"{name}.pt", "", root / f"ckpt-{name}")))
+    for key in ((1, 1), (1, 2)):
+        launches[key].append((("resumed", *key), (root / "llama", root / f"resumed{key}.pt",
+                                                  root / "ckpt-llama21", "")))
+    # tp 2 first: the other launches resume its checkpoint
+    for tp, pp in sorted(launches, key=lambda k: (k != (2, 1), k)):
+        keys, jobs = zip(*launches[(tp, pp)])
+        runs.update(zip(keys, _run_megatron(tp, pp, list(jobs))))
     runs["initial"] = {k: v.detach() for k, v in _model("llama", True).state_dict().items()}
     return runs
 
@@ -263,11 +326,12 @@ def _real(values: list, masks: list) -> torch.Tensor:
     return torch.cat([v[m.bool()] for v, m in zip(values, masks)])
 
 
-@pytest.mark.parametrize(("tp", "family", "tied"), CASES_STEP)
-def test_megatron_logprobs_loss_and_step_match_the_torch_back_end(step_runs, tp, family, tied):
+@pytest.mark.parametrize(("tp", "pp", "family", "tied"), CASES_STEP)
+def test_megatron_logprobs_loss_and_step_match_the_torch_back_end(step_runs, tp, pp, family,
+                                                                  tied):
     from relax.trainer.batching import micro_batches
 
-    got, ref = step_runs[(tp, family)], step_runs[family]
+    got, ref = step_runs[(tp, pp, family)], step_runs[family]
     masks = [mb.response_mask for mb in micro_batches(_step_batches()[0], BUDGET)]
     for key in ("logprobs", "entropy"):
         diff = (_real(got[key], masks) - _real(ref[key], masks)).abs().max()
@@ -287,10 +351,12 @@ def test_the_steps_moved_the_weights_by_far_more_than_the_tolerance(step_runs):
     assert _max_diff(step_runs["llama"]["weights"][1], step_runs["initial"]) > 10 * TOL
 
 
-def test_a_tp2_checkpoint_resumes_at_tp1_with_the_same_second_step(step_runs):
-    """The checkpoint holds HF weights and the AdamW moments by HF name: a tp=1 back end
-    restored from the tp=2 one takes the second step of the uninterrupted run."""
-    resumed, ref = step_runs["resumed"], step_runs["llama"]
+@pytest.mark.parametrize(("tp", "pp"), [(1, 1), (1, 2)])
+def test_a_tp2_checkpoint_resumes_at_another_split_with_the_same_second_step(step_runs, tp, pp):
+    """The checkpoint holds HF weights and the AdamW moments by HF name: a tp=1 back end,
+    and a pp=2 one, restored from the tp=2 one take the second step of the uninterrupted
+    run."""
+    resumed, ref = step_runs[("resumed", tp, pp)], step_runs["llama"]
     assert abs(resumed["stats"][0]["loss"] - ref["stats"][1]["loss"]) <= TOL
     assert _max_diff(resumed["weights"][0], ref["weights"][1]) <= TOL
 
@@ -308,7 +374,9 @@ def test_settings_the_back_end_cannot_build_are_refused():
     with pytest.raises(ValueError, match="RoPE type 'linear'"):
         transformer_config(scaled, 1)
     with pytest.raises(ValueError, match="pp"):
-        TrainerConfig(backend="megatron", megatron={"tp": 1, "pp": 2})
+        TrainerConfig(backend="megatron", megatron={"tp": 1, "pp": 0})
+    with pytest.raises(ValueError, match="pipeline parallel size 3: the model's 2 layers"):
+        stage_layers(Layout.from_hf_config(_model("llama", True).config), 3, 0)
     pytest.importorskip("megatron.core")
     from relax.trainer.backends.megatron_backend import MegatronBackend
 
@@ -317,12 +385,14 @@ def test_settings_the_back_end_cannot_build_are_refused():
 
 
 @pytest.mark.e2e
-def test_a_tp2_megatron_run_through_the_broker(broker, local_ray, tmp_path):
-    """``relax train`` of the tiny recipe with ``trainer.backend=megatron``, tp=2 (rank 0
-    the trainer stage, rank 1 its child, gloo on loopback): every rollout accounted, both
-    ranks take every step, the rollout engine samples with the weights the megatron back
-    end published (policy_version >= 1 on the rollouts), and the final model is an HF
-    model whose weights moved."""
+@pytest.mark.parametrize(("tp", "pp"), [(2, 1), (1, 2)])
+def test_a_tp2_and_a_pp2_megatron_run_through_the_broker(broker, local_ray, tmp_path, tp, pp):
+    """``relax train`` of the tiny recipe with ``trainer.backend=megatron``, tp=2 or pp=2
+    (rank 0 the trainer stage, rank 1 its child, gloo on loopback): every rollout
+    accounted, both ranks take every step, the rollout engine samples with the weights
+    the megatron back end published (policy_version >= 1 on the rollouts), the final
+    model is an HF model whose weights moved, and the step-3 checkpoint holds the AdamW
+    moments by HF name (gathered over the TP or the pipeline group)."""
     pytest.importorskip("megatron.core")
     import uuid
 
@@ -333,9 +403,10 @@ def test_a_tp2_megatron_run_through_the_broker(broker, local_ray, tmp_path):
     from relax.streams.read import read_table
     from relax.trainer.models import load_model
 
-    run = "mgtp2" + uuid.uuid4().hex[:4]
+    run = f"mg{tp}{pp}" + uuid.uuid4().hex[:4]
     recipe = tiny_recipe(broker, tmp_path, run, "trainer.backend=megatron",
-                         "trainer.megatron.tp=2", "resources.trainer.processes=2")
+                         f"trainer.megatron.tp={tp}", f"trainer.megatron.pp={pp}",
+                         "resources.trainer.processes=2")
     s = train(recipe, say=lambda _: None, timeout_s=500)
     assert s["steps"] == 3 and s["balanced"], s
     assert s["trained"] + s["stale"] + s["filtered"] + s["errors"] == s["sampled"] > 0, s
@@ -358,4 +429,4 @@ if __name__ == "__main__":
     import sys
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # testdata
-    _megatron_worker(*(int(a) for a in sys.argv[1:4]), sys.argv[4])
+    _megatron_worker(*(int(a) for a in sys.argv[1:5]), sys.argv[5])

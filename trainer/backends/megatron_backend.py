@@ -1,19 +1,25 @@
-"""The ``megatron`` trainer back end: megatron-core's GPTModel with tensor parallelism,
-the same policy loss, optimizer and published weights as the ``torch`` back end.
+"""The ``megatron`` trainer back end: megatron-core's GPTModel with tensor and pipeline
+parallelism, the same policy loss, optimizer and published weights as the ``torch`` back
+end.
 
 ``trainer.backend: megatron`` with ``trainer.megatron: {tp, pp}`` runs ``tp * pp``
 trainer processes (``resources.trainer.processes``; :mod:`relax.trainer.ranks` starts
 them, rank 0 reads the batches). Every rank builds the same HF model, keeps its TP shard
-of it in a megatron-core ``GPTModel`` (:mod:`.megatron_model`,
-:mod:`.megatron_convert`) and gets the *whole* global batch (tensor parallelism splits
+of its pipeline stage's layers in a megatron-core ``GPTModel`` (:mod:`.megatron_model`,
+:mod:`.megatron_convert`) and gets the *whole* global batch (model parallelism splits
 the model, not the data). Each step:
 
-* response log-probs from the vocab-parallel logits (megatron-core's
-  ``vocab_parallel_cross_entropy``), the same :func:`.step.micro_batch_loss` per
-  micro-batch as the torch back end, backward through megatron-core's TP layers (their
-  all-reduces are gloo on the CPU, nccl on GPUs);
+* the micro-batches pass through the pipeline stages in 1F1B order
+  (:mod:`.megatron_pipeline`; with ``pp`` 1 simply one forward and backward after the
+  other); the last stage takes the response log-probs from the vocab-parallel logits
+  (megatron-core's ``vocab_parallel_cross_entropy``) and the same
+  :func:`.step.micro_batch_loss` as the torch back end; backward runs through
+  megatron-core's TP layers (their all-reduces are gloo on the CPU, nccl on GPUs);
+* with ``pp > 1`` a tied model's embedding (first stage) and output layer copy (last
+  stage) get their summed gradient (megatron-core's embedding group all-reduce);
 * the global gradient norm counts each TP-split tensor once per shard (sum of squares
-  all-reduced) and each replicated one (the RMSNorm weights) once, and clips like
+  all-reduced over the TP group, then over the pipeline group) and each replicated one
+  (the RMSNorm weights) once, the tied copy not at all, and clips like
   ``torch.nn.utils.clip_grad_norm_``;
 * torch's fused AdamW on each rank's shard (:func:`.step.adamw`; AdamW is element-wise,
   so the step is the one the torch back end takes on the whole tensor);
@@ -23,9 +29,8 @@ the model, not the data). Each step:
   same way: a checkpoint is the torch back end's format (HF safetensors + config) with
   the moments stored by HF name, loadable at any TP size.
 
-On the CPU, :func:`.megatron_cpu.redirect_cuda_to_cpu` is applied first. Pipeline
-parallelism (``pp > 1``) and Megatron's distributed optimizer are not built (see
-:class:`relax.trainer.config.MegatronConfig`).
+On the CPU, :func:`.megatron_cpu.redirect_cuda_to_cpu` is applied first. Megatron's
+distributed optimizer is not built: each rank's AdamW steps its own shard.
 """
 
 from __future__ import annotations
@@ -39,10 +44,15 @@ import torch.distributed as dist
 
 from relax.trainer.backends.megatron_convert import (
     Layout,
+    from_stages,
     hf_to_megatron,
     megatron_to_hf,
     replicated,
+    stage_layers,
+    to_stage,
 )
+from relax.trainer.backends.megatron_gather import gather_pp, gather_tp, stage_shapes
+from relax.trainer.backends.megatron_pipeline import Link, forward_schedule, train_schedule
 from relax.trainer.backends.step import (
     adamw,
     add_metrics,
@@ -62,7 +72,7 @@ MOMENTS = ("exp_avg", "exp_avg_sq")
 class MegatronBackend:
     """Holds this rank's megatron-core model shard and its optimizer.
 
-    Every TP rank calls :meth:`train_step` with the same micro-batches; only rank 0's
+    Every rank calls :meth:`train_step` with the same micro-batches; only rank 0's
     :meth:`named_tensors` holds the gathered weights and only rank 0 should :meth:`save`.
 
     Args:
@@ -76,7 +86,7 @@ class MegatronBackend:
     Raises:
         ValueError: a process count other than ``tp * pp``, a model family or setting
             the back end does not build (:func:`.megatron_model.transformer_config`), a TP
-            size the query groups do not allow.
+            size the query groups do not allow, a PP size the layers do not divide by.
         ImportError: megatron-core is not installed (``pip install .[megatron]``).
     """
 
@@ -105,19 +115,27 @@ class MegatronBackend:
             from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
             model_parallel_cuda_manual_seed(cfg.seed)
-        self.tp, self.world_size = tp, world
+        self.tp, self.pp, self.world_size = tp, pp, world
         self.rank = parallel_state.get_tensor_model_parallel_rank()
         self._group = parallel_state.get_tensor_model_parallel_group()
+        self.link = Link(parallel_state.get_pipeline_model_parallel_group() if pp > 1 else None,
+                         self.device)
         torch.manual_seed(cfg.seed)
         hf = model if model is not None else load_model(cfg.model)
         self.layout = Layout.from_hf_config(hf.config)
         self.layout.check(tp)
+        stage_layers(self.layout, pp, 0)
+        self.dtype = next(hf.parameters()).dtype
         # megatron-core's parameters take the dtype of the model given (fp32 from
         # load_model; a bf16 model trains in bf16, as the torch back end does)
-        self.gpt = build_gpt(hf.config, tp, next(hf.parameters()).dtype).to(self.device)
-        self._load_shard(hf_to_megatron({k: v.detach() for k, v in hf.state_dict().items()},
-                                        self.layout, tp)[self.rank])
-        self._hf = hf if self.rank == 0 else None  # config and save_pretrained
+        self.gpt = build_gpt(hf.config, tp, self.dtype, pp, self.link.stage).to(self.device)
+        shards = hf_to_megatron({k: v.detach() for k, v in hf.state_dict().items()},
+                                self.layout, tp)
+        self._load_shard(to_stage(shards[self.rank], self.layout, pp, self.link.stage))
+        self._stage_shapes = stage_shapes(shards, self.layout, pp)
+        self._tied_copy = ({"output_layer.weight"} if self.layout.tied and pp > 1
+                           and self.link.last else set())
+        self._hf = hf if dist.get_rank() == 0 else None  # config and save_pretrained
         self.pad_id = hf.get_input_embeddings().padding_idx  # no gradient from its lookups
         self.gpt.train()
         self.optimizer = adamw(self.gpt.parameters(), cfg.optim)
@@ -129,6 +147,11 @@ class MegatronBackend:
         self._loaded: tuple[dict, dict] | None = None
 
     # ------------------------------------------------------------ shards <-> HF
+    def _shard(self, hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """This rank's part (its TP shard of its pipeline stage) of an HF state dict."""
+        return to_stage(hf_to_megatron(hf, self.layout, self.tp)[self.rank], self.layout,
+                        self.pp, self.link.stage)
+
     def _load_shard(self, shard: dict[str, torch.Tensor]) -> None:
         missing, unexpected = self.gpt.load_state_dict(shard, strict=False)
         missing = [k for k in missing if not k.endswith("_extra_state")]
@@ -138,23 +161,16 @@ class MegatronBackend:
 
     def _gather(self, local: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """This rank's ``{megatron name: tensor}`` -> rank 0 gets the HF dict of the whole
-        model (:func:`megatron_to_hf`); the other ranks get ``{}``. A collective over the
-        TP group (replicated tensors are taken from rank 0, not sent)."""
-        if self.tp == 1:
-            return megatron_to_hf([{k: v.detach().clone() for k, v in local.items()}],
-                                  self.layout)
-        shards: list[dict[str, torch.Tensor]] = [{} for _ in range(self.tp)]
-        for name in sorted(local):
-            t = local[name].detach().contiguous()
-            if name not in self._sharded:
-                shards[0][name] = t.clone()
-                continue
-            parts = [torch.empty_like(t) for _ in range(self.tp)] if self.rank == 0 else None
-            dist.gather(t, parts, dst=dist.get_global_rank(self._group, 0), group=self._group)
-            if self.rank == 0:
-                for r, part in enumerate(parts):
-                    shards[r][name] = part
-        return megatron_to_hf(shards, self.layout) if self.rank == 0 else {}
+        model (:func:`megatron_to_hf`); the other ranks get ``{}``. A collective: over
+        each stage's TP group to its TP rank 0, then over the pipeline group to rank 0."""
+        shards = gather_tp(local, self._group, self.tp)
+        if self.rank != 0:
+            return {}
+        parts = gather_pp(shards, self.link, self._stage_shapes, self.dtype)
+        if dist.get_rank() != 0:
+            return {}
+        return megatron_to_hf([from_stages([p[r] for p in parts], self.layout)
+                               for r in range(self.tp)], self.layout)
 
     def _moments(self) -> dict[str, dict[str, torch.Tensor]]:
         """``{moment: {megatron name: this rank's tensor}}`` of the AdamW state."""
@@ -168,15 +184,52 @@ class MegatronBackend:
     # ------------------------------------------------------------------- step
     def logprobs(self, mb: MicroBatch, with_entropy: bool = False):
         """``([B, R] log-probs, [B, R] entropy or None)``, float32, of the response tokens
-        under the current weights (differentiable; a collective over the TP group)."""
+        under the current weights, on every rank (a collective). Differentiable with
+        ``pp`` 1; with ``pp > 1`` a forward-only pass through the pipeline, the last
+        stage's values broadcast over the pipeline group."""
+        mb = to_device(mb, self.device)
+        if self.pp == 1:
+            return self._head(mb, self._stage(mb, None), with_entropy)
+        got = forward_schedule(self.link, [self._shape(mb)], self.dtype,
+                               lambda i, x: self._through(mb, x, with_entropy))
+        b, r = mb.response_ids.shape
+        out = got[0] if got else (torch.empty(b, r, device=self.device),
+                                  torch.empty(b, r, device=self.device) if with_entropy else None)
+        for t in out:
+            if t is not None:
+                dist.broadcast(t, self.link.ranks[-1], group=self.link.group)
+        return out
+
+    def _shape(self, mb: MicroBatch) -> tuple[int, int, int]:
+        """``[S, B, H]`` of the activations micro-batch ``mb`` passes between stages."""
+        b, s = mb.response_ids.shape[0], mb.prompt_ids.shape[1] + mb.response_ids.shape[1]
+        return s, b, self.gpt.config.hidden_size
+
+    def _through(self, mb: MicroBatch, x: torch.Tensor | None, with_entropy: bool):
+        """This stage's forward: the activations to send on, or on the last stage
+        ``(log-probs, entropy or None)``."""
+        hidden = self._stage(mb, x)
+        return self._head(mb, hidden, with_entropy) if self.link.last else hidden
+
+    def _stage(self, mb: MicroBatch, x: torch.Tensor | None) -> torch.Tensor:
+        """``[S, B, H]``: ``mb`` through this stage's layers (``x``: the previous stage's
+        output, None on the first)."""
+        from relax.trainer.backends.megatron_model import row_sequences, stage_hidden
+
+        return stage_hidden(self.gpt, row_sequences(mb)[0], x, self.pad_id)
+
+    def _head(self, mb: MicroBatch, hidden: torch.Tensor, with_entropy: bool):
+        """The last stage's ``([B, R] log-probs, [B, R] entropy or None)`` from its
+        ``[S, B, H]`` hidden states."""
         from relax.trainer.backends.megatron_model import (
-            response_logits,
+            head_logits,
+            row_sequences,
             vocab_parallel_entropy,
             vocab_parallel_logprobs,
         )
 
-        mb = to_device(mb, self.device)
-        logits = response_logits(self.gpt, mb, self.layout.vocab, self.pad_id)
+        logits = head_logits(self.gpt, hidden, row_sequences(mb)[1], mb.response_ids.shape[1],
+                             self.layout.vocab)
         lp = vocab_parallel_logprobs(logits, mb.targets, mb.temperature)
         ent = vocab_parallel_entropy(logits, mb.temperature) if with_entropy else None
         return lp, ent
@@ -185,12 +238,16 @@ class MegatronBackend:
         """The global gradient L2 norm (module docstring), gradients scaled by
         ``min(1, max_norm / (norm + 1e-6))`` as ``torch.nn.utils.clip_grad_norm_`` does."""
         grads = {n: p.grad for n, p in self._params.items() if p.grad is not None}
-        sq = [g.float().pow(2).sum() for n, g in grads.items() if n in self._sharded]
+        sq = [g.float().pow(2).sum() for n, g in grads.items()
+              if n in self._sharded and n not in self._tied_copy]
         split = torch.stack(sq).sum() if sq else torch.zeros((), device=self.device)
         if self.tp > 1:
             dist.all_reduce(split, group=self._group)
         rep = [g.float().pow(2).sum() for n, g in grads.items() if n not in self._sharded]
-        norm = (split + (torch.stack(rep).sum() if rep else 0.0)).sqrt()
+        total = split + (torch.stack(rep).sum() if rep else 0.0)
+        if self.pp > 1:
+            dist.all_reduce(total, group=self.link.group)
+        norm = total.sqrt()
         coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
         for g in grads.values():
             g.mul_(coef.to(g.dtype))
@@ -213,37 +270,46 @@ class MegatronBackend:
             ``tokens_trained``, ``rows_computed``, the loss metrics), the same on every rank.
 
         Raises:
-            RuntimeError: the TP ranks were given different numbers of micro-batches.
+            RuntimeError: the ranks were given different numbers of micro-batches.
         """
         t0 = time.perf_counter()
         if counts is None:
             per_mb = [mask_counts(mb.loss_mask) for mb in mbs]
             counts = (sum(c[0] for c in per_mb), sum(c[1] for c in per_mb))
         tokens, seqs = counts
-        if self.tp > 1:
+        if self.world_size > 1:
             t = torch.tensor([tokens, seqs, len(mbs), -len(mbs)], dtype=torch.float64,
                              device=self.device)
-            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self._group)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
             tokens, seqs = int(t[0]), int(t[1])
             if int(t[2]) != len(mbs) or -int(t[3]) != len(mbs):
-                raise RuntimeError(f"tensor-parallel ranks hold different batches: "
+                raise RuntimeError(f"model-parallel ranks hold different batches: "
                                    f"{len(mbs)} micro-batches here, {int(t[2])} elsewhere")
         lr = set_learning_rate(self.optimizer, self.cfg.optim, self.steps_done)
+        dmbs = [to_device(mb, self.device) for mb in mbs]
+        shapes = [self._shape(mb) for mb in dmbs]
         old = None
         if self.cfg.old_logprobs == "recompute":
-            with torch.no_grad():
-                old = [self.logprobs(mb)[0].detach() for mb in mbs]
+            old = [lp for lp, _ in forward_schedule(
+                self.link, shapes, self.dtype, lambda i, x: self._through(dmbs[i], x, False))]
         self.optimizer.zero_grad(set_to_none=True)
         sums: dict[str, float] = {"loss": 0.0, "policy_loss": 0.0}
         want_entropy = self.cfg.loss.entropy_coef != 0
-        for i, mb in enumerate(mbs):
-            dmb = to_device(mb, self.device)
-            lp, ent = self.logprobs(dmb, with_entropy=want_entropy)
-            loss, metrics = micro_batch_loss(self.cfg, dmb, lp, ent,
+
+        def forward(i: int, x: torch.Tensor | None) -> torch.Tensor:
+            hidden = self._stage(dmbs[i], x)
+            if not self.link.last:
+                return hidden
+            lp, ent = self._head(dmbs[i], hidden, want_entropy)
+            loss, metrics = micro_batch_loss(self.cfg, dmbs[i], lp, ent,
                                              None if old is None else old[i], tokens, seqs)
-            loss.backward()
             add_metrics(sums, loss, metrics)
+            return loss
+
+        train_schedule(self.link, shapes, self.dtype, forward)
         fill_missing_grads(self.gpt.parameters())
+        if self.pp > 1:
+            sums = self._share_embedding_grads(sums)
         clip = self.cfg.optim.grad_clip
         norm = self._clip_grad_norm(clip if clip > 0 else math.inf)
         self.optimizer.step()
@@ -255,6 +321,21 @@ class MegatronBackend:
                     rows_computed=float(sum(mb.response_ids.shape[0] for mb in mbs)),
                     train_s=time.perf_counter() - t0)
         return sums
+
+    def _share_embedding_grads(self, sums: dict[str, float]) -> dict[str, float]:
+        """With ``pp > 1``: a tied model's embedding and its last-stage copy get their
+        summed gradient (over megatron-core's embedding group); the last stage's metric
+        sums, returned on every rank of the pipeline group."""
+        from megatron.core import parallel_state
+
+        if self.layout.tied and (self.link.first or self.link.last):
+            name = "embedding.word_embeddings.weight" if self.link.first else \
+                "output_layer.weight"
+            dist.all_reduce(self._params[name].grad, group=parallel_state.get_embedding_group())
+        box = [sums]
+        dist.broadcast_object_list(box, self.link.ranks[-1], group=self.link.group,
+                                   device=self.device)
+        return box[0]
 
     # ------------------------------------------------------ weights and checkpoints
     def named_tensors(self) -> dict[str, torch.Tensor]:
@@ -322,10 +403,9 @@ class MegatronBackend:
         if loaded[0] is None:
             return
         state, opt = loaded[0]
-        self._load_shard(hf_to_megatron(state, self.layout, self.tp)[self.rank])
+        self._load_shard(self._shard(state))
         steps = int(opt["steps_done"])
-        moments = {m: hf_to_megatron(d, self.layout, self.tp)[self.rank]
-                   for m, d in opt["optimizer"]["by_hf_name"].items()}
+        moments = {m: self._shard(d) for m, d in opt["optimizer"]["by_hf_name"].items()}
         for name, p in self._params.items():
             self.optimizer.state[p] = {"step": torch.tensor(float(steps), device=p.device),
                                        **{m: moments[m][name].to(p.device, copy=True)

@@ -20,13 +20,23 @@ spec), as Megatron-Bridge converts it (``merge_qkv_weights``/``split_qkv_weights
 * Norms are replicated. Names: ``decoder.layers.<i>.input_layernorm.weight`` and
   ``pre_mlp_layernorm.weight`` with the local spec; with Transformer Engine they are
   fused into ``linear_qkv.layer_norm_weight`` and ``linear_fc1.layer_norm_weight``.
+
+Pipeline parallelism (:func:`to_stage`, :func:`from_stages`): stage s of ``pp`` holds
+layers ``s * L / pp .. (s + 1) * L / pp - 1`` numbered from 0 in its own state dict (as
+megatron-core's ``TransformerBlock`` names them), the first stage the embedding, the last
+the final norm and the output layer. With ``pp > 1`` a tied model's last stage holds a
+copy of the embedding as its ``output_layer.weight`` (megatron-core's shared embedding:
+the two copies get the same summed gradient and so stay equal).
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 import torch
+
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
 
 
 @dataclass(frozen=True)
@@ -199,3 +209,56 @@ def megatron_to_hf(shards: list[dict[str, torch.Tensor]], lay: Layout) -> dict[s
         hf[p + "input_layernorm.weight"] = shards[0][n["ln1"]].clone()
         hf[p + "post_attention_layernorm.weight"] = shards[0][n["ln2"]].clone()
     return hf
+
+
+def stage_layers(lay: Layout, pp: int, stage: int) -> range:
+    """The (global) decoder layers of pipeline stage ``stage`` of ``pp``.
+
+    Raises:
+        ValueError: the layers do not divide by ``pp`` (megatron-core's even split).
+    """
+    if lay.layers % pp:
+        raise ValueError(f"pipeline parallel size {pp}: the model's {lay.layers} layers "
+                         f"must divide by it")
+    n = lay.layers // pp
+    return range(stage * n, (stage + 1) * n)
+
+
+def to_stage(shard: dict[str, torch.Tensor], lay: Layout, pp: int, stage: int
+             ) -> dict[str, torch.Tensor]:
+    """One TP rank's state dict (global layer numbers; :func:`hf_to_megatron`) -> the part
+    pipeline stage ``stage`` of ``pp`` holds, its layers numbered from 0 (module docstring).
+
+    Raises:
+        ValueError: the layers do not divide by ``pp``.
+    """
+    keep, last = stage_layers(lay, pp, stage), stage == pp - 1
+    out: dict[str, torch.Tensor] = {}
+    for name, t in shard.items():
+        m = _LAYER.match(name)
+        if m:
+            if int(m.group(1)) in keep:
+                out[f"decoder.layers.{int(m.group(1)) - keep.start}.{name[m.end():]}"] = t
+        elif name.startswith("embedding."):
+            if stage == 0:
+                out[name] = t
+        elif last:
+            out[name] = t
+    if last and pp > 1 and lay.tied:
+        out["output_layer.weight"] = shard["embedding.word_embeddings.weight"].clone()
+    return out
+
+
+def from_stages(parts: list[dict[str, torch.Tensor]], lay: Layout) -> dict[str, torch.Tensor]:
+    """The inverse of :func:`to_stage` over all ``pp = len(parts)`` stages of one TP rank:
+    global layer numbers, a tied model's output layer copy dropped."""
+    out: dict[str, torch.Tensor] = {}
+    for stage, part in enumerate(parts):
+        start = stage_layers(lay, len(parts), stage).start
+        for name, t in part.items():
+            m = _LAYER.match(name)
+            if m:
+                out[f"decoder.layers.{int(m.group(1)) + start}.{name[m.end():]}"] = t
+            elif not (lay.tied and name == "output_layer.weight"):
+                out[name] = t
+    return out

@@ -17,9 +17,9 @@ The redirect makes ``torch.cuda.current_device()`` answer ``"cpu"`` and hands
 megatron-core a tracker whose ``fork()`` does nothing (relax trains with dropout 0, so
 there is no RNG stream to keep apart; a recipe with dropout is refused by
 :func:`relax.trainer.backends.megatron_model.transformer_config`). Everything else of
-the CPU path is megatron-core's own code. Pipeline schedules and the distributed
-optimizer assume CUDA streams and buffers and are not redirected: on the CPU the back end
-runs tensor parallelism only.
+the CPU path is megatron-core's own code. Its pipeline schedules and distributed
+optimizer assume CUDA streams and buffers and are not redirected: pipeline parallelism
+runs relax's own schedule (:mod:`.megatron_pipeline`), on the CPU and on GPUs.
 """
 
 from __future__ import annotations

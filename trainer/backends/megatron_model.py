@@ -4,7 +4,9 @@ log-probs of a micro-batch computed with vocab-parallel cross entropy.
 The model is megatron-core's own ``GPTModel`` with its local layer spec (plain torch
 modules; Transformer Engine is not needed and not on the CPU), built from the HF config
 (:func:`transformer_config`) and loaded with the TP shard of the HF weights
-(:mod:`relax.trainer.backends.megatron_convert`).
+(:mod:`relax.trainer.backends.megatron_convert`); with pipeline parallelism each rank's
+model holds one stage (:func:`build_gpt`), and a micro-batch goes through
+:func:`stage_hidden` on every stage, then :func:`head_logits` on the last.
 
 Sequences: every row is its prompt followed by its response, **right-padded**
 (:func:`row_sequences`), so that token j sits at position j: megatron-core applies RoPE
@@ -44,10 +46,11 @@ def _rope_theta(config) -> float:
     return float(params.get("rope_theta") or getattr(config, "rope_theta", 10000.0))
 
 
-def transformer_config(hf_config, tp: int, dtype: torch.dtype = torch.float32):
+def transformer_config(hf_config, tp: int, dtype: torch.dtype = torch.float32, pp: int = 1):
     """megatron-core ``TransformerConfig`` of an HF Llama/Qwen2 config at tensor-parallel
-    size ``tp``: RMSNorm, SiLU-gated MLP, grouped-query attention, QKV bias for Qwen2,
-    no dropout, no fusion (the CPU has none), CPU initialisation.
+    size ``tp`` and pipeline-parallel size ``pp``: RMSNorm, SiLU-gated MLP, grouped-query
+    attention, QKV bias for Qwen2, no dropout, no fusion (the CPU has none), CPU
+    initialisation.
 
     Raises:
         ValueError: another model family, an activation other than SiLU, MLP or output
@@ -79,24 +82,31 @@ def transformer_config(hf_config, tp: int, dtype: torch.dtype = torch.float32):
         bias_activation_fusion=False, masked_softmax_fusion=False, bias_dropout_fusion=False,
         apply_rope_fusion=False, gradient_accumulation_fusion=False, persist_layer_norm=False,
         use_cpu_initialization=True, perform_initialization=False,
-        tensor_model_parallel_size=tp, params_dtype=dtype, bf16=dtype == torch.bfloat16)
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+        pipeline_dtype=dtype if pp > 1 else None, params_dtype=dtype,
+        bf16=dtype == torch.bfloat16)
 
 
-def build_gpt(hf_config, tp: int, dtype: torch.dtype = torch.float32):
-    """An (uninitialised) megatron-core ``GPTModel`` for ``hf_config``, this rank's TP
-    shard, every parameter in ``dtype``; model parallelism must be initialised
-    (``parallel_state``)."""
+def build_gpt(hf_config, tp: int, dtype: torch.dtype = torch.float32, pp: int = 1,
+              stage: int = 0):
+    """An (uninitialised) megatron-core ``GPTModel`` for ``hf_config``: this rank's TP
+    shard of pipeline stage ``stage`` of ``pp``, every parameter in ``dtype``; model
+    parallelism must be initialised (``parallel_state``).
+
+    With ``pp > 1`` a tied model is built untied: the last stage gets its own output layer,
+    which the back end keeps equal to the first stage's embedding
+    (:mod:`.megatron_convert`); megatron-core's own tie moves the copy with ``.cuda()``."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.models.gpt.gpt_model import GPTModel
 
     lay = Layout.from_hf_config(hf_config)
-    gpt = GPTModel(transformer_config(hf_config, tp, dtype),
+    gpt = GPTModel(transformer_config(hf_config, tp, dtype, pp),
                    get_gpt_layer_local_spec(normalization="RMSNorm"),
                    vocab_size=lay.padded_vocab(tp),
                    max_sequence_length=hf_config.max_position_embeddings,
-                   share_embeddings_and_output_weights=lay.tied,
+                   share_embeddings_and_output_weights=lay.tied and pp == 1,
                    position_embedding_type="rope", rotary_base=_rope_theta(hf_config),
-                   parallel_output=True)
+                   parallel_output=True, pre_process=stage == 0, post_process=stage == pp - 1)
     for p in gpt.parameters():  # the local spec's torch RMSNorm is made in float32 always
         p.data = p.data.to(dtype)
     return gpt
@@ -120,39 +130,49 @@ def row_sequences(mb: MicroBatch) -> tuple[torch.Tensor, torch.Tensor]:
     return ids, p_len
 
 
-def response_logits(gpt, mb: MicroBatch, vocab: int, pad_id: int | None = None
-                    ) -> torch.Tensor:
-    """``[B, R, V / tp]`` vocab-parallel logits (float32) of this TP rank that predict
-    each response token; columns of the vocabulary padding (ids >= ``vocab``) are -inf.
-
-    Runs megatron-core's embedding, RoPE and decoder (with the final norm) on the
-    right-padded rows (:func:`row_sequences`) under an explicit causal mask, then its
-    vocab-parallel output layer on the response positions only.
+def stage_hidden(gpt, ids: torch.Tensor, x: torch.Tensor | None = None,
+                 pad_id: int | None = None) -> torch.Tensor:
+    """``[S, B, H]`` hidden states after this pipeline stage's decoder layers (the last
+    stage's include the final norm), under an explicit causal mask.
 
     Args:
+        ids: ``[B, S]`` int64 right-padded rows (:func:`row_sequences`).
+        x: ``[S, B, H]`` the previous stage's output; None on the first stage, which
+            embeds ``ids`` (megatron-core's embedding; RoPE is applied in every layer).
         pad_id: the HF model's ``pad_token_id`` (its ``nn.Embedding(padding_idx=...)``):
             the embeddings looked up for this id are detached, so that row of the word
             embeddings gets no gradient from its lookups, as in the HF model (a tied
             output layer still trains it). SmolLM2 pads with ``<|im_end|>`` (id 2),
             which ends every turn of a chat prompt.
     """
+    b, s = ids.shape
+    emb = None
+    if x is None:
+        pos = torch.arange(s, device=ids.device)
+        emb = gpt.embedding(input_ids=ids, position_ids=pos[None, :].expand(b, s))  # [S, B, H]
+        if pad_id is not None:
+            emb = torch.where((ids == pad_id).T[..., None], emb.detach(), emb)
+    else:
+        gpt.decoder.set_input_tensor(x)
+    causal = torch.triu(torch.ones(s, s, dtype=torch.bool, device=ids.device), 1)[None, None]
+    return gpt.decoder(hidden_states=emb, attention_mask=causal,
+                       rotary_pos_emb=gpt.rotary_pos_emb(s))
+
+
+def head_logits(gpt, hidden: torch.Tensor, p_len: torch.Tensor, r: int, vocab: int
+                ) -> torch.Tensor:
+    """``[B, R, V / tp]`` vocab-parallel logits (float32) of this TP rank that predict each
+    of ``r`` response tokens, from the last stage's ``[S, B, H]`` ``hidden``; columns of
+    the vocabulary padding (ids >= ``vocab``) are -inf. ``p_len``: ``[B]`` prompt lengths
+    (:func:`row_sequences`)."""
     from megatron.core import parallel_state
 
-    ids, p_len = row_sequences(mb)
-    b, s = ids.shape
-    pos = torch.arange(s, device=ids.device)
-    emb = gpt.embedding(input_ids=ids, position_ids=pos[None, :].expand(b, s))   # [S, B, H]
-    if pad_id is not None:
-        emb = torch.where((ids == pad_id).T[..., None], emb.detach(), emb)
-    causal = torch.triu(torch.ones(s, s, dtype=torch.bool, device=ids.device), 1)[None, None]
-    hidden = gpt.decoder(hidden_states=emb, attention_mask=causal,
-                         rotary_pos_emb=gpt.rotary_pos_emb(s))                   # [S, B, H]
-    r = mb.response_ids.shape[1]
-    at = p_len[:, None] - 1 + torch.arange(r, device=ids.device)[None, :]         # [B, R]
-    h = hidden[at.T, torch.arange(b, device=ids.device)[None, :]]                  # [R, B, H]
+    b = hidden.shape[1]
+    at = p_len[:, None] - 1 + torch.arange(r, device=hidden.device)[None, :]     # [B, R]
+    h = hidden[at.T, torch.arange(b, device=hidden.device)[None, :]]             # [R, B, H]
     weight = gpt.shared_embedding_or_output_weight() if gpt.share_embeddings_and_output_weights \
         else None
-    logits, _ = gpt.output_layer(h, weight=weight)                                 # [R, B, V/tp]
+    logits, _ = gpt.output_layer(h, weight=weight)                               # [R, B, V/tp]
     logits = logits.transpose(0, 1).contiguous().float()
     part = logits.shape[-1]
     start = parallel_state.get_tensor_model_parallel_rank() * part
@@ -168,7 +188,7 @@ def vocab_parallel_logprobs(logits: torch.Tensor, targets: torch.Tensor, tempera
     vocabulary: megatron-core's ``vocab_parallel_cross_entropy``, negated. Differentiable.
 
     Args:
-        logits: ``[B, R, V / tp]`` this rank's float32 logits (:func:`response_logits`).
+        logits: ``[B, R, V / tp]`` this rank's float32 logits (:func:`head_logits`).
         targets: ``[B, R]`` int64 token ids in the full vocabulary.
         temperature: sampling temperature (> 0).
     """
