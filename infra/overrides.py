@@ -43,12 +43,16 @@ def parse_override(text: str) -> tuple[str, Any]:
     """``"a.b=1e-5"`` -> ``("a.b", 1e-05)`` (the value is read as YAML).
 
     Raises:
-        ValueError: without ``=`` or with an empty key.
+        ValueError: without ``=``, with an empty key, or a value that is not YAML.
     """
     key, eq, raw = text.partition("=")
     if not eq or not key.strip():
         raise ValueError(f"override {text!r}: expected key=value (e.g. trainer.steps=3)")
-    value = yaml.safe_load(raw) if raw.strip() else None
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else None
+    except yaml.YAMLError as e:
+        raise ValueError(f"override {text!r}: the value is not YAML "
+                         f"({' '.join(str(e).split())})") from None
     if isinstance(value, str) and re.fullmatch(r"[-+]?\d*\.?\d+([eE][-+]?\d+)?", value):
         value = float(value)  # YAML 1.1 reads 2e-5 as a string
     return key.strip(), value

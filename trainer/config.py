@@ -133,6 +133,14 @@ class TrainerConfig(BaseModel):
             raise ValueError(f"batch_advantage {self.batch_advantage!r}: expected one of "
                              f"{', '.join(BATCH_ESTIMATORS)} (the other estimators are "
                              f"per group and run in the aggregator)")
+        if self.backend != "megatron" and self.megatron != MegatronConfig():
+            raise ValueError(f"trainer.megatron (tp={self.megatron.tp}, pp={self.megatron.pp}) "
+                             f"is for backend 'megatron'; the {self.backend} back end ignores "
+                             f"it")
+        if self.backend == "megatron" and self.data_parallel != "ddp":
+            raise ValueError(f"trainer.data_parallel {self.data_parallel!r} is for backend "
+                             f"'torch'; the megatron back end splits the model by "
+                             f"trainer.megatron tp and pp")
         if self.freeze and self.backend != "torch":
             raise ValueError(f"trainer.freeze: the {self.backend} back end trains every "
                              "parameter; freeze needs backend 'torch'")

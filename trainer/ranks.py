@@ -94,7 +94,9 @@ class Ranks:
             self._kill_children()
             raise
         self._healthy = True
-        log.info("data-parallel trainer: %d ranks (children %s)", world_size,
+        split = (f"megatron tp={trainer.megatron.tp} x pp={trainer.megatron.pp}"
+                 if trainer.backend == "megatron" else f"data-parallel ({trainer.data_parallel})")
+        log.info("%s trainer: %d ranks (children %s)", split, world_size,
                  [p.pid for p in self.procs] or [f"{h} (Ray)" for h in hosts or []])
 
     def _children_alive(self) -> None:

@@ -57,6 +57,6 @@ def test_a_killed_rank_restarts_the_trainer_and_loses_nothing(broker, tmp_path, 
     stages = json.loads((Path(s["run_dir"]) / "stages.json").read_text())
     assert stages["trainer"]["restarts"] >= 1, stages["trainer"]
     logs = Path(s["run_dir"]) / "logs"
-    assert (logs / "trainer.log").read_text().count("data-parallel trainer: 2 ranks") == 2
+    assert (logs / "trainer.log").read_text().count(f"data-parallel ({mode}) trainer: 2 ranks") == 2
     # the restarted trainer resumed at a checkpoint >= 2 and its rank 1 ran to the end
     assert re.search(r"rank 1 done after [1-2] steps", (logs / "trainer-rank1.log").read_text())

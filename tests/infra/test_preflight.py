@@ -142,3 +142,25 @@ def test_opd_recipe_names_its_missing_teacher_and_passes_with_one(tmp_path):
         preflight(load_recipe(RECIPES / "opd_smollm2.yaml",
                               [f"teacher.model={tmp_path / 'arith-teacher' / 'final_model'}"]))
     preflight(load_recipe(RECIPES / "opd_smollm2.yaml", ["teacher.model=smollm2-135m"]))
+
+
+@pytest.mark.parametrize(("overrides", "start"), [
+    (["trainer.megatron.pp=3", "resources.trainer.processes=3"],
+     "trainer.megatron.pp: 3: model 'tiny-llama' has 2 layers; pp must divide them ([1, 2])"),
+    (["trainer.megatron.tp=4", "resources.trainer.processes=4"],
+     "trainer.megatron.tp: 4: model 'tiny-llama' has 2 query groups; tp must divide them"),
+])
+def test_a_megatron_split_the_model_does_not_allow(overrides, start):
+    """Checked from the model's config.json before anything starts (a trainer that found
+    it at start-up failed max_restarts + 1 times first)."""
+    assert _error("trainer.backend=megatron", *overrides).startswith(start)
+    preflight(_recipe("trainer.backend=megatron", "trainer.megatron.pp=2",
+                      "resources.trainer.processes=2"))
+
+
+def test_cli_override_that_is_not_yaml_exits_2_with_one_line():
+    r = _relax_train("trainer.megatron={pp:")
+    assert r.returncode == 2, r.stdout + r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(
+        "error: override 'trainer.megatron={pp:': the value is not YAML"), r.stderr

@@ -412,6 +412,7 @@ def test_a_tp2_and_a_pp2_megatron_run_through_the_broker(broker, local_ray, tmp_
     assert s["trained"] + s["stale"] + s["filtered"] + s["errors"] == s["sampled"] > 0, s
     logs = Path(s["run_dir"]) / "logs"
     assert "rank 1 done after 3 steps" in (logs / "trainer-rank1.log").read_text()
+    assert f"megatron tp={tp} x pp={pp} trainer: 2 ranks" in (logs / "trainer.log").read_text()
     versions = read_table(BusConfig(bootstrap_servers=broker), f"{run}.rollouts"
                           ).column("policy_version_start").to_pylist()
     assert max(versions) >= 1, versions
