@@ -273,17 +273,20 @@ class LocalBroker:
         kind: ``tansu`` or ``kafka`` (:data:`KINDS`).
         brokers: Kafka nodes.
         data_dir: Kafka's folder (default: a temporary one, deleted on exit).
+        log_path: Tansu's log (default ``$RELAX_HOME/tansu-<port>.log``; ``relax train``
+            puts its broker's in the run folder).
 
     Raises:
         ValueError: an unknown ``kind`` (lists the valid ones).
     """
 
     def __init__(self, port: int | None = None, host: str = "127.0.0.1", kind: str = "tansu",
-                 brokers: int = 1, data_dir: Path | str | None = None):
+                 brokers: int = 1, data_dir: Path | str | None = None,
+                 log_path: Path | None = None):
         if kind not in KINDS:
             raise ValueError(f"unknown broker kind {kind!r}; valid: {', '.join(KINDS)}")
         self.port, self.host, self.kind, self.brokers = port, host, kind, brokers
-        self.data_dir = data_dir
+        self.data_dir, self.log_path = data_dir, log_path
         self._tmp: str | None = None
         self.handle: BrokerHandle | None = None
 
@@ -296,7 +299,7 @@ class LocalBroker:
             self.handle = start_kafka(self.data_dir or self._tmp, self.brokers, self.port,
                                       self.host)
         else:
-            self.handle = start_broker(self.port, self.host)
+            self.handle = start_broker(self.port, self.host, self.log_path)
         return self.handle
 
     def __exit__(self, *exc) -> None:

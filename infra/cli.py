@@ -387,7 +387,8 @@ def train_cmd(recipe: str = typer.Argument(..., help="recipe YAML (see recipes/)
     typer.echo(f"run folder: {summary['run_dir']}")
     if "samples_per_s" in summary:
         typer.echo(f"throughput: samples/s={summary['samples_per_s']:.2f} (trained rows over "
-                   f"train_s={summary['train_s']:.0f}) trainer data-wait="
+                   f"the {summary['train_s']:.0f} s from the stages' start to the last step) "
+                   f"trainer data-wait="
                    f"{summary['trainer_wait_pct']:.0f}% wall_s={summary['wall_s']:.0f}")
     before, after = summary.get("eval_before"), summary.get("eval_after")
     if before and after:

@@ -191,7 +191,8 @@ def _bus(recipe: Recipe, run_dir: Path, stack: contextlib.ExitStack,
     if recipe.bootstrap_servers:
         bootstrap = recipe.bootstrap_servers
     else:
-        handle = stack.enter_context(LocalBroker())
+        (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+        handle = stack.enter_context(LocalBroker(log_path=run_dir / "logs" / "broker.log"))
         bootstrap, broker["broker"] = handle.bootstrap, handle.pid
         say(f"broker: started a local broker at {bootstrap}")
     bus = run_bus(recipe, bootstrap, run_dir)

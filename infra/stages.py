@@ -202,6 +202,15 @@ RUNNERS: dict[str, Callable[[dict, BusConfig, Callable[[], bool]], None]] = {
 }
 
 
+def not_a_cancelled_refresh(record: logging.LogRecord) -> bool:
+    """Log filter: False for kafka-python 3.0's ``ERROR Metadata refresh: failed
+    Cancelled``, which every client logs at start-up when it closes its bootstrap
+    connection with a metadata request in flight (``Cancelled`` is retriable: the refresh
+    loop retries it); True for every other record, other metadata failures included."""
+    return not (record.msg == "Metadata refresh: failed %s" and record.args
+                and type(record.args[0]).__name__ == "Cancelled")
+
+
 def run_stage(kind: str, config: dict, bus: BusConfig, should_stop: Callable[[], bool],
               torch_threads: int | None = None, log_file: str | None = None) -> None:
     """Build stage ``kind`` from ``config`` and run it until ``should_stop()`` or its
@@ -218,6 +227,7 @@ def run_stage(kind: str, config: dict, bus: BusConfig, should_stop: Callable[[],
                             format="%(asctime)s %(name)s %(levelname)s %(message)s")
         logging.getLogger("kafka").setLevel(logging.WARNING)
         logging.getLogger("kafka.coordinator").setLevel(logging.INFO)  # joins, assignments
+        logging.getLogger("kafka.cluster").addFilter(not_a_cancelled_refresh)
     if torch_threads:
         import torch
 

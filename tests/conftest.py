@@ -27,15 +27,16 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 
 
 @pytest.fixture(scope="session")
-def broker():
-    """A Tansu broker on a free port for the test session; stopped at the end."""
+def broker(tmp_path_factory):
+    """A Tansu broker on a free port for the test session (its log in the session's
+    temporary folder); stopped at the end."""
     from relax.infra.broker import start_broker, stop_broker
 
     external = os.environ.get("RELAX_TEST_BOOTSTRAP")
     if external:  # run the suite against another Kafka cluster
         yield external
         return
-    h = start_broker()
+    h = start_broker(log_path=tmp_path_factory.mktemp("broker") / "tansu.log")
     try:
         yield h.bootstrap
     finally:
