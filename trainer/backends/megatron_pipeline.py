@@ -57,7 +57,16 @@ class Link:
         return self.stage == self.stages - 1
 
     def send(self, t: torch.Tensor, step: int) -> None:
-        """Send ``t`` (detached) to the stage ``step`` (+1 or -1) away; not waited here."""
+        """Send ``t`` (detached) to the stage ``step`` (+1 or -1) away; not waited here
+        (sends already done are waited, raising a failed one's error, and dropped with
+        their tensors)."""
+        pending = []
+        for work, kept in self._sends:
+            if work.is_completed():
+                work.wait()
+            else:
+                pending.append((work, kept))
+        self._sends = pending
         t = t.detach().contiguous()
         self._sends.append((dist.isend(t, self.ranks[self.stage + step], group=self.group), t))
 
