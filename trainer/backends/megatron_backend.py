@@ -27,7 +27,7 @@ the model, not the data). Each step:
   :meth:`named_tensors` is what the weight channel publishes, so an engine cannot tell
   which back end trained. With ``gather_optimizer`` the AdamW moments are gathered the
   same way: a checkpoint is the torch back end's format (HF safetensors + config) with
-  the moments stored by HF name, loadable at any TP size.
+  the moments stored by HF name, loadable at any TP and PP size.
 
 On the CPU, :func:`.megatron_cpu.redirect_cuda_to_cpu` is applied first. Megatron's
 distributed optimizer is not built: each rank's AdamW steps its own shard.
@@ -353,13 +353,13 @@ class MegatronBackend:
         ``folder``. Rank 0 only.
 
         Raises:
-            RuntimeError: with tp > 1, the last step did not gather the moments
+            RuntimeError: with more than one rank, the last step did not gather the moments
                 (``train_step(..., gather_optimizer=True)``).
         """
         folder.mkdir(parents=True, exist_ok=True)
         self.save_model(folder)
         moments = self._full_optimizer
-        if moments is None and self.tp == 1:
+        if moments is None and self.world_size == 1:
             moments = {m: self._gather(d) for m, d in self._moments().items()}
         if moments is None:
             raise RuntimeError("megatron: the optimizer state was not gathered by the last "
