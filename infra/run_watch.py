@@ -141,7 +141,10 @@ class RunWatch:
                       or "(none written yet)"))
 
     def until_done(self, stopping: Callable[[], bool], deadline: float | None = None) -> None:
-        """Watch until the trainer is done or ``stopping()``.
+        """Watch until the trainer is done or ``stopping()``. When the trainer is done, the
+        metrics written before are read to their end first, so that every step is printed
+        and gets its ``on_step`` (the trainer's process may end before the last steps'
+        records reach this reader: a test waiting at step 2 of 3 never ran).
 
         Raises:
             RunTimeout: ``time.time()`` passed ``deadline``.
@@ -170,6 +173,9 @@ class RunWatch:
             self.control()
             done = "trainer" in finished or any(
                 r["component"] == "trainer" and r["name"] == "done" for r in rows)
+        if done:
+            self.follower.read_to_end()
+            self._print_steps()
 
     def control(self) -> None:
         """Move the scaling operation on and refresh the API's snapshot: at every turn

@@ -1,4 +1,4 @@
-"""Stall rules of the controller (pure logic)."""
+"""Stall rules of the controller and the run watch loop's end (pure logic)."""
 
 from __future__ import annotations
 
@@ -46,3 +46,39 @@ def test_broker_state_lost_when_the_metrics_log_shrinks_or_vanishes():
     assert not broker_state_lost(40, 40) and not broker_state_lost(40, 57)
     assert broker_state_lost(40, 3)                  # restarted, re-created by a stage
     assert broker_state_lost(40, None)               # restarted, not re-created yet
+
+
+def test_a_finished_trainer_s_last_steps_still_get_their_lines_and_on_step(tmp_path):
+    """The trainer's process may end before its last steps' metric records reach the
+    driver (a live CI run printed step 1 of 3 and never called on_step for step 2): the
+    watch loop reads the metrics to their end before it returns."""
+    from testdata import RECIPES
+
+    from relax.infra.recipe import load_recipe
+    from relax.infra.run_watch import RunWatch
+    from relax.schemas import metric_names as M
+
+    def row(step: int) -> dict:
+        return {"component": "trainer", "name": M.STEP_S, "value": 1.0,
+                "policy_version": step, "ts": 0}
+
+    class Follower:  # its records arrive only when read to the end
+        rows: list[dict] = []
+
+        def poll(self, timeout_s: float) -> list[dict]:
+            return []
+
+        def read_to_end(self, timeout_s: float = 30.0) -> bool:
+            self.rows = [row(1), row(2), row(3)]
+            return True
+
+    class Finished:  # the trainer's process has ended
+        def check(self, timeout_s: float) -> set[str]:
+            return {"trainer"}
+
+    seen: list[int] = []
+    lines: list[str] = []
+    recipe = load_recipe(RECIPES / "tiny_ci.yaml", ["trainer.steps=3"])
+    RunWatch(recipe, None, tmp_path, Finished(), Follower(), lines.append,
+             lambda s, _: seen.append(s["step"])).until_done(lambda: False)
+    assert seen == [1, 2, 3] and len(lines) == 3, (seen, lines)
