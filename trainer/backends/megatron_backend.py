@@ -189,7 +189,7 @@ class MegatronBackend:
         stage's values broadcast over the pipeline group."""
         mb = to_device(mb, self.device)
         if self.pp == 1:
-            return self._head(mb, self._stage(mb, None), with_entropy)
+            return self._through(mb, None, with_entropy)
         got = forward_schedule(self.link, [self._shape(mb)], self.dtype,
                                lambda i, x: self._through(mb, x, with_entropy))
         b, r = mb.response_ids.shape
@@ -206,29 +206,22 @@ class MegatronBackend:
         return s, b, self.gpt.config.hidden_size
 
     def _through(self, mb: MicroBatch, x: torch.Tensor | None, with_entropy: bool):
-        """This stage's forward: the activations to send on, or on the last stage
-        ``(log-probs, entropy or None)``."""
-        hidden = self._stage(mb, x)
-        return self._head(mb, hidden, with_entropy) if self.link.last else hidden
-
-    def _stage(self, mb: MicroBatch, x: torch.Tensor | None) -> torch.Tensor:
-        """``[S, B, H]``: ``mb`` through this stage's layers (``x``: the previous stage's
-        output, None on the first)."""
-        from relax.trainer.backends.megatron_model import row_sequences, stage_hidden
-
-        return stage_hidden(self.gpt, row_sequences(mb)[0], x, self.pad_id)
-
-    def _head(self, mb: MicroBatch, hidden: torch.Tensor, with_entropy: bool):
-        """The last stage's ``([B, R] log-probs, [B, R] entropy or None)`` from its
-        ``[S, B, H]`` hidden states."""
+        """This stage's forward of ``mb`` (``x``: the previous stage's ``[S, B, H]`` output,
+        None on the first): the activations to send on, or on the last stage
+        ``([B, R] log-probs, [B, R] entropy or None)``."""
         from relax.trainer.backends.megatron_model import (
             head_logits,
             row_sequences,
+            stage_hidden,
             vocab_parallel_entropy,
             vocab_parallel_logprobs,
         )
 
-        logits = head_logits(self.gpt, hidden, row_sequences(mb)[1], mb.response_ids.shape[1],
+        ids, p_len = row_sequences(mb)
+        hidden = stage_hidden(self.gpt, ids, x, self.pad_id)
+        if not self.link.last:
+            return hidden
+        logits = head_logits(self.gpt, hidden, p_len, mb.response_ids.shape[1],
                              self.layout.vocab)
         lp = vocab_parallel_logprobs(logits, mb.targets, mb.temperature)
         ent = vocab_parallel_entropy(logits, mb.temperature) if with_entropy else None
@@ -297,10 +290,10 @@ class MegatronBackend:
         want_entropy = self.cfg.loss.entropy_coef != 0
 
         def forward(i: int, x: torch.Tensor | None) -> torch.Tensor:
-            hidden = self._stage(dmbs[i], x)
+            out = self._through(dmbs[i], x, want_entropy)
             if not self.link.last:
-                return hidden
-            lp, ent = self._head(dmbs[i], hidden, want_entropy)
+                return out
+            lp, ent = out
             loss, metrics = micro_batch_loss(self.cfg, dmbs[i], lp, ent,
                                              None if old is None else old[i], tokens, seqs)
             add_metrics(sums, loss, metrics)
