@@ -302,7 +302,7 @@ class MegatronBackend:
         train_schedule(self.link, shapes, self.dtype, forward)
         fill_missing_grads(self.gpt.parameters())
         if self.pp > 1:
-            sums = self._share_embedding_grads(sums)
+            sums = self._end_pipeline_step(sums)
         clip = self.cfg.optim.grad_clip
         norm = self._clip_grad_norm(clip if clip > 0 else math.inf)
         self.optimizer.step()
@@ -315,7 +315,7 @@ class MegatronBackend:
                     train_s=time.perf_counter() - t0)
         return sums
 
-    def _share_embedding_grads(self, sums: dict[str, float]) -> dict[str, float]:
+    def _end_pipeline_step(self, sums: dict[str, float]) -> dict[str, float]:
         """With ``pp > 1``: a tied model's embedding and its last-stage copy get their
         summed gradient (over megatron-core's embedding group); the last stage's metric
         sums, returned on every rank of the pipeline group."""
