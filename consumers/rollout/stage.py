@@ -104,10 +104,13 @@ class RolloutStage:
         return credit.groups_in_flight(self._granted(), decided)
 
     def _learn(self, reader, timeout_s: float) -> None:
-        """Read announcements (waiting up to ``timeout_s``) and trainer progress."""
-        self._read_announcements(reader, timeout_s)
+        """Read announcements, trainer progress and claims, waiting up to ``timeout_s`` on
+        what moves the credit (:func:`credit.groups_decided`): the progress once the trainer
+        has reported, else the announcements (a sync run's generate waited 0.5 s on them)."""
+        progress = self._progress is not None and self._progress.consumed is not None
+        self._read_announcements(reader, 0.0 if progress else timeout_s)
         if self._progress is not None:
-            self._progress.poll(0.0)
+            self._progress.poll(timeout_s if progress else 0.0)
         if self._claims is not None:
             self._claims.poll(0.0)
 

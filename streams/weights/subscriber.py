@@ -29,7 +29,7 @@ import torch
 
 from relax.streams.client import BusConfig
 from relax.streams.weights.announce import AnnouncementReader, _newest_live
-from relax.streams.weights.shm import SHM_KEY, copy_out, member_key, sees_offer
+from relax.streams.weights.shm import SHM_KEY, ShmFiles, member_key, sees_offer
 from relax.streams.weights.install import install_weights
 from relax.streams.weights.layout import (
     ChecksumError,
@@ -120,6 +120,7 @@ class WeightSubscriber:
         self._same_host = False  # shares the connected publisher's /dev/shm
         self._version_from: str | None = None  # rendezvous of the publisher of .version
         self._flat: torch.Tensor | None = None
+        self._shm_files = ShmFiles()  # mappings of the same-host files, kept between versions
         self._manifest: list[TensorEntry] | None = None
         # the version whose verified bytes _flat holds; None while it is being written and
         # after a receive failed partway (then it holds no version's bytes)
@@ -224,6 +225,7 @@ class WeightSubscriber:
         if self._thread is not None:
             self._thread.join(timeout=self.join_timeout_s + 5)
         self._reader.close()
+        self._shm_files.close()
         self._pg = None
 
     # --- background
@@ -349,13 +351,13 @@ class WeightSubscriber:
             before = self._flat_version
             self._flat_version = None  # overwritten from here on
             try:
-                self._flat = copy_out(path, row["total_bytes"], self._flat)
+                self._flat, digest = self._shm_files.copy_out(path, row["total_bytes"], self._flat)
             except FileNotFoundError:
                 self._flat_version = before  # nothing was copied
                 self.stats.skipped += 1
                 return None
             self._manifest = manifest_from_rows(row["manifest"])
-            if checksum(self._flat) != row["checksum"]:
+            if digest != row["checksum"]:
                 self.stats.skipped += 1
                 log.warning("%s: %s no longer holds v%d (a newer version is being written "
                             "there); waiting for the next", self.member_id, path,

@@ -182,6 +182,30 @@ def test_a_restarted_stage_counts_the_groups_its_predecessor_left_in_flight(bus,
     assert len(out) == len(set(out)) == 4
 
 
+def test_a_rollout_waiting_for_credit_wakes_on_the_trainer_s_progress(bus, unique):
+    """Once the trainer has reported, the credit moves with its progress records: a
+    rollout waiting for credit wakes on the next one, not at the end of its poll timeout
+    (it waited on the weight announcements instead, which held each generate of a sync
+    run up to 0.5 s after the progress arrived). The poll timeout here is 60 s: 2 more
+    groups follow the new credit within 20 s only if the wait is on the progress."""
+    _publish_prompts(bus, unique, prompt_rows(4, dataset=unique))
+    _trainer_progress(bus, unique, consumed=0, needed=2)
+    cfg = RolloutConfig(bus=bus, run=unique, dataset=unique, group_size=1, batch_groups=2,
+                        max_staleness=0, max_new_tokens=3, follow_weights=False,
+                        poll_timeout_s=60.0)
+    stage = RolloutStage(cfg)
+    runner = _Runner(stage)
+    try:
+        _wait(lambda: runner.check() or stage.stats.budget_waits > 0, what="the credit used up")
+        assert stage.stats.groups == 2
+        _trainer_progress(bus, unique, consumed=2, needed=2)
+        _wait(lambda: runner.check() or stage.stats.groups >= 4, timeout_s=20,
+              what="2 groups on the new credit")
+        _trainer_progress(bus, unique, consumed=4, needed=0)  # ends the wait: a prompt stop
+    finally:
+        runner.stop()
+
+
 # ---------------------------------------------------------------- multi-turn
 
 

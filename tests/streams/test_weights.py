@@ -33,7 +33,7 @@ from relax.streams.weights import (
     views,
     write_safetensors,
 )
-from relax.streams.weights.shm import ShmOffer, copy_out, sees_offer
+from relax.streams.weights.shm import ShmFiles, ShmOffer, sees_offer
 
 
 def _announcements(bus, run: str, n: int, timeout_s: float = 30.0) -> list[dict]:
@@ -479,16 +479,25 @@ def test_an_offer_is_seen_only_with_its_probe_and_its_buffers_are_shared_files(t
     assert [b.numel() for b in bufs] == [1000, 1000]
     bufs[1].copy_(torch.arange(1000) % 251)  # what the publisher writes, another process reads
     mine = torch.zeros(1000, dtype=torch.uint8)
-    got = copy_out(offer.path(1), 1000, mine)
+    files = ShmFiles()
+    got, digest = files.copy_out(offer.path(1), 1000, mine)
     assert got.data_ptr() == mine.data_ptr() and torch.equal(got, bufs[1])
-    assert torch.equal(copy_out(offer.path(1), 600, None), bufs[1][:600])
+    assert digest == checksum(bufs[1])
+    part, digest = files.copy_out(offer.path(1), 600, None)
+    assert torch.equal(part, bufs[1][:600]) and digest == checksum(bufs[1][:600])
+    bufs[1][7] += 1  # the next version written into the kept mapping's file is what is read
+    got, digest = files.copy_out(offer.path(1), 1000, got)
+    assert torch.equal(got, bufs[1]) and digest == checksum(bufs[1])
     with pytest.raises(ValueError, match="announcement says 2000"):
-        copy_out(offer.path(1), 2000, None)
+        files.copy_out(offer.path(1), 2000, None)
     assert offer.buffers(1 << 60) is None  # no room: nothing offered
     offer.close()
     assert not offer.folder.exists()
     with pytest.raises(FileNotFoundError):
-        copy_out(offer.path(0), 1000, None)
+        files.copy_out(offer.path(0), 1000, None)
+    with pytest.raises(FileNotFoundError):  # a kept mapping of a removed file is not read
+        files.copy_out(offer.path(1), 1000, None)
+    files.close()
 
 
 def test_a_same_host_late_joiner_reads_the_newest_file_and_a_torn_copy_is_dropped(
