@@ -159,6 +159,14 @@ class HFEngine:
         self._stage_lock = threading.Lock()
         self._holds = 0
         self._params = self._unique_params()
+        # The loader maps the checkpoint copy-on-write (safetensors); the swap makes the
+        # loaded tensors the spare buffers of the second update, whose copy then faulted
+        # every page in (SmolLM2-135M: 1.7 s instead of 0.07 s, in a sync step's critical
+        # path). Memory of their own now, equal values, before any generate runs.
+        with torch.no_grad():
+            for p in self._params:
+                if p.device.type == "cpu":
+                    p.data = p.data.clone()
         self._by_name = self._name_index()
 
     # ------------------------------------------------------------------ weights
@@ -232,30 +240,13 @@ class HFEngine:
             )
         with self._stage_lock:
             if self._spare is None:
-                self._spare = self._own_buffers()
+                self._spare = {id(p): torch.empty_like(p.data) for p in self._params}
             self._pending = None  # the spare buffers are about to be overwritten
             with torch.no_grad():
                 for p, t in pairs:
                     copy_tensor_(self._spare[id(p)], t)
             self._pending = policy_version
             self.stats.staged_updates += 1
-
-    def _own_buffers(self) -> dict[int, torch.Tensor]:
-        """The spare buffers (``{id(param): empty tensor}``, same shapes, dtypes and
-        devices), once the live CPU parameters have memory of their own.
-
-        Why: loaders map the checkpoint file copy-on-write (safetensors), so the first
-        write into each page of a loaded parameter faults. The swap makes those pages
-        the spare buffers of the *second* update, whose copy then took 1.7 s instead of
-        0.07 s for SmolLM2-135M (131k page faults, 538 MB; the rollout's log, 2026-12-05),
-        on the critical path of a sync step. Cloning them here, in the first update,
-        pays that once, where the first update's own buffers are new anyway.
-        """
-        with torch.no_grad():
-            for p in self._params:  # equal values: a generate running meanwhile is unaffected
-                if p.device.type == "cpu":
-                    p.data = p.data.clone()
-        return {id(p): torch.empty_like(p.data) for p in self._params}
 
     def apply_pending(self) -> bool:
         """Swap staged weights in now if there are any and no hold is active; a safe
