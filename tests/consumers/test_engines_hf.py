@@ -276,9 +276,9 @@ def test_shared_prefill_equals_separate_generation():
 
 def test_no_update_writes_into_pages_the_loader_mapped():
     """The loader maps the checkpoint copy-on-write; the swap makes the loaded tensors the
-    spare buffers of the second update. The first update gives the live parameters memory
-    of their own, so the second and later updates fault no page in (a 538 MB model took
-    1.7 s instead of 0.07 s for its second update without it)."""
+    spare buffers of the second update. The engine gives its parameters memory of their
+    own when it is built, so the second and later updates fault no page in (a 538 MB model
+    took 1.7 s instead of 0.07 s for its second update without it)."""
     import resource
 
     engine = HFEngine("smollm2-135m", device="cpu")  # big enough for faults to be counted
