@@ -310,10 +310,14 @@ class Controller:
         ray.kill(r.actor, no_restart=True)
         log.info("stopped %s (scaling)", name)
 
-    def watch(self) -> list[str]:
+    def watch(self, probe=None) -> list[str]:
         """Restart the stages that are alive but stuck (see :mod:`relax.infra.watch`):
         a loop inside one call, or a heartbeat unanswered, for ``stall_timeout_s``; or
         input waiting with no commit for as long. Call every few seconds.
+
+        Args:
+            probe: a :class:`relax.streams.lag.LagProbe` the caller keeps open between
+                calls (None: one for this call only).
 
         Returns:
             ``"<stage>: <why>"`` for every stage restarted now.
@@ -323,11 +327,11 @@ class Controller:
         """
         from kafka.errors import KafkaError
 
-        from relax.streams.lag import group_offsets, high_watermarks
+        from relax.streams.lag import LagProbe
 
         beats = self.status()
         now = time.monotonic()
-        restarted = []
+        restarted, inputs_of = [], {}
         for name, r in list(self.stages.items()):
             if r.finished:
                 continue
@@ -338,21 +342,31 @@ class Controller:
                                self.stall_timeout_s)
             ig = input_group(r.spec.config.get("run", ""), r.spec.kind, name)
             if why is None and ig is not None:
-                gid, inputs = ig
-                try:
-                    committed = {k: v for k, v in group_offsets(self.bus, gid).items()
-                                 if k[0] in inputs}
-                    ends = high_watermarks(self.bus, inputs)
-                except (KafkaError, TimeoutError) as e:  # the broker check judges that
-                    log.warning("stall check of %s skipped: %s", name, e)
-                    continue
-                lag = sum(max(0, hw - committed.get(tp, 0)) for tp, hw in ends.items())
+                inputs_of[name] = ig  # checked below, all inputs' ends in one question
+            elif why is not None:
+                self._restart(name, f"stalled: {why}")
+                restarted.append(f"{name}: {why}")
+        if not inputs_of:
+            return restarted
+        own = probe is None
+        probe = probe or LagProbe(self.bus)
+        try:
+            ends = probe.high_watermarks(sorted({t for _, ins in inputs_of.values() for t in ins}))
+            for name, (gid, inputs) in inputs_of.items():
+                r = self.stages[name]
+                committed = {k: v for k, v in probe.group_offsets(gid).items() if k[0] in inputs}
+                lag = sum(max(0, hw - committed.get(tp, 0)) for tp, hw in ends.items()
+                          if tp[0] in inputs)
                 if input_stalled(r.watch, committed, lag, now, self.stall_timeout_s):
                     why = (f"has {lag} input records waiting and committed nothing for "
                            f"{now - r.watch.since:.0f}s")
-            if why is not None:
-                self._restart(name, f"stalled: {why}")
-                restarted.append(f"{name}: {why}")
+                    self._restart(name, f"stalled: {why}")
+                    restarted.append(f"{name}: {why}")
+        except (KafkaError, TimeoutError) as e:  # the broker check judges that
+            log.warning("input stall check skipped: %s", e)
+        finally:
+            if own:
+                probe.close()
         return restarted
 
     def status(self) -> dict[str, dict]:

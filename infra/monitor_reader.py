@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from relax.schemas import metric_names as mn
 from relax.schemas import topics as topic_names
 from relax.streams.client import BusConfig
+from relax.streams.lag import LagProbe
 
 log = logging.getLogger(__name__)
 
@@ -150,25 +151,25 @@ class RunReader:
         self.metrics = MetricsFold()
         self.samples = SamplesFold()
         self._reader = None
+        self._probe = LagProbe(cfg)  # one admin client for every read
         self._metrics_topic = topic_names.run_topic(run, topic_names.METRICS)
         self._samples_topic = topic_names.run_topic(run, topic_names.TRAIN_SAMPLES)
 
     def read(self) -> Reading:
-        """One look at the run (about 3 admin/fetch round trips plus the new messages).
+        """One look at the run (admin requests over one client kept open, one fetch of
+        the ends, then the new messages).
 
         Raises:
             kafka.errors.KafkaError: the cluster cannot be reached.
         """
-        from relax.streams.client import list_topics
-        from relax.streams.lag import group_offsets, high_watermarks, list_groups
-
-        existing = set(list_topics(self.cfg))
+        pr = self._probe
+        existing = set(pr.list_topics())
         run_topics = sorted(t for t in existing if topic_names.run_of(t) == self.run)
-        groups = [g for g in list_groups(self.cfg) if g.startswith(self.run + ".")]
+        groups = [g for g in pr.list_groups() if g.startswith(self.run + ".")]
         committed: dict[str, dict[str, dict[int, int]]] = {}
         for g in groups:
             per: dict[str, dict[int, int]] = {}
-            for (t, p), off in group_offsets(self.cfg, g).items():
+            for (t, p), off in pr.group_offsets(g).items():
                 per.setdefault(t, {})[p] = off
             committed[g] = per
         inputs = {t for per in committed.values() for t in per if t in existing}
@@ -176,7 +177,7 @@ class RunReader:
                    if topic_names.errors_topic(t) in existing}
         watched = sorted(set(run_topics) | inputs)
         hw: dict[str, dict[int, int]] = {}
-        for (t, p), end in (high_watermarks(self.cfg, watched) if watched else {}).items():
+        for (t, p), end in (pr.high_watermarks(watched) if watched else {}).items():
             hw.setdefault(t, {})[p] = end
         for t in run_topics:  # topics read for rates (others get no rows/s)
             self.rows.setdefault(t, 0)
@@ -239,7 +240,8 @@ class RunReader:
             self.samples.add(table)
 
     def close(self) -> None:
-        """Close the Kafka client."""
+        """Close the Kafka clients."""
+        self._probe.close()
         if self._reader is not None:
             self._reader.close()
             self._reader = None

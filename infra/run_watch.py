@@ -19,6 +19,7 @@ from relax.infra.watch import broker_state_lost
 from relax.schemas import metric_names as M
 from relax.schemas import topics
 from relax.streams.client import BusConfig
+from relax.streams.lag import LagProbe
 
 WATCH_EVERY_S = 5.0
 """Seconds between the controller's stall checks (heartbeats, consumer-group offsets)
@@ -130,6 +131,7 @@ class RunWatch:
         self.scaler = None  # a relax.infra.scaling.RolloutScaler when the API is on
         self.snapshot: dict = {"status": {}, "engines": []}  # what the API reads
         self._snapshot_at = 0.0
+        self.probe = LagProbe(bus)  # the broker and stall checks' one admin client
 
     def failed(self, cls: type[RunFailed], why: str) -> RunFailed:
         """``cls`` with ``why``, the step reached, every stage and the latest metrics."""
@@ -151,6 +153,12 @@ class RunWatch:
             RunFailed: a stage failed past its restarts, no step for ``step_timeout_s``,
                 or the broker is gone or lost its state.
         """
+        try:
+            self._until_done(stopping, deadline)
+        finally:
+            self.probe.close()
+
+    def _until_done(self, stopping: Callable[[], bool], deadline: float | None) -> None:
         step_timeout = self.recipe.step_timeout_s
         done = False
         while not done and not stopping():
@@ -164,7 +172,7 @@ class RunWatch:
                     self.watched = time.monotonic()
                     if not self._broker_answers():
                         continue
-                    for line in self.controller.watch():
+                    for line in self.controller.watch(self.probe):
                         self.say(f"restarted {line}")
             except StageFailed as e:
                 raise self.failed(RunFailed, f"failed: {e}") from None
@@ -222,7 +230,8 @@ class RunWatch:
 
         bootstrap = self.bus.bootstrap_servers
         try:
-            records = _metrics_records(self.bus, topics.run_topic(self.recipe.run, topics.METRICS))
+            topic = topics.run_topic(self.recipe.run, topics.METRICS)
+            records = _metrics_records(self.probe, topic)
         except (KafkaError, TimeoutError) as e:
             self.unreachable_since = self.unreachable_since or time.monotonic()
             if time.monotonic() - self.unreachable_since > BROKER_GONE_S:
@@ -241,18 +250,15 @@ class RunWatch:
         return True
 
 
-def _metrics_records(bus: BusConfig, topic: str) -> int | None:
+def _metrics_records(probe: LagProbe, topic: str) -> int | None:
     """Records in the run's metrics topic, None when the topic does not exist.
 
     Raises:
         kafka.errors.KafkaError, TimeoutError: the broker does not answer.
     """
-    from relax.streams.client import topic_partitions
-    from relax.streams.lag import high_watermarks
-
-    if topic not in topic_partitions(bus, [topic]):
+    if topic not in probe.topic_partitions([topic]):
         return None
-    return high_watermarks(bus, [topic], timeout_s=5.0).get((topic, 0), 0)
+    return probe.high_watermarks([topic], timeout_s=5.0).get((topic, 0), 0)
 
 
 def broker_lost_text(recipe: Recipe, run_dir: Path, bootstrap: str, seen: int,

@@ -245,13 +245,15 @@ def topic_partitions(cfg: BusConfig, topics: list[str] | None = None, _admin=Non
             a.close()
 
 
-def list_topics(cfg: BusConfig) -> list[str]:
-    """Every topic name on the cluster, sorted."""
-    a = admin(cfg)
+def list_topics(cfg: BusConfig, _admin=None) -> list[str]:
+    """Every topic name on the cluster, sorted (``_admin``: an open admin client to ask
+    with, else a new one)."""
+    a = _admin or admin(cfg)
     try:
         return sorted(a.list_topics())
     finally:
-        a.close()
+        if _admin is None:
+            a.close()
 
 
 def delete_topics(cfg: BusConfig, topics: list[str]) -> None:
