@@ -1,5 +1,6 @@
-"""Where the cores went during a run: the CPU use of every stage process on this host,
-sampled from ``/proc``, written to the run folder and drawn as a PNG.
+"""Where the cores went during a run: the CPU use of every process of the run on this
+host (the stages, the broker, the driver, Ray's daemons: :func:`run_processes`), sampled
+from ``/proc``, written to the run folder and drawn as a PNG.
 
 :class:`CpuTimeline` runs a daemon thread in the driver that reads, every
 ``interval_s``, the CPU time (user + system, all threads: ``/proc/<pid>/stat`` fields 14
@@ -128,6 +129,70 @@ class CpuTimeline:
                     return
 
 
+def descendants(pid: int) -> dict[str, int]:
+    """name -> pid of every process below ``pid`` (its children, theirs, ...), read from
+    ``/proc``: a relax driver's are Ray's daemons (``gcs_server``, ``raylet``,
+    ``log_monitor``), its idle workers and the stage processes. A name is the process's
+    command (``comm``), or for a Python program its script's file name without ``.py``;
+    where names repeat, ``#<pid>`` is added. Empty without ``/proc``."""
+    try:
+        entries = [int(e) for e in os.listdir("/proc") if e.isdigit()]
+    except FileNotFoundError:
+        return {}
+    children: dict[int, list[int]] = {}
+    for p in entries:
+        try:
+            with open(f"/proc/{p}/stat") as f:
+                stat = f.read()
+        except OSError:  # ended meanwhile
+            continue
+        children.setdefault(int(stat[stat.rindex(")") + 2:].split()[1]), []).append(p)
+    below, todo = [], list(children.get(pid, []))
+    while todo:
+        p = todo.pop()
+        below.append(p)
+        todo.extend(children.get(p, []))
+    out: dict[str, int] = {}
+    for p in sorted(below):
+        name = _process_name(p)
+        if name is not None:
+            out[f"{name}#{p}" if name in out else name] = p
+    return out
+
+
+def run_processes(fixed: dict[str, int], stages: Callable[[], dict[str, int]],
+                  rescan_s: float = 10.0) -> Callable[[], dict[str, int]]:
+    """The ``pids`` of a run's :class:`CpuTimeline`: ``fixed`` (the broker), the stages
+    ``stages()`` names, this process as ``driver``, and the rest of its
+    :func:`descendants` (Ray's daemons and idle workers; looked up again every
+    ``rescan_s`` seconds, a scan of ``/proc`` costing a few ms)."""
+    me = os.getpid()
+    seen: dict = {"at": float("-inf"), "below": {}}
+
+    def pids() -> dict[str, int]:
+        now = time.monotonic()
+        if now - seen["at"] >= rescan_s:
+            seen["at"], seen["below"] = now, descendants(me)
+        named = {**fixed, **stages()}
+        taken = set(named.values())
+        return {"driver": me, **{n: p for n, p in seen["below"].items() if p not in taken},
+                **named}
+
+    return pids
+
+
+def _process_name(pid: int) -> str | None:
+    try:
+        with open(f"/proc/{pid}/comm") as f:
+            comm = f.read().strip()
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            argv = [a.decode(errors="replace") for a in f.read().split(b"\0")]
+    except OSError:
+        return None
+    script = next((a for a in argv[1:3] if a.endswith(".py")), None)
+    return Path(script).stem if comm.startswith("python") and script else comm
+
+
 def read_timeline(path: str | Path) -> list[dict]:
     """The rows of a ``cpu_timeline.jsonl`` (empty list when there is none)."""
     p = Path(path)
@@ -136,11 +201,35 @@ def read_timeline(path: str | Path) -> list[dict]:
     return [json.loads(line) for line in p.read_text().splitlines() if line.strip()]
 
 
+SMALL_CORES = 0.02
+"""A process under this many cores on average is drawn in the ``other`` panel."""
+
+
+def _small_ones_summed(rows: list[dict]) -> list[dict]:
+    """``rows`` with the processes under :data:`SMALL_CORES` on average replaced by one
+    ``other (n)`` row per sample (a sample's rows share their ``ts``)."""
+    per: dict[str, list[float]] = {}
+    for r in rows:
+        per.setdefault(r["name"], []).append(r["cores"])
+    small = {n for n, v in per.items() if sum(v) / len(v) < SMALL_CORES}
+    if len(small) < 2:
+        return rows
+    other: dict[float, float] = {}
+    for r in rows:
+        if r["name"] in small:
+            other[r["ts"]] = other.get(r["ts"], 0.0) + r["cores"]
+    name = f"other ({len(small)})"
+    return ([r for r in rows if r["name"] not in small]
+            + [{"ts": t, "name": name, "cores": c} for t, c in sorted(other.items())])
+
+
 def plot_timeline(rows: list[dict], png: str | Path, step_ends: list[float] = (),
                   cores: int | None = None) -> bool:
     """Draw ``rows`` (:func:`read_timeline`) as one panel per process, CPU cores used
     over seconds since the first sample, with dashed lines at ``step_ends`` (UNIX
-    seconds: the trainer's step ends). Returns False (no file) when there are no rows.
+    seconds: the trainer's step ends); processes that used under :data:`SMALL_CORES` on
+    average share one panel, ``other (n)``, their sum. Returns False (no file) when
+    there are no rows.
 
     Args:
         cores: the machine's cores (the panels' upper limit; default ``os.cpu_count()``).
@@ -153,6 +242,7 @@ def plot_timeline(rows: list[dict], png: str | Path, step_ends: list[float] = ()
     import matplotlib.pyplot as plt
 
     t0 = min(r["ts"] for r in rows)
+    rows = _small_ones_summed(rows)
     names = sorted({r["name"] for r in rows},
                    key=lambda n: -sum(r["cores"] for r in rows if r["name"] == n))
     top = cores or os.cpu_count() or 1
@@ -173,4 +263,4 @@ def plot_timeline(rows: list[dict], png: str | Path, step_ends: list[float] = ()
     return True
 
 
-__all__ = ["CpuTimeline", "cpu_seconds", "plot_timeline", "read_timeline"]
+__all__ = ["CpuTimeline", "cpu_seconds", "descendants", "plot_timeline", "read_timeline"]

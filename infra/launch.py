@@ -26,7 +26,7 @@ import yaml
 
 from relax.infra.broker import LocalBroker
 from relax.infra.controller import Controller
-from relax.infra.cpu_timeline import CpuTimeline
+from relax.infra.cpu_timeline import CpuTimeline, run_processes
 from relax.infra.preflight import preflight
 from relax.infra.recipe import ENVIRONMENT_REWARD, Recipe
 from relax.infra.report import step_rows
@@ -153,8 +153,9 @@ def train(recipe: Recipe, *, say: Callable[[str], None] = print,
         say(f"stages: {', '.join(controller.stages)} (pids in {run_dir / 'stages.json'})")
         for warning in disk_warnings(recipe, bus, controller.nodes(), controller.host()):
             say(f"warning: {warning}")
+        # every process of the run on this host, each second (the sample costs ~10 ms)
         timeline = CpuTimeline(run_dir / "cpu_timeline.jsonl",
-                               lambda: {**broker, **controller.local_pids()}).start()
+                               run_processes(broker, controller.local_pids), 1.0).start()
         stack.callback(timeline.close)
         watch = RunWatch(recipe, bus, run_dir, controller, follower, say, on_step)
         if recipe.api.enabled:

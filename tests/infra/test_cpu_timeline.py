@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from relax.infra.cpu_timeline import CpuTimeline, cpu_seconds, plot_timeline, read_timeline
+from relax.infra.cpu_timeline import (CpuTimeline, cpu_seconds, descendants, plot_timeline,
+                                      read_timeline, run_processes)
 
 pytestmark = pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="needs /proc")
 
@@ -50,3 +51,45 @@ def test_cpu_seconds_of_this_process_and_of_no_process():
     assert cpu_seconds(2 ** 22 + 12345) is None  # above Linux's pid_max default
     with pytest.raises(ValueError, match="interval_s must be > 0"):
         CpuTimeline("x", dict, interval_s=0)
+
+
+def test_a_run_follows_its_stages_the_broker_itself_and_what_it_started(tmp_path):
+    """A child Python program and the process it starts are found below this process,
+    named by script and by command; a run's list names its stages and broker as given,
+    this process ``driver``, and each of the others once."""
+    import os
+
+    script = tmp_path / "parent_prog.py"
+    script.write_text("import subprocess, sys, time\n"
+                      "subprocess.Popen(['sleep', '60'])\n"
+                      "sys.stdout.write('ok\\n'); sys.stdout.flush(); time.sleep(60)\n")
+    child = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline() == "ok\n"  # its own child has started
+        grandchild = descendants(child.pid)
+        assert list(grandchild) == ["sleep"], grandchild
+        below = descendants(os.getpid())
+        assert below["parent_prog"] == child.pid
+        assert grandchild["sleep"] in below.values()
+        pids = run_processes({"broker": 1}, lambda: {"stage": child.pid}, rescan_s=60)()
+        assert pids["driver"] == os.getpid() and pids["broker"] == 1
+        assert pids["stage"] == child.pid and "parent_prog" not in pids  # named once
+        assert grandchild["sleep"] in pids.values()
+    finally:
+        for p in descendants(child.pid).values():
+            os.kill(p, 9)
+        child.kill()
+        child.wait()
+
+
+def test_processes_that_barely_ran_share_one_panel_their_sum():
+    from relax.infra.cpu_timeline import SMALL_CORES, _small_ones_summed
+
+    rows = [{"ts": t, "name": n, "cores": c} for t in (1.0, 2.0)
+            for n, c in (("trainer", 1.8), ("raylet", 0.004), ("gcs_server", 0.006))]
+    out = _small_ones_summed(rows)
+    assert [r for r in out if r["name"] == "trainer"] == rows[0:1] + rows[3:4]
+    assert [(r["ts"], round(r["cores"], 6)) for r in out if r["name"] == "other (2)"] == [
+        (1.0, 0.01), (2.0, 0.01)]
+    one_small = [r for r in rows if r["name"] != "raylet"]  # a lone small one keeps its name
+    assert _small_ones_summed(one_small) == one_small and 0.006 < SMALL_CORES
