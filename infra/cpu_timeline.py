@@ -45,18 +45,26 @@ def cpu_seconds(pid: int) -> tuple[float, dict[int, float]] | None:
     """``(process CPU seconds, {thread id: CPU seconds})`` of a live process, None when it
     is gone (or there is no ``/proc``)."""
     total = _stat_seconds(f"/proc/{pid}/stat")
-    if total is None:
-        return None
-    threads = {}
+    threads = None if total is None else thread_seconds(pid)
+    return None if threads is None else (total, threads)
+
+
+def thread_seconds(pid: int) -> dict[int, float] | None:
+    """``{thread id: CPU seconds}`` of a live process, None when it is gone."""
     try:
         tids = os.listdir(f"/proc/{pid}/task")
     except (FileNotFoundError, ProcessLookupError):
         return None
+    threads = {}
     for tid in tids:
         s = _stat_seconds(f"/proc/{pid}/task/{tid}/stat")
         if s is not None:
             threads[int(tid)] = s
-    return total, threads
+    return threads
+
+
+BUSY = 0.25
+"""A thread is busy in an interval when it ran for more than this share of it."""
 
 
 class CpuTimeline:
@@ -80,7 +88,7 @@ class CpuTimeline:
         self.path, self.pids, self.interval_s = Path(path), pids, interval_s
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="cpu-timeline", daemon=True)
-        self._last: dict[int, tuple[float, float, dict[int, float]]] = {}
+        self._last: dict[int, tuple] = {}
 
     def start(self) -> CpuTimeline:
         """Start sampling (returns self)."""
@@ -100,21 +108,33 @@ class CpuTimeline:
         self.close()
 
     def sample(self) -> list[dict]:
-        """One sample: a row per followed process seen at the previous sample too."""
+        """One sample: a row per followed process seen at the previous sample too. A
+        process's threads are read only while it uses at least :data:`BUSY` cores (an
+        idle one has no busy thread; a relax run follows ~15 processes of 10-45
+        threads each, and reading every thread each second cost 13 ms a sample). So
+        the first busy interval after idle ones counts its threads over the time since
+        they were last read, and may count fewer."""
         now = time.time()
         rows = []
         for name, pid in self.pids().items():
-            got = cpu_seconds(pid)
-            if got is None:
+            total = _stat_seconds(f"/proc/{pid}/stat")
+            prev = self._last.get(pid)
+            hot = prev is None or (now > prev[0]
+                                   and (total or 0) - prev[1] >= BUSY * (now - prev[0]))
+            threads = thread_seconds(pid) if hot and total is not None else None
+            if total is None or (hot and threads is None):
                 self._last.pop(pid, None)
                 continue
-            total, threads = got
-            prev = self._last.get(pid)
-            self._last[pid] = (now, total, threads)
+            # (time, total, time of the threads' reading, the threads' seconds then)
+            self._last[pid] = (now, total, *((now, threads) if hot else prev[2:]))
             if prev is None or now <= prev[0]:
                 continue
             dt = now - prev[0]
-            busy = sum(1 for tid, s in threads.items() if s - prev[2].get(tid, s) > dt / 4)
+            busy = 0
+            if hot and now > prev[2]:  # thread rates since their last reading
+                span = now - prev[2]
+                busy = sum(1 for tid, sec in threads.items()
+                           if sec - prev[3].get(tid, sec) > BUSY * span)
             rows.append({"ts": round(now, 3), "name": name, "pid": pid,
                          "cores": round((total - prev[1]) / dt, 3), "threads": busy})
         return rows
@@ -263,4 +283,5 @@ def plot_timeline(rows: list[dict], png: str | Path, step_ends: list[float] = ()
     return True
 
 
-__all__ = ["CpuTimeline", "cpu_seconds", "descendants", "plot_timeline", "read_timeline"]
+__all__ = ["CpuTimeline", "cpu_seconds", "descendants", "plot_timeline", "read_timeline",
+           "thread_seconds"]

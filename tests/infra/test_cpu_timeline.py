@@ -93,3 +93,21 @@ def test_processes_that_barely_ran_share_one_panel_their_sum():
         (1.0, 0.01), (2.0, 0.01)]
     one_small = [r for r in rows if r["name"] != "raylet"]  # a lone small one keeps its name
     assert _small_ones_summed(one_small) == one_small and 0.006 < SMALL_CORES
+
+
+def test_a_process_that_wakes_up_gets_its_busy_thread_counted(tmp_path):
+    """Threads are read only while a process is busy: one that sleeps, then spins, shows
+    its one busy thread from its second busy interval on (the first may count 0)."""
+    p = subprocess.Popen([sys.executable, "-c",
+                          "import time; time.sleep(1.0)\nwhile True: pass"])
+    path = tmp_path / "cpu_timeline.jsonl"
+    try:
+        with CpuTimeline(path, lambda: {"p": p.pid}, interval_s=0.2):
+            time.sleep(2.6)
+    finally:
+        p.kill()
+    rows = read_timeline(path)
+    idle = [r for r in rows if r["cores"] < 0.1]
+    busy = [r for r in rows if r["cores"] > 0.5]
+    assert len(idle) >= 2 and all(r["threads"] == 0 for r in idle), rows
+    assert len(busy) >= 4 and all(r["threads"] == 1 for r in busy[1:]), rows
