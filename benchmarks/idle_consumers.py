@@ -49,9 +49,10 @@ while True:
 
 
 def _cpu_s(pid: int) -> float:
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / 100.0
+    """CPU seconds of a live process (all its threads), as the run's CPU timeline reads them."""
+    from relax.infra.cpu_timeline import cpu_seconds
+
+    return cpu_seconds(pid)[0]
 
 
 def idle_cpu(bootstrap: str, topic: str, broker_pid: int, wait_ms: int, seconds: float) -> dict:
