@@ -15,7 +15,8 @@ import pyarrow as pa
 from relax.schemas import topics
 from relax.schemas.v1 import PROGRESS
 from relax.streams.client import BusConfig, ensure_topics
-from relax.streams.read import TopicReader, decoded_rows
+from relax.streams.follow import Follower, follow
+from relax.streams.read import decoded_rows
 
 log = logging.getLogger(__name__)
 
@@ -46,13 +47,13 @@ class TrainerProgress:
     writer, on one partition, so the latest is the truth even when a restarted trainer
     goes back to its checkpoint's count), ``version`` the trainer's policy_version when
     it wrote them; all None until the trainer wrote one. Records that do not decode are
-    logged and skipped."""
+    logged and skipped. ``follower``: the process's shared
+    :class:`~relax.streams.follow.Follower` to read on (None: a client of its own)."""
 
-    def __init__(self, cfg: BusConfig, run: str):
+    def __init__(self, cfg: BusConfig, run: str, follower: Follower | None = None):
         self.topic = topics.run_topic(run, topics.PROGRESS)
         ensure_topics(cfg, {self.topic: 1})
-        self._reader = TopicReader(cfg, "progress")
-        self._reader.follow(self.topic, 1)
+        self._reader = follow(cfg, self.topic, 1, "progress", follower)
         self.consumed: int | None = None
         self.needed: int | None = None
         self.version: int | None = None
@@ -65,5 +66,5 @@ class TrainerProgress:
                 self.version = r["policy_version"]
 
     def close(self) -> None:
-        """Close the Kafka client."""
+        """Stop reading (and close the Kafka client unless it is a shared follower's)."""
         self._reader.close()

@@ -374,6 +374,7 @@ class RolloutStage:
         """Run until ``should_stop()`` (or, with ``stop_when_exhausted``, until every epoch
         of the assigned prompts was sampled); returns the counters."""
         from relax.streams.consumer import BatchConsumer
+        from relax.streams.follow import Follower
         from relax.streams.metrics import MetricsWriter
         from relax.streams.producer import BatchProducer
         from relax.streams.weights import AnnouncementReader, WeightSubscriber
@@ -390,27 +391,21 @@ class RolloutStage:
         self._prompts.producer = producer = BatchProducer(
             cfg.bus, producer_id=f"{cfg.run}-{cfg.engine_id}")
         consumer = BatchConsumer(
-            cfg.bus,
-            topics.group(cfg.run, "rollout"),
-            [self.prompts_topic],
-            stage=f"rollout/{cfg.engine_id}",
-            from_beginning=cfg.from_beginning,
-            error_producer=producer,
-            on_revoke=self._prompts.note_revoked,
-        )
-        reader = AnnouncementReader(cfg.bus, cfg.run)
-        self._progress = TrainerProgress(cfg.bus, cfg.run)
+            cfg.bus, topics.group(cfg.run, "rollout"), [self.prompts_topic],
+            stage=f"rollout/{cfg.engine_id}", from_beginning=cfg.from_beginning,
+            error_producer=producer, on_revoke=self._prompts.note_revoked)
+        # the announcements (twice: here and in the subscriber's thread) and the progress
+        # on one client: one fetch loop while the stage waits (streams/follow.py)
+        follower = Follower(cfg.bus, f"rollout-{cfg.engine_id}")
+        reader = AnnouncementReader(cfg.bus, cfg.run, follower)
+        self._progress = TrainerProgress(cfg.bus, cfg.run, follower)
         self._claims = ClaimLog(cfg.bus, cfg.run, cfg.engine_id, producer)
         metrics = MetricsWriter(producer, cfg.run, cfg.engine_id)
         if cfg.follow_weights and hasattr(self.engine, "update_weights") and cfg.engine == "hf":
             self._subscriber = WeightSubscriber(
-                cfg.bus,
-                cfg.run,
-                member_id=cfg.engine_id,
-                target=self.engine,
+                cfg.bus, cfg.run, member_id=cfg.engine_id, target=self.engine,
                 device=getattr(self.engine, "device", "cpu"),
-                rendezvous=cfg.weights_rendezvous,
-            ).start()
+                rendezvous=cfg.weights_rendezvous, follower=follower).start()
         try:
             self._learn(reader, 1.0)
             self._progress.poll(1.0)
@@ -437,6 +432,7 @@ class RolloutStage:
             reader.close()
             self._progress.close()
             self._claims.close()
+            follower.close()
             consumer.close()
             producer.close()
         return self.stats

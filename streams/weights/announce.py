@@ -13,7 +13,8 @@ import logging
 from relax.schemas import topics as topic_names
 from relax.schemas.validate import validate
 from relax.streams.client import BusConfig, ensure_topics
-from relax.streams.read import TopicReader, decode_or_reason
+from relax.streams.follow import Follower, follow
+from relax.streams.read import decode_or_reason
 
 log = logging.getLogger(__name__)
 
@@ -53,13 +54,14 @@ class AnnouncementReader:
     matters, but so does the CPU an idle reader burns). Records that are not a WEIGHTS
     batch (a null or empty value, a ``relax-schema`` header naming another schema, bytes
     that do not decode or fail validation) are logged with their ``topic[partition]@offset``
-    and skipped, never raised (announcements are written by relax only).
+    and skipped, never raised (announcements are written by relax only). ``follower``:
+    the process's shared :class:`~relax.streams.follow.Follower` to read on (None: a
+    client of its own).
     """
 
-    def __init__(self, cfg: BusConfig, run: str):
+    def __init__(self, cfg: BusConfig, run: str, follower: Follower | None = None):
         self.topic = ensure_weights_topic(cfg, run)
-        self._reader = TopicReader(cfg, "weights")
-        self._reader.follow(self.topic, 1)
+        self._reader = follow(cfg, self.topic, 1, "weights", follower)
         self.latest_version: int | None = None
 
     def poll(self, timeout_s: float = 0.0) -> list[dict]:
@@ -84,5 +86,5 @@ class AnnouncementReader:
         return rows
 
     def close(self) -> None:
-        """Close the Kafka client."""
+        """Stop reading (and close the Kafka client unless it is a shared follower's)."""
         self._reader.close()

@@ -28,6 +28,7 @@ from datetime import timedelta
 import torch
 
 from relax.streams.client import BusConfig
+from relax.streams.follow import Follower
 from relax.streams.weights.announce import AnnouncementReader, _newest_live
 from relax.streams.weights.shm import SHM_KEY, ShmFiles, member_key, sees_offer
 from relax.streams.weights.install import install_weights
@@ -85,23 +86,17 @@ class WeightSubscriber:
             announcement (default: learnt from the first announcement, which then is
             missed unless a checkpoint of it exists).
         join_timeout_s: how long to wait to form a group (seconds).
+        follower: the process's shared :class:`~relax.streams.follow.Follower` to read
+            the announcements on (None: a Kafka client of its own).
 
     The background thread starts with :meth:`start` (or ``with``); :meth:`close`
     leaves the group at the next version boundary.
     """
 
-    def __init__(
-        self,
-        cfg: BusConfig,
-        run: str,
-        *,
-        member_id: str,
-        target=None,
-        device: str | torch.device = "cpu",
-        catch_up: bool = True,
-        rendezvous: str | None = None,
-        join_timeout_s: float = 60.0,
-    ):
+    def __init__(self, cfg: BusConfig, run: str, *, member_id: str, target=None,
+                 device: str | torch.device = "cpu", catch_up: bool = True,
+                 rendezvous: str | None = None, join_timeout_s: float = 60.0,
+                 follower: Follower | None = None):
         if "\n" in member_id or not member_id:
             raise ValueError(f"member_id must be a non-empty single line, got {member_id!r}")
         self.cfg, self.run, self.member_id = cfg, run, member_id
@@ -112,7 +107,7 @@ class WeightSubscriber:
             parse_rendezvous(rendezvous)
         self.stats = SubscriberStats()
         self.version: int | None = None
-        self._reader = AnnouncementReader(cfg, run)
+        self._reader = AnnouncementReader(cfg, run, follower)
         self._store = None
         self._rendezvous: str | None = None
         self._group: str | None = None
