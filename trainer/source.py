@@ -71,6 +71,13 @@ class SampleSource:
     trainer's policy_version then. The Kafka consumer, the ledger and the queue are
     used under one lock.
 
+    In a sync run (``max_staleness`` 0) the thread holds from :meth:`next_batch`'s
+    batch to :meth:`trained`: a group written while the trainer trains was sampled
+    before the step's new weights, so nothing it could read then is admissible, and its
+    fetch loop would take CPU from the step (a group consumer's fetch round trips, the
+    reading thread and the broker: about 0.02 cores). The group membership lives on
+    (kafka-python's heartbeat runs in its I/O thread; ``max_poll_interval_ms`` is 600 s).
+
     Args:
         bus: bus settings.
         run: run name.
@@ -119,6 +126,8 @@ class SampleSource:
         self._arrived = threading.Condition(self._lock)
         self._finished: list[Delivery] = []  # finished by the trainer, not yet done()
         self._closed = threading.Event()
+        self._may_read = threading.Event()  # cleared while a sync run's step trains
+        self._may_read.set()
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._read_ahead, name="relax-trainer-input",
                                         daemon=True)
@@ -145,6 +154,8 @@ class SampleSource:
                 self._arrived.notify_all()
 
     def _read_turn(self) -> int:
+        if not self._may_read.wait(1.0):  # run_loop checks _closed between turns
+            return 0
         dropped = self._read_once()
         self._report_drop(dropped)
         return dropped
@@ -284,6 +295,8 @@ class SampleSource:
             filtered, self._filtered = self._filtered, []
         dropped["stale"] = dropped.get("stale", 0) + stale_rows
         self._report_drop(dropped_groups - reported)
+        if self.max_staleness == 0:
+            self._may_read.clear()  # until trained(): see the class docstring
         return Batch(groups, stale, time.perf_counter() - t0, dropped, used, filtered)
 
     def _report_drop(self, groups: int) -> None:
@@ -292,13 +305,14 @@ class SampleSource:
 
     def trained(self, batch: Batch, policy_version: int) -> None:
         """Record the batch's rows as trained (at ``policy_version``, before the step's
-        increment) and finish their deliveries."""
+        increment) and finish their deliveries; a sync run's reading thread goes on."""
         with self._lock:
             for g, d in zip(batch.groups, batch.deliveries):
                 for rid, names in zip(g.column("rollout_id").to_pylist(), reward_names(g)):
                     self.ledger.record(rid, "trained", policy_version, rewards=names)
                 self.groups_trained += 1
                 self._decided(d, self._finished)
+        self._may_read.set()
 
     def locked(self):
         """The lock the reading thread takes: hold it to read the ledger consistently
@@ -324,6 +338,7 @@ class SampleSource:
     def close(self) -> None:
         """Stop the reading thread and close the consumer (no commit)."""
         self._closed.set()
+        self._may_read.set()
         self._thread.join(timeout=10)
         with self._io:
             self.consumer.close()

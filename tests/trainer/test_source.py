@@ -109,3 +109,31 @@ def test_stale_group_credit_comes_back_while_the_batch_waits(bus, unique):
     assert replaced.is_set() and b is not None, "the batch waited for credit it never returned"
     assert sorted(g.column("group_id")[0].as_py() for g in b.groups) == ["g0000", "g0002"]
     assert b.dropped["stale"] == 2
+
+
+def test_a_sync_run_s_reader_holds_while_the_step_trains(bus, unique):
+    """max_staleness 0: nothing written while the step trains can be admitted, so the
+    reading thread does not fetch from the batch to ``trained`` (its fetch loop took CPU
+    from the step, issue 19), then reads what came meanwhile."""
+    run = unique
+    topic = topics.run_topic(run, "train_samples")
+    ensure_topics(bus, {topic: 1})
+    p = BatchProducer(bus)
+    p.send(topic, _table(0, 1, version=0))
+    p.flush()
+    src = SampleSource(bus, run, Ledger(), batch_groups=1, max_staleness=0)
+    try:
+        b = src.next_batch(0, lambda: False)
+        time.sleep(1.0)  # a poll under way when the batch was taken ends (0.2 s)
+        p.send(topic, _table(1, 1, version=1))  # written while the step trains
+        p.flush()
+        time.sleep(2.0)  # the thread reads a record within ~0.2 s when it reads
+        with src.locked():
+            assert not src._queue
+        src.trained(b, 0)
+        deadline = time.monotonic() + 30
+        b2 = src.next_batch(1, lambda: time.monotonic() > deadline)
+        assert b2 is not None and b2.groups[0].column("group_id")[0].as_py() == "g0001"
+    finally:
+        src.close()
+        p.close()
