@@ -65,6 +65,11 @@ EMITTED = b"emitted"
 HEARTBEAT_S = 5.0
 """Seconds between the aggregator's metric rows when no input arrives (a stuck group
 shows as a growing ``oldest_partial_s``)."""
+CHANGES_EVERY_S = 2.0
+"""Seconds between the aggregator's reads of new reward changes between versions (for
+their ``reward_weight.<name>`` metric; the groups are decided on a read to the end, made
+when a newer policy_version arrives): each read is a fetch round trip, and the
+aggregator turns every ``poll_timeout_s`` while idle."""
 
 
 class AggregateConfig(BaseModel):
@@ -231,6 +236,7 @@ class AggregateStage:
         self.states: dict[int, JoinState] = {}
         self.plan = RewardPlan(cfg.advantage.rewards)
         self.changes = ChangeFollower(bus, run)
+        self._changes_at = 0.0  # time.monotonic() of the last read of the changes
         self._plan_through = -1  # changes were read to the end after a rollout of this version
         self._to_recover: set[int] = set()
         self.emitted_groups = 0
@@ -271,7 +277,8 @@ class AggregateStage:
         """One turn (:func:`relax.streams.stage.process_once`): join each delivery
         (:meth:`_join`), emit the groups that are ready (:meth:`_emit`), flush, commit.
         Returns deliveries handled."""
-        self._read_changes()
+        if time.monotonic() - self._changes_at >= CHANGES_EVERY_S:
+            self._read_changes()
         return process_once(self.consumer, self.producer, self._join, stage="aggregate",
                             after=self._emit, poll_timeout_s=self.cfg.poll_timeout_s)
 
@@ -279,6 +286,7 @@ class AggregateStage:
         """Apply newly announced reward changes to the plan (``to_end``: every change
         acknowledged so far, not only those fetched); each applied one goes to the
         metrics (``reward_weight.<name>``, 0 for a detach, at its from_policy_version)."""
+        self._changes_at = time.monotonic()
         for c in self.changes.poll(to_end=to_end):
             refused = self.plan.apply(c)
             if refused:
