@@ -30,6 +30,11 @@ BROKER_LOST_STOP_S = 5.0
 """Seconds the stages of a run whose broker is gone or lost its state get to stop before
 they are killed: their producers retry against a broker that no longer knows them, and
 there is no offset left to commit (a clean stop waits 60 s)."""
+METRICS_FETCH_WAIT_MS = 1000
+"""The driver's metrics reader's longest empty fetch (``fetch_max_wait_ms``). It only
+prints steps and sees the trainer's ``done``, so a record may wait up to ~0.5 s (Tansu
+answers a waiting fetch at about half the wait) where the stages' 200 ms default would
+cost five fetch round trips a second in the driver and the broker for the whole run."""
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +55,7 @@ class MetricsFollower:
 
         self.bus = bus
         self.topic = topics.run_topic(run, topics.METRICS)
-        self.reader = TopicReader(bus, "train")
+        self.reader = TopicReader(bus, "train", fetch_wait_ms=METRICS_FETCH_WAIT_MS)
         self.reader.follow(self.topic, 1)
         self.rows: list[dict] = []
         self.next_offset = 0
