@@ -3,6 +3,8 @@ relax sync and relax async (max_staleness 1 and 2).
 
     python benchmarks/e2e_vs_trl.py                 # all systems, 8 steps each: ~35 min on 2 cores
     python benchmarks/e2e_vs_trl.py --steps 2 --systems loop,async1   # a quick look
+    python benchmarks/e2e_vs_trl.py --steps 16 --systems loop,async1,trl --seed 2 \
+        --out benchmarks/results/e2e_seed2.json       # other samples: the reward's spread
 
 The workload is the demo's (``recipes/arith_grpo_smollm2.yaml``): SmolLM2-135M-Instruct,
 reasoning-gym 2-digit additions (fixed seed, the same prompts in the same order for
@@ -74,8 +76,9 @@ SYSTEMS = {
 }
 
 
-def workload(steps: int) -> dict:
-    """The settings every system shares (from the demo recipe)."""
+def workload(steps: int, seed: int = 1) -> dict:
+    """The settings every system shares (from the demo recipe); ``seed`` seeds the
+    sampling of every system (the prompts stay the same: the source has its own seed)."""
     import yaml
 
     r = yaml.safe_load(RECIPE.read_text())
@@ -87,7 +90,7 @@ def workload(steps: int) -> dict:
         "max_new_tokens": r["rollout"]["max_new_tokens"],
         "temperature": r["rollout"]["temperature"], "lr": r["trainer"]["optim"]["lr"],
         "grad_clip": r["trainer"]["optim"]["grad_clip"], "clip_eps": 0.2, "steps": steps,
-        "seed": 1, "reward": "gsm8k flexible (last number == label)",
+        "seed": seed, "reward": "gsm8k flexible (last number == label)",
         "loss": "ppo_clip + token-mean (TRL loss_type=dapo), beta=0",
     }
 
@@ -526,11 +529,14 @@ def main() -> None:
     ap.add_argument("--systems", default="trl,loop,sync,sync1t,async1,async2")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "e2e_vs_trl.json"))
     ap.add_argument("--timeout-s", type=float, default=1800, help="per system")
+    ap.add_argument("--seed", type=int, default=1,
+                    help="sampling seed of every system (same prompts); runs at other seeds "
+                         "give the spread of reward_mean")
     ap.add_argument("--one", help=argparse.SUPPRESS)
     ap.add_argument("--threads", type=int, default=1, help=argparse.SUPPRESS)
     ap.add_argument("--raw", help=argparse.SUPPRESS)
     args = ap.parse_args()
-    w = workload(args.steps)
+    w = workload(args.steps, args.seed)
     if args.one:
         one(args.one, w, args.threads, Path(args.raw))
         return
@@ -554,7 +560,8 @@ def main() -> None:
             with lg.open("w") as f:
                 procs.append(subprocess.Popen(
                     [sys.executable, __file__, "--one", name.removesuffix("x2"), "--steps",
-                     str(args.steps), "--threads", str(THREADS[name]), "--raw", str(r)],
+                     str(args.steps), "--seed", str(args.seed), "--threads", str(THREADS[name]),
+                     "--raw", str(r)],
                     stdout=f, stderr=subprocess.STDOUT, env=env))
         for p, lg in zip(procs, logs):
             if p.wait(timeout=args.timeout_s) != 0:
