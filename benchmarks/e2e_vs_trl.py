@@ -549,8 +549,10 @@ def main() -> None:
     results, t_all = {}, time.perf_counter()
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
     for name in systems:
-        raw = out.parent / f"raw_{name}.json"
-        log = out.parent / f"log_{name}.txt"
+        # another --out keeps its own files (the relax systems' timeline_<name>.png too)
+        tag = name if out.stem == "e2e_vs_trl" else f"{name}_{out.stem}"
+        raw = out.parent / f"raw_{tag}.json"
+        log = out.parent / f"log_{tag}.txt"
         print(f"== {SYSTEMS[name]} ({THREADS[name]} torch threads per process)", flush=True)
         copies = 2 if name == "loop1tx2" else 1
         raws = [raw] if copies == 1 else [raw.with_suffix(f".{i}.json") for i in range(copies)]
