@@ -2,9 +2,10 @@
 
     python benchmarks/idle_consumers.py --json benchmarks/results/idle_consumers.json
 
-A relax stage waiting for data loops on ``poll``; Tansu answers an empty fetch after
-about half of ``fetch_max_wait_ms`` (``relax.streams.client.FETCH_WAIT_MS``), so each idle
-consumer is a fetch round trip every ~0.1 s, in its process and in the broker. While the
+A relax stage waiting for data loops on ``poll``; Tansu answers an empty fetch after the
+whole ``fetch_max_wait_ms`` (``relax.streams.client.FETCH_WAIT_MS``: kafka-python's
+``fetch-latency-avg`` is 203 ms at 200 ms), so each idle consumer is a fetch round trip
+every ~0.2 s plus its group's heartbeats, in its process and in the broker. While the
 trainer of a sync run trains, the other stages' consumers are such idle consumers. Two
 measurements, side by side in one run, on the embedded broker (Tansu):
 
