@@ -3,8 +3,11 @@
 The publisher (this process) loads ``--model`` and publishes ``--versions`` versions
 (each a perturbed copy of the weights) with :class:`relax.streams.weights.WeightPublisher`,
 once per transport of ``--transports`` (side by side in one run): ``gloo`` (the
-broadcast over TCP, what engines on other hosts get) and ``shm`` (the same-host file in
-``/dev/shm``, :mod:`relax.streams.weights.shm`). ``--subscribers`` processes each run
+broadcast over TCP, what engines on other hosts get), ``shm`` (the same-host file in
+``/dev/shm``, :mod:`relax.streams.weights.shm`, copied straight into the engine's second
+buffer) and ``shm-buffered`` (the same file copied into the subscriber's receive buffer
+first, then into the engine: the path before 2026-12-05, and still a module target's).
+``--subscribers`` processes each run
 an HF engine in partial-rollout mode, generating continuously, with a
 :class:`WeightSubscriber` staging every received version into the engine's second
 buffer; the engine swaps at its next safe point. Each subscriber checks that its live
@@ -26,12 +29,15 @@ Figures (versions after the first, whose time includes forming the group):
 
 One line per transport: ``transport=T bytes=B publish_s=.. delivered_s=.. GBps=..
 memcpy_GBps=.. ratio=.. blocked_ms=.. pub_cpu_s=.. sub_cpu_s=..``; with both transports a
-last line ``shm_over_gloo delivered=.. sub_cpu=..`` (ratios of the means), and
-``--json PATH`` writes every figure.
+line ``shm_over_gloo delivered=.. sub_cpu=..`` (ratios of the means), with ``shm`` and
+``shm-buffered`` a line ``staged_over_buffered ...``, and ``--json PATH`` writes every
+figure.
 
     python benchmarks/weight_sync.py --model smollm2-135m --subscribers 2
     python benchmarks/weight_sync.py --model smollm2-135m --subscribers 1 --batch 0 \
         --versions 6 --json benchmarks/results/weight_transports.json
+    python benchmarks/weight_sync.py --subscribers 1 --batch 0 --versions 6 \
+        --transports shm-buffered,shm --json benchmarks/results/weight_staging.json
     python benchmarks/weight_sync.py --model tiny-llama --subscribers 2 --bootstrap 127.0.0.1:9092
 """
 
@@ -49,6 +55,7 @@ import threading
 import time
 import uuid
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
@@ -73,7 +80,9 @@ def subscriber(args) -> None:
         BusConfig(bootstrap_servers=args.bootstrap),
         args.run,
         member_id=args.member,
-        target=engine,
+        # an object with update_weights only: the receive buffer first, then the engine
+        target=SimpleNamespace(update_weights=engine.update_weights) if args.buffered
+        else engine,
         rendezvous=args.rendezvous,
     ).start()
     prompt = engine.tokenizer.apply_chat_template(
@@ -155,14 +164,15 @@ def publisher(args) -> None:
         bootstrap = args.bootstrap or broker.bootstrap
         named = dict(load_model(args.model).named_parameters())
         out = {t: one_transport(args, bootstrap, named, t) for t in args.transports.split(",")}
-    if {"gloo", "shm"} <= out.keys():
-        g, m = out["gloo"], out["shm"]
-        out["shm_over_gloo"] = {"delivered": m["delivered_s"] / g["delivered_s"],
-                                "delivered_median": m["delivered_median_s"]
-                                / g["delivered_median_s"],
-                                "sub_cpu": m["sub_cpu_s"] / g["sub_cpu_s"],
-                                "pub_cpu": m["pub_cpu_s"] / g["pub_cpu_s"]}
-        print("shm_over_gloo " + " ".join(f"{k}={v:.3f}" for k, v in out["shm_over_gloo"].items()))
+    for name, new, old in (("shm_over_gloo", "shm", "gloo"),
+                           ("staged_over_buffered", "shm", "shm-buffered")):
+        if {new, old} <= out.keys():
+            m, g = out[new], out[old]
+            out[name] = {"delivered": m["delivered_s"] / g["delivered_s"],
+                         "delivered_median": m["delivered_median_s"] / g["delivered_median_s"],
+                         "sub_cpu": m["sub_cpu_s"] / g["sub_cpu_s"],
+                         "pub_cpu": m["pub_cpu_s"] / g["pub_cpu_s"]}
+            print(f"{name} " + " ".join(f"{k}={v:.3f}" for k, v in out[name].items()))
     if args.json:
         out["args"] = vars(args)
         Path(args.json).write_text(json.dumps(out, indent=1) + "\n")
@@ -170,17 +180,18 @@ def publisher(args) -> None:
 
 def one_transport(args, bootstrap: str, named: dict, transport: str) -> dict:
     """Publish ``--versions`` versions of ``named`` to ``--subscribers`` engine processes
-    over ``transport`` (``gloo`` or ``shm``); the figures of the module docstring."""
+    over ``transport`` (``gloo``, ``shm`` or ``shm-buffered``); the figures of the module
+    docstring."""
     from relax.streams.client import BusConfig
     from relax.streams.weights import AnnouncementReader, WeightPublisher
 
-    if transport not in ("gloo", "shm"):
-        raise SystemExit(f"--transports: gloo or shm, got {transport!r}")
+    if transport not in ("gloo", "shm", "shm-buffered"):
+        raise SystemExit(f"--transports: gloo, shm or shm-buffered, got {transport!r}")
     with tempfile.TemporaryDirectory() as tmp:
         cfg = BusConfig(bootstrap_servers=bootstrap)
         run = f"wsync{uuid.uuid4().hex[:6]}"
         pub = WeightPublisher(cfg, run, bucket_bytes=args.bucket_bytes, join_timeout_s=300,
-                              shm_root="/dev/shm" if transport == "shm" else None)
+                              shm_root=None if transport == "gloo" else "/dev/shm")
         procs = [
             subprocess.Popen(
                 [
@@ -204,6 +215,7 @@ def one_transport(args, bootstrap: str, named: dict, transport: str) -> dict:
                     str(args.versions),
                     "--batch",
                     str(args.batch),
+                    *(["--buffered"] if transport == "shm-buffered" else []),
                 ]
             )
             for i in range(args.subscribers)
@@ -298,7 +310,9 @@ def main() -> None:
     ap.add_argument("--warmup-s", type=float, default=2.0)
     ap.add_argument("--gap-s", type=float, default=1.0, help="seconds between versions")
     ap.add_argument("--bootstrap", default=None, help="Kafka bootstrap (default: a local broker)")
-    ap.add_argument("--transports", default="gloo,shm", help="gloo, shm or both, in that order")
+    ap.add_argument("--transports", default="gloo,shm",
+                    help="gloo, shm, shm-buffered: one or more, in that order")
+    ap.add_argument("--buffered", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--json", default="", help="write every figure to this file")
     ap.add_argument("--role", default="publisher", choices=["publisher", "subscriber"])
     ap.add_argument("--run", default="")

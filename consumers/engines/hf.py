@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -195,12 +196,12 @@ class HFEngine:
         """Stage new weights; they take effect at the next safe point.
 
         Checks the whole update first (names, shapes, every parameter covered), then
-        copies ``named_tensors`` into the spare buffers (allocated once, same shapes,
-        dtypes and device as the live parameters); live weights are untouched, so this
-        may run in another thread while :meth:`generate` runs. A second call before the
-        swap overwrites the staged weights (the newest version wins); a call that raises
-        leaves the staged weights as they were (or, if the copy itself failed, nothing
-        staged), so a swap never installs a mix of two updates.
+        copies ``named_tensors`` into the spare buffers (:meth:`staging`); live weights
+        are untouched, so this may run in another thread while :meth:`generate` runs. A
+        second call before the swap overwrites the staged weights (the newest version
+        wins); a call that raises before the copy leaves the staged weights as they
+        were, one that fails during it leaves nothing staged: a swap never installs a
+        mix of two updates.
 
         Args:
             named_tensors: ``{name: tensor}`` with the model's parameter names
@@ -213,38 +214,48 @@ class HFEngine:
             KeyError: a name that is not a parameter of the model (lists a few valid ones).
             ValueError: a shape mismatch, a parameter not covered, or an older version.
         """
+        shapes = {name: tuple(t.shape) for name, t in named_tensors.items()}
+        with self.staging(shapes, policy_version) as spare, torch.no_grad():
+            for name, t in named_tensors.items():
+                copy_tensor_(spare[name], t)
+
+    @contextmanager
+    def staging(self, shapes: dict[str, tuple[int, ...]],
+                policy_version: int) -> Iterator[dict[str, torch.Tensor]]:
+        """Stage ``policy_version`` by writing into the spare buffers (allocated once,
+        the live parameters' shapes, dtypes and device) directly, so a receiver copies
+        each tensor once, from its source into what the swap installs.
+
+        Checks ``shapes`` (``{name: shape}`` to be written) as :meth:`update_weights`
+        checks its tensors, then yields ``{name: spare buffer}`` for every parameter name
+        (tied aliases share one). The version is staged when the block ends; nothing is
+        staged when it raises (the buffers then hold no whole version).
+
+        Raises:
+            KeyError, ValueError: as :meth:`update_weights`, before any buffer is touched.
+        """
         if policy_version < self._version:
-            raise ValueError(
-                f"policy_version {policy_version} is older than the engine's {self._version}"
-            )
-        pairs, covered = [], set()  # check the whole update before touching a buffer
-        for name, t in named_tensors.items():
+            raise ValueError(f"policy_version {policy_version} is older than the engine's "
+                             f"{self._version}")
+        covered = set()  # check the whole update before touching a buffer
+        for name, shape in shapes.items():
             p = self._by_name.get(name)
             if p is None:
-                valid = ", ".join(list(self._by_name)[:5])
-                raise KeyError(
-                    f"{name!r} is not a parameter of the model "
-                    f"(valid names look like: {valid}, ...)"
-                )
-            if tuple(t.shape) != tuple(p.shape):
-                raise ValueError(
-                    f"{name}: shape {tuple(t.shape)} != parameter shape {tuple(p.shape)}"
-                )
-            pairs.append((p, t))
+                raise KeyError(f"{name!r} is not a parameter of the model (valid names look "
+                               f"like: {', '.join(list(self._by_name)[:5])}, ...)")
+            if tuple(shape) != tuple(p.shape):
+                raise ValueError(f"{name}: shape {tuple(shape)} != parameter shape "
+                                 f"{tuple(p.shape)}")
             covered.add(id(p))
         missing = [n for n, p in self._by_name.items() if id(p) not in covered]
         if missing:
-            raise ValueError(
-                f"update for policy_version {policy_version} does not cover "
-                f"{len(missing)} parameter(s), e.g. {missing[:3]}"
-            )
+            raise ValueError(f"update for policy_version {policy_version} does not cover "
+                             f"{len(missing)} parameter(s), e.g. {missing[:3]}")
         with self._stage_lock:
             if self._spare is None:
                 self._spare = {id(p): torch.empty_like(p.data) for p in self._params}
             self._pending = None  # the spare buffers are about to be overwritten
-            with torch.no_grad():
-                for p, t in pairs:
-                    copy_tensor_(self._spare[id(p)], t)
+            yield {name: self._spare[id(p)] for name, p in self._by_name.items()}
             self._pending = policy_version
             self.stats.staged_updates += 1
 

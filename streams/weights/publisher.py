@@ -3,20 +3,20 @@
 Publisher (trainer), per policy_version ``v`` (:meth:`WeightPublisher.publish`):
 
 1. *caller's thread*: wait for the previous broadcast to finish (one in flight), copy
-   the tensors into the flat send buffer (so the trainer may change its weights as
-   soon as ``publish`` returns), hand the rest to a background thread. The broadcast
-   thus overlaps the next training step; ``publish`` blocks only for the copy (and
-   for a previous broadcast still running).
-2. *background thread*: checksum (``crc32c`` over the flat bytes); (re)form the process
-   group if membership changed; announce ``v`` on ``<run>.weights`` (WEIGHTS schema:
-   manifest of names, shapes, dtypes, byte offsets and sizes, bucket size, checksum,
-   transport ``gloo``/``nccl``, rendezvous ``tcp://host:port``, group name); broadcast
-   the flat bytes in buckets of whole tensors (default 512 MiB; a tensor larger than a
-   bucket travels alone) from rank 0; then, every ``checkpoint_every`` versions, write
-   the flat bytes as one safetensors file into the snapshot store
-   (:mod:`relax.streams.weights.store`: a local folder or a ``pyarrow.fs`` URI such as
-   ``s3://...``) and announce it again with ``transport=checkpoint`` and its
-   ``checkpoint_uri``.
+   the tensors (a tied alias once) into the flat send buffer, checksummed as they are
+   copied on the CPU, so the trainer may change its weights as soon as ``publish``
+   returns; hand the rest to a background thread. The broadcast thus overlaps the next
+   training step.
+2. *background thread*: checksum a device's buffer (``crc32c`` over the flat bytes);
+   (re)form the process group if membership changed; announce ``v`` on
+   ``<run>.weights`` (WEIGHTS schema: manifest of names, shapes, dtypes, byte offsets
+   and sizes, bucket size, checksum, transport ``gloo``/``nccl``, rendezvous
+   ``tcp://host:port``, group name); broadcast the flat bytes in buckets of whole
+   tensors (default 512 MiB; a tensor larger than a bucket travels alone) from rank 0;
+   then, every ``checkpoint_every`` versions, write the flat bytes as one safetensors
+   file into the snapshot store (:mod:`relax.streams.weights.store`: a local folder or
+   a ``pyarrow.fs`` URI such as ``s3://...``) and announce it again with
+   ``transport=checkpoint`` and its ``checkpoint_uri``.
 
 Same host (``shm_root``, CPU buffers only): the send buffer is two files in
 ``/dev/shm`` used in turn; subscribers that share that tmpfs are left out of the
@@ -51,6 +51,7 @@ from relax.streams.weights.layout import (
     TensorEntry,
     build_manifest,
     checksum,
+    distinct_tensors,
     flatten_into,
     manifest_rows,
     plan_buckets,
@@ -118,21 +119,11 @@ class WeightPublisher:
         ValueError: ``checkpoint_every``, ``keep_checkpoints`` or ``bucket_bytes`` < 1.
     """
 
-    def __init__(
-        self,
-        cfg: BusConfig,
-        run: str,
-        *,
-        host: str = "127.0.0.1",
-        port: int = 0,
-        checkpoint_dir: str | Path | None = None,
-        checkpoint_every: int = 1,
-        keep_checkpoints: int = 3,
-        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-        join_timeout_s: float = 60.0,
-        producer=None,
-        shm_root: str | Path | None = None,
-    ):
+    def __init__(self, cfg: BusConfig, run: str, *, host: str = "127.0.0.1", port: int = 0,
+                 checkpoint_dir: str | Path | None = None, checkpoint_every: int = 1,
+                 keep_checkpoints: int = 3, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+                 join_timeout_s: float = 60.0, producer=None,
+                 shm_root: str | Path | None = None):
         import torch.distributed as dist
 
         from relax.streams.producer import BatchProducer
@@ -227,8 +218,9 @@ class WeightPublisher:
         in the background (see the module docstring).
 
         Args:
-            named_tensors: ``{name: tensor}`` (e.g. ``dict(model.named_parameters())``);
-                every call must have the same names, shapes and dtypes.
+            named_tensors: ``{name: tensor}`` (e.g. ``model.state_dict()``); every call
+                must have the same names, shapes and dtypes. A tied alias (a later name
+                of the same tensor) is not sent (:func:`.layout.distinct_tensors`).
             policy_version: optimizer steps applied (increasing).
 
         Returns:
@@ -248,6 +240,7 @@ class WeightPublisher:
             self._pending.result()
         if self._late is not None:  # a late joiner's snapshot reads the send buffer
             self._late.result()
+        named_tensors = distinct_tensors(named_tensors)
         manifest = build_manifest(named_tensors)
         if self._manifest is None:
             device = next(iter(named_tensors.values())).device
@@ -262,7 +255,7 @@ class WeightPublisher:
             self._slot ^= 1
             self._flat = self._bufs[self._slot]
         t1 = time.perf_counter()
-        flatten_into(self._flat, named_tensors, manifest)
+        digest = flatten_into(self._flat, named_tensors, manifest)
         if self._flat.device.type == "cuda":
             torch.cuda.current_stream(self._flat.device).synchronize()
         stats = PublishStats(policy_version, total_bytes(manifest))
@@ -271,7 +264,7 @@ class WeightPublisher:
         self.history.append(stats)
         if self._first_version is None:
             self._first_version = policy_version
-        self._pending = self._pool.submit(self._background, stats, t0)
+        self._pending = self._pool.submit(self._background, stats, t0, digest)
         return self._pending
 
     def wait(self) -> PublishStats | None:
@@ -348,8 +341,8 @@ class WeightPublisher:
         self._pg = None
         self._group_name = None  # forces a new group at the next version
 
-    def _background(self, stats: PublishStats, t0: float) -> PublishStats:
-        digest = self._digest = checksum(self._flat)
+    def _background(self, stats: PublishStats, t0: float, digest: str | None) -> PublishStats:
+        digest = self._digest = digest or checksum(self._flat)
         self._regroup()
         stats.group_name = self._group_name
         t1 = time.perf_counter()

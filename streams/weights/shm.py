@@ -22,8 +22,10 @@ How:
   other still holds v-1. Their pages are reserved up front (``posix_fallocate``), so a
   full tmpfs is an error at the first publish, never a SIGBUS later.
 * Each version is announced with ``transport=shm`` and its file in ``checkpoint_uri``
-  before the broadcast. The subscriber copies it into its receive buffer through a
-  mapping it keeps (:class:`ShmFiles`) and verifies the checksum of what it copied.
+  before the broadcast. The subscriber copies it through a mapping it keeps
+  (:class:`ShmFiles`) into its receive buffer, or into an engine's spare buffers
+  straight away (one copy: :meth:`ShmFiles.stage`), and verifies the checksum of what
+  it copied.
 * There are no acknowledgements: the publisher never waits for a same-host subscriber,
   so a dead one can stall nothing. A subscriber more than one version behind may read a
   file the publisher is overwriting; the checksum then differs, the copy is dropped
@@ -48,7 +50,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from relax.streams.weights.layout import copy_with_checksum
+from relax.streams.weights.layout import (
+    ChecksumError,
+    copy_entries,
+    copy_with_checksum,
+    manifest_from_rows,
+)
 
 log = logging.getLogger(__name__)
 
@@ -171,13 +178,49 @@ class ShmFiles:
         """
         if flat is None or flat.numel() != nbytes or flat.device.type != "cpu":
             flat = torch.empty(nbytes, dtype=torch.uint8)
-        m = self._map(path, nbytes)
-        src = np.frombuffer(m, dtype=np.uint8, count=nbytes)
+        src = self.view(path, nbytes)
         try:
             digest = copy_with_checksum(flat.numpy(), src)
         finally:
             del src  # a mapping closes only once no array points into it
         return flat, digest
+
+    def view(self, path: str, nbytes: int) -> np.ndarray:
+        """The first ``nbytes`` of the file at ``path`` (a send buffer) as a read-only
+        uint8 array over its kept mapping (no copy). Drop it after use: a mapping closes
+        only once no array points into it.
+
+        Raises:
+            FileNotFoundError: no file at ``path`` (its publisher closed).
+            ValueError: the file is shorter than ``nbytes``.
+        """
+        return np.frombuffer(self._map(path, nbytes), dtype=np.uint8, count=nbytes)
+
+    def stage(self, path: str, row: dict, staging) -> bool:
+        """Copy the version a WEIGHTS announcement ``row`` made of the file at ``path``
+        straight into an engine's spare buffers (``staging``: :meth:`HFEngine.staging`),
+        entry by entry, checksummed as it is copied (:func:`copy_entries`).
+
+        Returns:
+            True when staged; False when the bytes copied are not that version's (the
+            publisher has since written a newer one there): nothing is staged then.
+
+        Raises:
+            FileNotFoundError: no file at ``path`` (nothing staged or changed).
+            ValueError: the file is shorter than the announcement says; or, as
+                ``KeyError``, the engine refuses the manifest's names or shapes.
+        """
+        manifest = manifest_from_rows(row["manifest"])
+        src = self.view(path, row["total_bytes"])
+        try:
+            with staging({e.name: e.shape for e in manifest}, row["policy_version"]) as spare:
+                if copy_entries(src, manifest, spare) != row["checksum"]:
+                    raise ChecksumError(f"{path} no longer holds v{row['policy_version']}")
+        except ChecksumError:  # raised in the block: the engine staged nothing
+            return False
+        finally:
+            del src  # a mapping closes only once no array points into it
+        return True
 
     def _map(self, path: str, nbytes: int) -> mmap.mmap:
         folder = os.path.dirname(path)

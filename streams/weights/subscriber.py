@@ -1,18 +1,15 @@
 """An engine's (or reference model's) side of the weight channel: :class:`WeightSubscriber`.
 
-Subscribers (:class:`WeightSubscriber`, one background thread each) register in the
-rendezvous store (``+id`` / ``-id`` lines appended to one log, replayed in
-order); at the next version boundary the publisher forms a new group that
-includes them (membership changes only at version boundaries). For each announcement
-they belong to, they receive every bucket into a *receive buffer* (never into live
-weights), verify the checksum, and hand the tensors to the engine's
-``update_weights`` (which stages them in its own second buffer and swaps at a safe
-point between generation steps) or keep them for :meth:`WeightSubscriber.apply`.
-A subscriber that starts late first loads the newest ``checkpoint`` announcement's
-safetensors, then joins the broadcast at the next version. A subscriber that shares the
-publisher's ``/dev/shm`` reads each version from the file announced with
-``transport=shm`` instead of taking part in the broadcast
-(:mod:`relax.streams.weights.shm`).
+Subscribers (one background thread each) register in the rendezvous store (``+id`` /
+``-id`` lines appended to one log, replayed in order); at the next version boundary the
+publisher forms a new group that includes them. For each announcement they belong to,
+they receive every bucket into a *receive buffer* (never into live weights), verify the
+checksum, and hand the tensors to the engine's ``update_weights`` (staged in its second
+buffer, swapped at a safe point between generation steps) or keep them for
+:meth:`WeightSubscriber.apply`. A late subscriber first loads the newest ``checkpoint``
+announcement's safetensors. One that shares the publisher's ``/dev/shm`` reads each
+version from the file announced with ``transport=shm`` instead, straight into the
+engine's second buffer (:mod:`relax.streams.weights.shm`).
 """
 
 from __future__ import annotations
@@ -76,9 +73,10 @@ class WeightSubscriber:
         cfg: bus settings.
         run: run name.
         member_id: unique id of this subscriber in the group (e.g. ``rollout-0``).
-        target: an engine (has ``update_weights(named_tensors, policy_version)``): every
-            verified version is staged into it from the background thread, and it swaps
-            at its own safe point. None: keep the newest version for :meth:`apply`.
+        target: an engine (``update_weights(named_tensors, policy_version)``, and
+            ``staging`` for same-host files): every verified version is staged into it
+            from the background thread; it swaps at its own safe point. None: keep the
+            newest version for :meth:`apply`.
         device: where the receive buffer lives (``cpu`` -> gloo, ``cuda`` -> nccl).
         catch_up: load the newest checkpoint on start (late joiner), and any newer
             checkpoint announced while this subscriber is in no group.
@@ -173,10 +171,8 @@ class WeightSubscriber:
         while self.version is None or self.version < policy_version:
             left = deadline - time.monotonic()
             if left <= 0:
-                raise TimeoutError(
-                    f"{self.member_id}: policy_version {policy_version} not received "
-                    f"in {timeout_s}s (have {self.version})"
-                )
+                raise TimeoutError(f"{self.member_id}: policy_version {policy_version} not "
+                                   f"received in {timeout_s}s (have {self.version})")
             self.poll(min(left, 0.5))
         return self.version
 
@@ -327,42 +323,50 @@ class WeightSubscriber:
         return row["policy_version"]
 
     def load_shm(self, row: dict) -> int | None:
-        """Copy a ``shm`` announcement's same-host file into the receive buffer, verify
-        its checksum, and deliver it like a broadcast.
+        """Copy a ``shm`` announcement's same-host file into the receive buffer, or into
+        the spare buffers of a target that stages (:meth:`HFEngine.staging`: one copy, not
+        two; the receive buffer and :meth:`latest` stay as they were), verify its checksum
+        as it is copied, and deliver it like a broadcast.
 
         Returns:
-            the version; None when the file is gone (its publisher closed) or no longer
-            holds that version (the publisher has since written a version two newer
-            into it: the checksum differs; a newer announcement follows). Then the
-            weights received before stay as they were if the file was gone, and the
-            receive buffer holds no whole version otherwise.
+            the version; None when the file is gone (its publisher closed: nothing
+            changes) or no longer holds that version (a version two newer is being
+            written there: the checksum differs, and the receive buffer or the target's
+            staged weights hold no whole version; a newer announcement follows).
 
         Raises:
             ValueError: the file is shorter than the announcement says.
         """
         t0 = time.perf_counter()
         path = row["checkpoint_uri"]
+        staging = getattr(self.target, "staging", None)
         with self._buf_lock:
             before = self._flat_version
-            self._flat_version = None  # overwritten from here on
             try:
-                self._flat, digest = self._shm_files.copy_out(path, row["total_bytes"], self._flat)
+                if staging is not None:
+                    same = self._shm_files.stage(path, row, staging)
+                else:
+                    self._flat_version = None  # overwritten from here on
+                    self._flat, digest = self._shm_files.copy_out(
+                        path, row["total_bytes"], self._flat)
+                    self._manifest = manifest_from_rows(row["manifest"])
+                    same = digest == row["checksum"]
             except FileNotFoundError:
                 self._flat_version = before  # nothing was copied
                 self.stats.skipped += 1
                 return None
-            self._manifest = manifest_from_rows(row["manifest"])
-            if digest != row["checksum"]:
+            if not same:
                 self.stats.skipped += 1
                 log.warning("%s: %s no longer holds v%d (a newer version is being written "
                             "there); waiting for the next", self.member_id, path,
                             row["policy_version"])
                 return None
-            self._flat_version = row["policy_version"]
+            if staging is None:
+                self._flat_version = row["policy_version"]
         self.stats.received += 1
-        self.stats.bytes += self._flat.numel()
+        self.stats.bytes += row["total_bytes"]
         self.stats.receive_s += time.perf_counter() - t0
-        self._deliver(row, "shm")
+        self._deliver(row, "shm", staged=staging is not None)
         return row["policy_version"]
 
     def _handle(self, row: dict) -> None:
@@ -434,9 +438,9 @@ class WeightSubscriber:
         self.stats.receive_s += time.perf_counter() - t0
         self._deliver(row, "broadcast")
 
-    def _deliver(self, row: dict, how: str) -> None:
+    def _deliver(self, row: dict, how: str, staged: bool = False) -> None:
         version = row["policy_version"]
-        if self.target is not None:
+        if self.target is not None and not staged:
             with self._buf_lock:
                 install_weights(self.target, views(self._flat, self._manifest), version)
                 self._applied = version
