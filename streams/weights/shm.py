@@ -207,8 +207,9 @@ class ShmFiles:
 
         Raises:
             FileNotFoundError: no file at ``path`` (nothing staged or changed).
-            ValueError: the file is shorter than the announcement says; or, as
-                ``KeyError``, the engine refuses the manifest's names or shapes.
+            ValueError: the file is shorter than the announcement says.
+            KeyError, ValueError: the engine refuses the manifest's names or shapes
+                (:meth:`HFEngine.staging`; nothing staged or changed).
         """
         manifest = manifest_from_rows(row["manifest"])
         src = self.view(path, row["total_bytes"])
