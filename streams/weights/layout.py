@@ -208,9 +208,9 @@ def copy_with_checksum(dst: np.ndarray, src: np.ndarray, chunk: int = CRC_CHUNK)
     """Copy ``src`` into ``dst`` (uint8 ``[N]`` each) and return :func:`checksum` of what
     was copied: each ``chunk`` bytes are checksummed in a second thread right after
     their copy, while this one copies the next (numpy's copy and crc32c release the
-    GIL, so the two run on two cores). 538 MB on an Intel Xeon VM: 93-97 ms, against
-    134-136 ms for copy and checksum chunk by chunk in one thread and 44-48 + 43 ms for
-    each alone (benchmarks/RESULTS.md, 2026-12-05)."""
+    GIL, so the two run on two cores). 538 MB on an Intel Xeon VM: 72-74 ms, against
+    43-44 ms to copy plus 40-41 ms to checksum; in another run 93-97 ms against 134-136
+    ms for both chunk by chunk in one thread (benchmarks/RESULTS.md, 2026-12-05)."""
     with _crc_behind() as crc:
         _copy_crc(dst, src, crc, chunk)
     return crc.digest
