@@ -11,7 +11,7 @@ from __future__ import annotations
 import queue
 import threading
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 
 import numpy as np
@@ -21,7 +21,7 @@ DEFAULT_BUCKET_BYTES = 512 << 20
 """Default broadcast bucket size (bytes)."""
 
 CRC_CHUNK = 4 << 20
-"""Bytes copied, then checksummed while they are in the cache, at a time."""
+"""Bytes copied at a time before the checksum thread takes them (:func:`copy_with_checksum`)."""
 
 _DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -154,7 +154,7 @@ def flatten_into(
     """
     targets = views(flat, manifest)
     on_host = flat.device.type == "cpu"
-    with _crc_behind() as crc, torch.no_grad():
+    with _crc_behind() if on_host else nullcontext() as crc, torch.no_grad():
         for e in manifest:
             t = named_tensors[e.name]
             if tuple(t.shape) != e.shape or dtype_name(t.dtype) != e.dtype:
@@ -179,7 +179,7 @@ def distinct_tensors(named_tensors: dict[str, torch.Tensor]) -> dict[str, torch.
     sends: a tied alias would carry the same bytes twice (SmolLM2-135M: 651 MB with its
     113 MB head, 538 MB without). HF checkpoints omit it the same way, and every receiver
     takes the update without it (:meth:`HFEngine.update_weights`, a module's tied
-    parameter, SGLang's loaders)."""
+    parameter; SGLang's model loaders skip ``lm_head.weight`` of a tied model)."""
     seen: set[tuple] = set()
     out = {}
     for name, t in named_tensors.items():
