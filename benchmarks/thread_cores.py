@@ -7,7 +7,9 @@ in-process, such as ``e2e_vs_trl.py --one sync``). Its processes are it and ever
 below it (:func:`relax.infra.cpu_timeline.descendants`: the stages, the broker, Ray's
 daemons). Each second the tool looks for one using 1.5 cores or more (the trainer
 training, the rollout generating); then, over ``--seconds``, it reads every thread's CPU
-seconds from ``/proc`` and gives, per process, its cores and its busiest threads. The
+seconds and wake-ups (voluntary context switches: each time a thread went to sleep and was
+woken again) from ``/proc`` and gives, per process, its cores, its wake-ups a second and
+its busiest and most wakeful threads. The
 run's CPU timeline reads threads only of busy processes; this shows what the idle ones
 spend their cores on (their Kafka clients' I/O threads, the stage loop, Ray's threads).
 Threads are named by ``py-spy dump`` where ``py-spy`` is installed (Python's thread
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -50,22 +53,47 @@ def _comm(pid: int, tid: int) -> str:
         return str(tid)
 
 
+def thread_wakeups(pid: int) -> dict[int, int]:
+    """``{thread id: voluntary context switches so far}`` of a live process (empty when
+    it is gone)."""
+    out = {}
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except (FileNotFoundError, ProcessLookupError):
+        return out
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/status") as f:
+                out[int(tid)] = next(int(line.split()[1]) for line in f
+                                     if line.startswith("voluntary_ctxt_switches"))
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+    return out
+
+
 def window(procs: dict[str, int], seconds: float, names: dict) -> dict:
-    """Per process ``{"cores", "threads": [[name, cores], ...]}`` over ``seconds``."""
+    """Per process ``{"cores", "wakeups_per_s", "threads": [[name, cores], ...],
+    "wakeful": [[name, wake-ups a second], ...]}`` over ``seconds``."""
     from relax.infra.cpu_timeline import thread_seconds
 
     before = {n: thread_seconds(p) or {} for n, p in procs.items()}
+    woke = {n: thread_wakeups(p) for n, p in procs.items()}
     time.sleep(seconds)
     out = {}
     for n, p in procs.items():
         after = thread_seconds(p) or {}
         used = {t: after[t] - before[n].get(t, after[t]) for t in after}
+        wakes = {t: w - woke[n].get(t, w) for t, w in thread_wakeups(p).items()}
         if p not in names:
             names[p] = _python_names(p)
         top = sorted(used.items(), key=lambda kv: -kv[1])[:8]
+        often = sorted(wakes.items(), key=lambda kv: -kv[1])[:8]
         out[n] = {"cores": round(sum(used.values()) / seconds, 4),
+                  "wakeups_per_s": round(sum(wakes.values()) / seconds, 1),
                   "threads": [[names[p].get(t) or _comm(p, t), round(c / seconds, 4)]
-                              for t, c in top if c > 0]}
+                              for t, c in top if c > 0],
+                  "wakeful": [[names[p].get(t) or _comm(p, t), round(w / seconds, 1)]
+                              for t, w in often if w > 0]}
     return out
 
 
@@ -93,9 +121,13 @@ def main() -> None:
         res.append(w)
         print(f"== {w['at']} busy: {', '.join(busy)}", flush=True)
         for n, r in sorted(w["processes"].items(), key=lambda kv: -kv[1]["cores"]):
-            if r["cores"] >= 0.005:
+            if r["cores"] >= 0.005 or r["wakeups_per_s"] >= 20:
                 top = ", ".join(f"{t} {c}" for t, c in r["threads"][:6])
-                print(f"  {n:18s} {r['cores']:.4f}  {top}", flush=True)
+                often = ", ".join(f"{t} {c}" for t, c in r["wakeful"][:4])
+                print(f"  {n:18s} {r['cores']:.4f}  {top}\n  {'':18s} "
+                      f"{r['wakeups_per_s']:7.1f}/s  {often}", flush=True)
+        wakes = sum(r["wakeups_per_s"] for n, r in w["processes"].items() if n not in busy)
+        print(f"  wake-ups of the processes not computing: {wakes:.0f}/s", flush=True)
         time.sleep(a.seconds)  # the next window a little later in the run
     if a.json:
         a.json.write_text(json.dumps(res, indent=1))
