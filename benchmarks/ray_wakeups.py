@@ -3,15 +3,15 @@
     python benchmarks/ray_wakeups.py --json benchmarks/results/ray_wakeups.json
 
 While the trainer of a sync run trains on both cores, every other process that wakes up
-preempts one of its torch threads, and the other waits for it at the next barrier, so
-wake-ups cost the trainer more than their CPU time. A local Ray
+preempts one of its torch threads, and the other may wait for it at the next barrier. A
+local Ray
 (:func:`relax.infra.controller.start_local_ray`) keeps daemons (GCS, raylet, dashboard
 agent, log monitor, autoscaler monitor) and one worker process per stage awake while they
 wait. This starts a local Ray like a run does, with ``--actors`` idle actors made like a
 stage's (``max_concurrency=4``, one call blocked in a worker thread), and counts over
 ``--seconds`` each process's wake-ups (voluntary context switches of all its threads, from
-``/proc/<pid>/task/*/status``) and cores (CPU seconds over wall seconds), with Ray's own
-timer settings (``defaults``) and with relax's (``relax``:
+``/proc/<pid>/task/*/status``) and cores (CPU seconds over wall seconds), with Ray's
+defaults (``defaults``) and with relax's (``relax``:
 :data:`relax.infra.controller.RAY_IDLE_CONFIG`), alternating for ``--rounds``.
 
 ``--sleepers N`` adds what such wake-ups cost: a 2-thread torch loop (6 layers of
@@ -34,12 +34,16 @@ import sys
 import time
 from pathlib import Path
 
+HERE = Path(__file__).resolve().parent
+
 _CHILD = r"""
 import json, os, sys, threading, time
 import psutil, ray
 from relax.infra.controller import RAY_IDLE_CONFIG, start_local_ray
 
 config, seconds, actors = sys.argv[1], float(sys.argv[2]), int(sys.argv[3])
+sys.path.insert(0, sys.argv[4])
+from thread_cores import thread_wakeups
 start_local_ray(2, system_config=RAY_IDLE_CONFIG if config == "relax"
                 else json.loads(config) if config.startswith("{") else {})
 
@@ -58,15 +62,9 @@ calls = [a.wait.remote(seconds + 60) for a in idle]
 time.sleep(8)  # past the workers' start-up
 procs = psutil.Process().children(recursive=True)
 
-def wakeups(pid):
-    n = 0
-    for tid in os.listdir(f"/proc/{pid}/task"):
-        with open(f"/proc/{pid}/task/{tid}/status") as f:
-            n += sum(int(l.split()[1]) for l in f if l.startswith("voluntary_ctxt"))
-    return n
-
 def sample():
-    return {p.pid: (wakeups(p.pid), sum(p.cpu_times()[:2])) for p in procs}
+    return {p.pid: (sum(thread_wakeups(p.pid).values()), sum(p.cpu_times()[:2]))
+            for p in procs}
 
 t0, a = time.monotonic(), sample()
 time.sleep(seconds)
@@ -86,7 +84,8 @@ ray.shutdown()
 def measure(config: str, seconds: float, actors: int) -> dict:
     """One local Ray with ``config`` ("defaults", "relax" or a JSON ``_system_config``),
     measured in a fresh process: ``{process name: {"processes", "wakeups_per_s", "cores"}}``."""
-    res = subprocess.run([sys.executable, "-c", _CHILD, config, str(seconds), str(actors)],
+    res = subprocess.run([sys.executable, "-c", _CHILD, config, str(seconds), str(actors),
+                          str(HERE)],
                          capture_output=True, text=True, timeout=seconds + 180, check=True)
     return json.loads(res.stdout.strip().splitlines()[-1])
 
