@@ -39,7 +39,10 @@ waited for data and the mean reward of the trained samples. From those:
 * ``limit`` / ``limit_corun``: the best perfect overlap of the halves on 2 cores
   (:func:`derived_limit`), from one-thread times measured alone (``loop1t``) or with
   the other core busy (``loop1tx2``); ``limit_rows``: ``limit`` with the loops'
-  training times scaled to the best async system's rows a step.
+  training times scaled to the best async system's rows a step;
+* ``sync_over_loop_1thread``: relax sync at one torch thread a stage (``sync1t``) over
+  the one-thread loop (``loop1t``): the bus and processes' cost when one of the 2 cores
+  is left to the waiting processes, as on a GPU node's host.
 
 Writes ``benchmarks/results/e2e_vs_trl.json`` (with ``async_over_sync`` and
 ``relax_over_trl``, ratios of steady samples/s) and ``e2e_vs_trl.png``; last line
@@ -477,6 +480,7 @@ def ratios(res: dict) -> dict:
     out = {"async_over_sync": r(best_async, "sync"), "async_over_sync_1thread": r(best_async, "sync1t"),
            "async_over_loop": r(best_async, "loop"), "relax_over_trl": r(best_async, "trl"),
            "sync_over_loop": r("sync", "loop"), "loop_over_trl": r("loop", "trl"),
+           "sync_over_loop_1thread": r("sync1t", "loop1t"),
            "async_over_sync_e2e": r(best_async, "sync", "samples_per_s"),
            "relax_over_trl_e2e": r(best_async, "trl", "samples_per_s"),
            "best_async": best_async}
