@@ -38,10 +38,18 @@ Endpoints used:
   (partial rollout: in-flight requests keep their KV cache with ``mode="in_place"`` or
   are retracted; ``abort`` cancels them).
 
-Missing (see the report): relax's publisher forms its broadcast groups on its own
-rendezvous store with a ``PrefixStore``; SGLang forms its group with ``init_method
-tcp://master_address:master_port``. Making the publisher host an SGLang-compatible
-group (one TCPStore per group) is not done, so ``update_weights`` here raises.
+Weights: a rollout instance's :class:`relax.streams.weights.ServerSubscriber` registers
+the server in the publisher's group (one member id per TP rank),
+asks it to join with ``/init_weights_update_group`` (relax forms its groups on the store
+keys of SGLang's ``init_custom_process_group``:
+:func:`relax.streams.weights.rendezvous.group_store`), and for every version pauses
+generation (``retract``: SGLang flushes its KV cache after an update and asserts the flush
+worked, which fails while requests run), has the server receive each bucket, and
+continues. That handshake is tested against a receiver that repeats SGLang's group and
+bucket code with torch (``tests/consumers/fixtures/sglang/weight_receiver.py``), never
+against SGLang itself. A late-joining server gets no checkpoint (SGLang loads those only
+through ``/update_weights_from_disk``, from a model folder): it samples with the weights
+it started with until the next broadcast.
 """
 
 from __future__ import annotations
@@ -186,7 +194,13 @@ class SGLangEngine:
         policy_version: version of the weights the server starts with.
         timeout_s: HTTP timeout per request (seconds).
         session: a ``requests.Session`` (default: a new one).
+        tp_size: the server's tensor-parallel ranks (each is one member of a weight
+            broadcast group).
     """
+
+    receives_broadcast = True
+    """Its weights come from the broadcast group into the server, not through this
+    process (:class:`relax.streams.weights.ServerSubscriber` asks it to join)."""
 
     def __init__(
         self,
@@ -197,6 +211,7 @@ class SGLangEngine:
         policy_version: int = 0,
         timeout_s: float = 600.0,
         session=None,
+        tp_size: int = 1,
     ):
         import requests
 
@@ -204,6 +219,9 @@ class SGLangEngine:
         self.tokenizer = tokenizer
         self.engine_id = engine_id
         self.timeout_s = timeout_s
+        if tp_size < 1:
+            raise ValueError(f"tp_size must be >= 1, got {tp_size}")
+        self.tp_size = tp_size
         self._session = session or requests.Session()
         self._version = policy_version
         eos = getattr(tokenizer, "eos_token_id", None)
@@ -241,8 +259,8 @@ class SGLangEngine:
         return gens
 
     def update_weights(self, named_tensors: dict, policy_version: int) -> None:
-        """Not available: SGLang receives weights from the broadcast group (see
-        :meth:`weight_update_requests`); raises NotImplementedError."""
+        """Not available: the server receives weights from the broadcast group
+        (:meth:`receive_weights`); raises NotImplementedError."""
         raise NotImplementedError(
             "SGLang engines receive weights through "
             "init_weights_update_group/update_weights_from_distributed; "
@@ -296,15 +314,22 @@ class SGLangEngine:
             )
         return out
 
-    def receive_weights(self, announcement: dict) -> int:
+    def receive_weights(self, announcement: dict, pause_mode: str = "retract") -> int:
         """Have the server receive an announced version from its broadcast group (the
-        publisher broadcasts the same buckets meanwhile); returns the new version.
+        publisher broadcasts the same buckets meanwhile), generation paused around it
+        (``pause_mode``, see :meth:`pause_generation`; requests retracted go on with the
+        new weights); returns the new version.
 
         Raises:
-            SGLangError: a request failed (the server's weights may be partly updated).
+            SGLangError: a request failed (the server's weights may be partly updated;
+                generation is continued either way).
         """
-        for body in self.weight_update_requests(announcement):
-            self._post("/update_weights_from_distributed", body)
+        self.pause_generation(pause_mode)
+        try:
+            for body in self.weight_update_requests(announcement):
+                self._post("/update_weights_from_distributed", body)
+        finally:
+            self.continue_generation()
         self._version = int(announcement["policy_version"])
         return self._version
 

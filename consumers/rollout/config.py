@@ -20,6 +20,8 @@ class RolloutConfig(BaseModel):
         dataset: prompt topic ``prompts.<dataset>``.
         model: model name/folder/Hub id (``smollm2-135m``, ``tiny-llama``, ...).
         engine: ``hf`` (transformers) or ``sglang`` (an SGLang server at ``sglang_url``).
+        sglang_tp_size: the SGLang server's tensor-parallel ranks (members of the weight
+            broadcast group).
         engine_id: this instance's id (rollout rows, metrics component, weight member id).
         device: HF engine device (default: cuda if available).
         group_size: G, samples per prompt.
@@ -61,6 +63,7 @@ class RolloutConfig(BaseModel):
     model: str = "tiny-llama"
     engine: Literal["hf", "sglang"] = "hf"
     sglang_url: str | None = None
+    sglang_tp_size: int = Field(1, ge=1)
     engine_id: str = "rollout-0"
     device: str | None = None
     group_size: int = Field(4, ge=1)

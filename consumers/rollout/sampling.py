@@ -31,7 +31,8 @@ def build_engine(cfg: RolloutConfig) -> Engine:
     from relax.consumers.engines.sglang import SGLangEngine
     from relax.trainer.models import load_tokenizer
 
-    return SGLangEngine(cfg.sglang_url, load_tokenizer(cfg.model), engine_id=cfg.engine_id)
+    return SGLangEngine(cfg.sglang_url, load_tokenizer(cfg.model), engine_id=cfg.engine_id,
+                        tp_size=cfg.sglang_tp_size)
 
 
 def _ms() -> int:

@@ -377,7 +377,7 @@ class RolloutStage:
         from relax.streams.follow import Follower
         from relax.streams.metrics import MetricsWriter
         from relax.streams.producer import BatchProducer
-        from relax.streams.weights import AnnouncementReader, WeightSubscriber
+        from relax.streams.weights import AnnouncementReader, ServerSubscriber, WeightSubscriber
 
         cfg = self.cfg
         self.ensure_topics()
@@ -401,7 +401,11 @@ class RolloutStage:
         self._progress = TrainerProgress(cfg.bus, cfg.run, follower)
         self._claims = ClaimLog(cfg.bus, cfg.run, cfg.engine_id, producer)
         metrics = MetricsWriter(producer, cfg.run, cfg.engine_id)
-        if cfg.follow_weights and hasattr(self.engine, "update_weights") and cfg.engine == "hf":
+        if cfg.follow_weights and getattr(self.engine, "receives_broadcast", False):
+            self._subscriber = ServerSubscriber(  # an SGLang server joins the group itself
+                cfg.bus, cfg.run, member_id=cfg.engine_id, target=self.engine,
+                rendezvous=cfg.weights_rendezvous, follower=follower).start()
+        elif cfg.follow_weights and hasattr(self.engine, "update_weights"):
             self._subscriber = WeightSubscriber(
                 cfg.bus, cfg.run, member_id=cfg.engine_id, target=self.engine,
                 device=getattr(self.engine, "device", "cpu"),

@@ -43,6 +43,7 @@ from relax.streams.weights.rendezvous import (
     parse_rendezvous,
     replay_membership,
 )
+from relax.streams.weights.server import ServerSubscriber
 from relax.streams.weights.subscriber import SubscriberStats, WeightSubscriber
 
 __all__ = [
@@ -52,6 +53,7 @@ __all__ = [
     "AnnouncementReader",
     "ChecksumError",
     "PublishStats",
+    "ServerSubscriber",
     "SubscriberStats",
     "TensorEntry",
     "WeightPublisher",

@@ -4,8 +4,11 @@ Rendezvous: the publisher hosts a ``torch.distributed.TCPStore`` at ``host:port`
 announcement's ``rendezvous``), reachable across machines. Keys: ``relax/membership``
 (the join/leave log), ``<group>/members`` (member ids, one per line; rank = line index
 + 1), ``<group>/ready/<member>``. Each group is a standalone
-``ProcessGroupGloo``/``ProcessGroupNCCL`` on ``PrefixStore('<group>/pg/')``: it never
-touches the process's default group (the trainer's DDP group stays its own). A member
+``ProcessGroupGloo``/``ProcessGroupNCCL`` on the store keys of
+``init_custom_process_group`` (:func:`group_store`), so an inference server that joins
+groups that way (SGLang's ``/init_weights_update_group``; veRL, slime and OpenRLHF use
+the same function) can be a member; it never touches the process's default group (the
+trainer's DDP group stays its own). A member
 that does not show up within ``join_timeout_s`` is dropped from the next group; that
 version's broadcast is skipped for everyone in the failed group (they catch up at the
 next version or from the checkpoint). A group is re-formed only when membership
@@ -36,22 +39,45 @@ def local_ip_towards(host: str, port: int) -> str:
         return s.getsockname()[0]
 
 
+def group_store(store, group: str, device: torch.device):
+    """The prefixed store a group's backend rendezvouses on: the keys of SGLang's
+    ``init_custom_process_group(init_method="tcp://<rendezvous>", group_name=group)``
+    (``python/sglang/srt/utils``: ``PrefixStore(group_name, store)``, then torch's
+    ``_new_process_group_helper`` adds ``<group>/`` and ``<device type>/``, as in the
+    torch relax pins; a server on another torch release may lay its keys out otherwise).
+
+    Args:
+        store: the publisher's ``TCPStore`` (or a client of it).
+        group: the group name (announced as ``group_name``).
+        device: ``cuda`` -> nccl's ``cuda/`` keys; anything else -> gloo's ``cpu/``.
+    """
+    import torch.distributed as dist
+
+    kind = "cuda" if device.type == "cuda" else "cpu"
+    sglang = dist.PrefixStore(group, store)  # init_custom_process_group's own prefix
+    return dist.PrefixStore(f"{kind}/", dist.PrefixStore(f"{group}/", sglang))
+
+
 def _make_group(
     store, group: str, rank: int, size: int, device: torch.device, host: str, timeout_s: float
 ):
-    """A standalone process group (not the default one) over ``PrefixStore(group/)``."""
+    """A standalone process group (not the default one) on :func:`group_store`, its
+    sequence number set as torch's ``_new_process_group_helper`` sets it."""
     import torch.distributed as dist
 
-    prefixed = dist.PrefixStore(f"{group}/pg/", store)
+    prefixed = group_store(store, group, device)
     timeout = timedelta(seconds=timeout_s)
     if device.type == "cuda":
         opts = dist.ProcessGroupNCCL.Options()
         opts._timeout = timeout
-        return dist.ProcessGroupNCCL(prefixed, rank, size, opts)
-    opts = dist.ProcessGroupGloo._Options()
-    opts._timeout = timeout
-    opts._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
-    return dist.ProcessGroupGloo(prefixed, rank, size, opts)
+        pg = dist.ProcessGroupNCCL(prefixed, rank, size, opts)
+    else:
+        opts = dist.ProcessGroupGloo._Options()
+        opts._timeout = timeout
+        opts._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
+        pg = dist.ProcessGroupGloo(prefixed, rank, size, opts)
+    pg._set_sequence_number_for_group()
+    return pg
 
 
 def _broadcast(pg, tensor: torch.Tensor) -> None:

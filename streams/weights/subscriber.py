@@ -9,7 +9,9 @@ buffer, swapped at a safe point between generation steps) or keep them for
 :meth:`WeightSubscriber.apply`. A late subscriber first loads the newest ``checkpoint``
 announcement's safetensors. One that shares the publisher's ``/dev/shm`` reads each
 version from the file announced with ``transport=shm`` instead, straight into the
-engine's second buffer (:mod:`relax.streams.weights.shm`).
+engine's second buffer (:mod:`relax.streams.weights.shm`). A server that receives the
+broadcast itself (SGLang) has its own subscriber,
+:class:`relax.streams.weights.server.ServerSubscriber`.
 """
 
 from __future__ import annotations
@@ -29,24 +31,12 @@ from relax.streams.follow import Follower
 from relax.streams.weights.announce import AnnouncementReader, _newest_live
 from relax.streams.weights.shm import SHM_KEY, ShmFiles, member_key, sees_offer
 from relax.streams.weights.install import install_weights
-from relax.streams.weights.layout import (
-    ChecksumError,
-    TensorEntry,
-    checksum,
-    manifest_from_rows,
-    plan_buckets,
-    views,
-)
+from relax.streams.weights.layout import (ChecksumError, TensorEntry, checksum,
+                                          manifest_from_rows, plan_buckets, views)
 from relax.streams.weights.store import read_snapshot
-from relax.streams.weights.rendezvous import (
-    CONNECT_S,
-    MEMBERSHIP_KEY,
-    _broadcast,
-    _make_group,
-    _members,
-    local_ip_towards,
-    parse_rendezvous,
-)
+from relax.streams.weights.rendezvous import (CONNECT_S, MEMBERSHIP_KEY, _broadcast,
+                                              _make_group, _members, local_ip_towards,
+                                              parse_rendezvous)
 
 log = logging.getLogger(__name__)
 
@@ -91,6 +81,9 @@ class WeightSubscriber:
     leaves the group at the next version boundary.
     """
 
+    reads_shm = True
+    """Whether it may read versions from the publisher's same-host files."""
+
     def __init__(self, cfg: BusConfig, run: str, *, member_id: str, target=None,
                  device: str | torch.device = "cpu", catch_up: bool = True,
                  rendezvous: str | None = None, join_timeout_s: float = 60.0,
@@ -100,6 +93,7 @@ class WeightSubscriber:
         self.cfg, self.run, self.member_id = cfg, run, member_id
         self.target, self.device = target, torch.device(device)
         self.catch_up, self.join_timeout_s = catch_up, join_timeout_s
+        self._ids = [member_id]  # its member ids (a server's: one per TP rank)
         self._initial_rendezvous = rendezvous
         if rendezvous is not None:
             parse_rendezvous(rendezvous)
@@ -212,7 +206,7 @@ class WeightSubscriber:
         """Leave the group (effective at the next version boundary), stop the thread."""
         self._stop.set()
         if self._store is not None:
-            self._store.append(MEMBERSHIP_KEY, f"-{self.member_id}\n")
+            self._store.append(MEMBERSHIP_KEY, self._log_lines("-"))
         if self._thread is not None:
             self._thread.join(timeout=self.join_timeout_s + 5)
         self._reader.close()
@@ -220,6 +214,11 @@ class WeightSubscriber:
         self._pg = None
 
     # --- background
+    def _log_lines(self, op: str) -> str:
+        """Membership log lines joining (``+``) or leaving (``-``) all this subscriber's
+        ids, appended at once so a server's TP ranks stay consecutive."""
+        return "".join(f"{op}{m}\n" for m in self._ids)
+
     def _raise_if_dead(self) -> None:
         if self.error is not None:
             raise RuntimeError(f"weight subscriber {self.member_id} stopped") from self.error
@@ -249,9 +248,10 @@ class WeightSubscriber:
         self._rendezvous, self._group, self._pg = rendezvous, None, None
         self._gloo_host = local_ip_towards(host, port)
         offer = self._store.get(SHM_KEY) if self._store.check([SHM_KEY]) else None
-        self._same_host = self.device.type == "cpu" and sees_offer(offer)
-        self._store.set(member_key(self.member_id), "1" if self._same_host else "0")
-        self._store.append(MEMBERSHIP_KEY, f"+{self.member_id}\n")
+        self._same_host = self.reads_shm and self.device.type == "cpu" and sees_offer(offer)
+        for m in self._ids:
+            self._store.set(member_key(m), "1" if self._same_host else "0")
+        self._store.append(MEMBERSHIP_KEY, self._log_lines("+"))
 
     def _run(self) -> None:
         if self._initial_rendezvous is not None:
@@ -426,7 +426,7 @@ class WeightSubscriber:
                 self.stats.skipped += 1
                 log.warning("%s: broadcast of v%d failed; waiting for the next version",
                             self.member_id, row["policy_version"])
-                self._store.append(MEMBERSHIP_KEY, f"+{self.member_id}\n")
+                self._store.append(MEMBERSHIP_KEY, self._log_lines("+"))
                 return
             if checksum(self._flat) != row["checksum"]:
                 self.stats.checksum_failures += 1

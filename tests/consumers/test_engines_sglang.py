@@ -168,9 +168,7 @@ def test_weight_update_requests_follow_relax_buckets(server):
     server.routes["/continue_generation"] = (200, {})
     engine = SGLangEngine(server.url, StubTokenizer())
     engine.init_weights_update_group("10.0.0.5", 29600, 1, 3, "run.weights.g2", backend="nccl")
-    engine.pause_generation("in_place")
     assert engine.receive_weights(ann) == 4 and engine.policy_version == 4
-    engine.continue_generation()
     paths = [p for p, _ in server.requests]
     assert paths == [
         "/init_weights_update_group",
@@ -187,13 +185,17 @@ def test_weight_update_requests_follow_relax_buckets(server):
         "group_name": "run.weights.g2",
         "backend": "nccl",
     }
-    assert server.requests[1][1] == {"mode": "in_place"}
+    assert server.requests[1][1] == {"mode": "retract"}  # SGLang's flush needs no running request
     server.routes["/update_weights_from_distributed"] = (
         200,
         _fixture("update_weights_failed.json"),
     )
+    del server.requests[:]
     with pytest.raises(SGLangError, match="init_weights_update_group"):
-        engine.receive_weights(ann)
+        engine.receive_weights(ann, pause_mode="abort")
+    assert [p for p, _ in server.requests] == [  # generation goes on after a failed update
+        "/pause_generation", "/update_weights_from_distributed", "/continue_generation"]
+    assert engine.policy_version == 4
     with pytest.raises(NotImplementedError):
         engine.update_weights({}, 5)
 
