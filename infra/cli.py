@@ -289,17 +289,30 @@ def replay_cmd(archive_dir: str = typer.Argument(..., help="folder written by re
 
 @app.command("scale")
 def scale_cmd(run: str = typer.Argument(..., help="run name (its folder: RUN_ROOT/RUN)"),
-              instances: int = typer.Option(..., help="rollout instances wanted"),
+              instances: int | None = typer.Option(None, help="rollout instances wanted"),
+              add_engine: list[str] = typer.Option(
+                  [], help="engine sglang: an SGLang server (http://host:port) to add an "
+                           "instance for (repeat for several)"),
+              remove_engine: list[str] = typer.Option(
+                  [], help="engine sglang: a server whose instance to remove (the newest "
+                           "first; repeat for several)"),
               run_root: str = typer.Option("runs", help="folder the run writes under"),
               wait: bool = typer.Option(True, help="follow the operation to its end"),
               timeout_s: float = typer.Option(300.0, help="give up waiting after this long")) -> None:
     """Scale a live run's rollout instances through its control API (token from
-    $RELAX_API_TOKEN or the run folder)."""
+    $RELAX_API_TOKEN or the run folder): by count, or on engine sglang by server."""
     from pathlib import Path
 
-    from relax.infra.scale_client import scale_to
+    from relax.infra.scale_client import scale_servers, scale_to
 
-    op = scale_to(Path(run_root) / run, instances, wait, timeout_s, say=typer.echo)
+    if sum(map(bool, (instances is not None, add_engine, remove_engine))) != 1:
+        raise typer.BadParameter("give one of --instances, --add-engine, --remove-engine")
+    run_dir = Path(run_root) / run
+    if instances is not None:
+        op = scale_to(run_dir, instances, wait, timeout_s, say=typer.echo)
+    else:
+        op = scale_servers(run_dir, add_engine or remove_engine, bool(add_engine), wait,
+                           timeout_s, say=typer.echo)
     if op["state"] != "ACTIVE":
         raise typer.Exit(1)
 

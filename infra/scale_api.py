@@ -9,12 +9,17 @@ The OpenAPI schema is at ``/openapi.json`` (no token needed, like ``/docs``).
     GET  /rollout/engines               the rollout instances and their state
     POST /rollout/scale_out {"instances": n}   n more rollout instances
     POST /rollout/scale_in  {"instances": n}   n fewer
+    POST /rollout/scale_out {"engine_urls": [...]}  engine sglang: an instance per server
+    POST /rollout/scale_in  {"engine_urls": [...]}  the instances of the newest servers
     GET  /rollout/operations/{id}       one operation (states: relax.infra.scaling)
     POST /rollout/operations/{id}/cancel
 
 A scale request answers 202 with its operation at once; the operation then moves on
-in the run's watching loop. ``{"engine_urls": [...]}`` (external SGLang servers) is
-refused with 422: relax's SGLang engine is driven by a rollout instance it starts.
+in the run's watching loop. On engine ``sglang`` each instance drives one SGLang server
+the user runs (``rollout.sglang_urls``): such a run scales by ``engine_urls`` (a new
+instance's server joins the weight broadcast before it samples:
+:class:`relax.streams.weights.ServerSubscriber`), any other by ``instances``; the other
+form is refused with 422.
 """
 
 from __future__ import annotations
@@ -30,15 +35,18 @@ from fastapi import Depends, FastAPI, HTTPException, status
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from pydantic import BaseModel, ConfigDict, Field
 
-from relax.infra.scaling import RolloutScaler, ScaleConflict, ScaleError
+from relax.infra.scaling import RolloutScaler, ScaleConflict, ScaleError, moved_servers
 
 
 class ScaleRequest(BaseModel):
-    """How many rollout instances to add (scale_out) or remove (scale_in)."""
+    """How many rollout instances to add (scale_out) or remove (scale_in), or on engine
+    ``sglang`` which servers."""
 
     model_config = ConfigDict(extra="forbid")
     instances: int | None = Field(None, ge=1, description="instances to add or remove")
-    engine_urls: list[str] | None = Field(None, description="external engines (refused)")
+    engine_urls: list[str] | None = Field(
+        None, description="engine sglang: SGLang servers (http://host:port) to add an "
+                          "instance for, or whose instances to remove (the newest first)")
 
 
 def api_token(run_dir: Path) -> str:
@@ -69,12 +77,13 @@ def build_app(scaler: RolloutScaler, token: str, status_of: Callable[[], dict],
             raise HTTPException(status.HTTP_403_FORBIDDEN, "wrong token")
 
     def scale(req: ScaleRequest, sign: int) -> dict:
-        if req.engine_urls:
-            raise HTTPException(422, "engine_urls: external engines are not supported; "
-                                     "ask for instances")
-        if req.instances is None:
-            raise HTTPException(422, "instances: required (how many to add or remove)")
+        if (req.instances is None) == (req.engine_urls is None):
+            raise HTTPException(422, "give instances (how many to add or remove) or "
+                                     "engine_urls (SGLang servers), one of them")
         try:
+            if req.engine_urls is not None:
+                n, urls = moved_servers(scaler.base_engine_urls(), req.engine_urls, sign)
+                return scaler.request(n, urls).public()
             return scaler.request(scaler.base() + sign * req.instances).public()
         except ScaleError as e:
             raise HTTPException(422, str(e)) from None
@@ -150,13 +159,18 @@ def serve_run_api(recipe, bus, run_dir: Path, controller, watch) -> ApiServer:
     ``recipe.api``'s address. The caller closes the server."""
     from relax.infra.stages import stage_specs
 
-    def apply(n: int) -> list[str]:
-        scaled = recipe.model_copy(update={"rollout": recipe.rollout.model_copy(
-            update={"instances": n})})
+    ro = recipe.rollout
+
+    def apply(n: int, urls: list[str] | None) -> list[str]:
+        update = {"instances": n} if urls is None else {"instances": n, "sglang_urls": urls}
+        scaled = recipe.model_copy(update={"rollout": ro.model_copy(update=update)})
         specs = [s for s in stage_specs(scaled, bus, run_dir) if s.kind == "rollout"]
         return controller.replace_stages("rollout", specs)
 
-    watch.scaler = RolloutScaler(recipe.rollout.instances, recipe.data.partitions, apply)
+    servers = (list(ro.sglang_urls) or [ro.sglang_url] * ro.instances
+               if ro.engine == "sglang" else None)
+    watch.scaler = RolloutScaler(ro.instances, recipe.data.partitions, apply,
+                                 engine_urls=servers)
     watch.control()  # the first snapshot, before the API answers
     app = build_app(watch.scaler, api_token(run_dir), lambda: watch.snapshot["status"],
                     lambda: watch.snapshot["engines"])

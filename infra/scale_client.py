@@ -1,5 +1,6 @@
-"""``relax scale RUN --instances N``: the client side of the run's control API
-(:mod:`relax.infra.scale_api`), found through ``<run_dir>/api.json``."""
+"""``relax scale RUN --instances N`` (or ``--add-engine URL`` / ``--remove-engine URL`` on
+engine sglang): the client side of the run's control API (:mod:`relax.infra.scale_api`),
+found through ``<run_dir>/api.json``."""
 
 from __future__ import annotations
 
@@ -63,6 +64,35 @@ def scale_to(run_dir: Path, instances: int, wait: bool = True, timeout_s: float 
     path = "/rollout/scale_out" if instances > now else "/rollout/scale_in"
     op = api.post(path, {"instances": abs(instances - now)})
     say(f"operation {op['id']}: {now} -> {op['instances']} instances, {op['state']}")
+    return follow(api, op, wait, timeout_s, say)
+
+
+def scale_servers(run_dir: Path, urls: list[str], add: bool, wait: bool = True,
+                  timeout_s: float = 300.0, say: Callable[[str], None] = print) -> dict:
+    """Engine sglang: add a rollout instance for each SGLang server of ``urls`` (``add``)
+    or remove the instances of those servers (the newest first); with ``wait``, follow
+    the operation to its end. Returns the operation.
+
+    Raises:
+        TimeoutError: ``wait`` and not done within ``timeout_s``.
+        httpx.HTTPStatusError: refused (409: another operation runs; 422: the run's
+            engine is not sglang, a server added twice, not the newest removed).
+    """
+    api = ApiClient(run_dir)
+    op = api.post("/rollout/scale_out" if add else "/rollout/scale_in", {"engine_urls": urls})
+    say(f"operation {op['id']}: {op['from_instances']} -> {op['instances']} instances "
+        f"({', '.join(op['engine_urls'])}), {op['state']}")
+    return follow(api, op, wait, timeout_s, say)
+
+
+def follow(api: ApiClient, op: dict, wait: bool, timeout_s: float,
+           say: Callable[[str], None]) -> dict:
+    """With ``wait``, poll operation ``op`` until it is done, saying each new state; the
+    operation as last read.
+
+    Raises:
+        TimeoutError: not done within ``timeout_s``.
+    """
     deadline = time.monotonic() + timeout_s
     seen = op["state"]
     while wait and op["state"] not in DONE:

@@ -18,6 +18,10 @@ An operation asks for a number of rollout instances. It goes
   engine holds current weights).
 * ACTIVE: done.
 
+On engine ``sglang`` every instance drives its own SGLang server: an operation then
+carries the servers' URLs of all its instances (``engine_urls``, instance i drives the
+i-th), so servers are added at the end and the newest are removed first.
+
 Requests are idempotent: asking for the count the run has (or is going to) returns
 that operation; asking for another count while one is in progress is refused
 (:class:`ScaleConflict`). :class:`RolloutScaler` is driven by the loop that watches the
@@ -64,6 +68,8 @@ class Operation:
     updated: float = field(default_factory=time.time)
     history: list[str] = field(default_factory=list)
     policy_version: int | None = None  # the trainer's when it started
+    engine_urls: list[str] | None = None  # engine sglang: the servers of its instances
+    from_engine_urls: list[str] | None = None
     started_mono: float = 0.0
 
     def to(self, state: str, note: str = "") -> None:
@@ -77,6 +83,34 @@ class Operation:
         return d
 
 
+def moved_servers(current: list[str] | None, urls: list[str],
+                  sign: int) -> tuple[int, list[str]]:
+    """The instances and their servers after adding (``sign`` +1, at the end) or removing
+    (-1, the newest first) the SGLang servers ``urls``, from ``current``.
+
+    Raises:
+        ScaleError: the run's engines run inside its instances (``current`` None), no
+            URL, a server added twice, or removing servers other than the newest.
+    """
+    if current is None:
+        raise ScaleError("engine_urls: this run's engines run inside its rollout "
+                         "instances: give instances, not servers")
+    if not urls:
+        raise ScaleError("engine_urls: give at least one server URL")
+    if sign > 0:
+        again = sorted(set(urls) & set(current))
+        if again:
+            raise ScaleError(f"engine_urls: {again} drive an instance already")
+        new = current + list(urls)
+    else:
+        newest = current[-len(urls):]
+        if sorted(newest) != sorted(urls):
+            raise ScaleError(f"engine_urls: scale_in removes the newest servers first; the "
+                             f"newest {len(urls)} are {newest}")
+        new = current[:-len(urls)]
+    return len(new), new
+
+
 class RolloutScaler:
     """The run's rollout instances and the operations that change their number.
 
@@ -84,15 +118,20 @@ class RolloutScaler:
         instances: the number the run started with.
         max_instances: the most that can sample (the prompt topic's partitions: an
             instance beyond them would hold no partition).
-        apply: ``apply(n)`` makes the controller run ``n`` instances (start, stop,
-            restart); called from :meth:`advance`'s thread.
+        apply: ``apply(n, engine_urls)`` makes the controller run ``n`` instances (start,
+            stop, restart; ``engine_urls``: their SGLang servers, or None); called from
+            :meth:`advance`'s thread.
         timeout_s: an operation not ACTIVE after this long is FAILED.
+        engine_urls: engine ``sglang``: the servers the run started with, one per
+            instance; None for engines inside the instances.
     """
 
-    def __init__(self, instances: int, max_instances: int, apply: Callable[[int], list[str]],
-                 timeout_s: float = 300.0):
+    def __init__(self, instances: int, max_instances: int,
+                 apply: Callable[[int, list[str] | None], list[str]],
+                 timeout_s: float = 300.0, engine_urls: list[str] | None = None):
         self.instances, self.max_instances = instances, max_instances
         self.apply, self.timeout_s = apply, timeout_s
+        self.engine_urls = None if engine_urls is None else list(engine_urls)
         self.ops: dict[str, Operation] = {}
         self.current: Operation | None = None
         self.lock = threading.Lock()
@@ -105,13 +144,33 @@ class RolloutScaler:
             op = self.current
             return op.from_instances if op is not None and op.state not in DONE else self.instances
 
-    def request(self, instances: int) -> Operation:
-        """File a request for ``instances`` rollout instances (any thread).
+    def base_engine_urls(self) -> list[str] | None:
+        """The servers of :meth:`base`'s instances (None: engines inside the instances)."""
+        with self.lock:
+            op = self.current
+            live = op is not None and op.state not in DONE
+            urls = op.from_engine_urls if live else self.engine_urls
+            return None if urls is None else list(urls)
+
+    def request(self, instances: int, engine_urls: list[str] | None = None) -> Operation:
+        """File a request for ``instances`` rollout instances (any thread); on engine
+        ``sglang`` with ``engine_urls``, their servers (one per instance, in order).
 
         Raises:
-            ScaleError: ``instances`` outside ``1..max_instances``.
-            ScaleConflict: an operation for another count is in progress.
+            ScaleError: ``instances`` outside ``1..max_instances``; ``engine_urls`` given
+                or missing against the run's engine, not one per instance, or repeated.
+            ScaleConflict: an operation for another count (or other servers) is in
+                progress.
         """
+        if (engine_urls is None) != (self.engine_urls is None):
+            raise ScaleError("engine_urls: this run's rollout engine is sglang: give the "
+                             "servers (engine_urls), not a count" if engine_urls is None else
+                             "engine_urls: this run's engines run inside its rollout "
+                             "instances: give instances, not servers")
+        if engine_urls is not None and (len(engine_urls) != instances
+                                        or len(set(engine_urls)) != instances):
+            raise ScaleError(f"engine_urls: one distinct server per instance, got "
+                             f"{engine_urls} for {instances}")
         if not 1 <= instances <= self.max_instances:
             raise ScaleError(f"instances: {instances} is outside 1..{self.max_instances} (an "
                              f"instance beyond the prompt topic's {self.max_instances} "
@@ -119,15 +178,17 @@ class RolloutScaler:
         with self.lock:
             op = self.current
             if op is not None and op.state not in DONE:
-                if op.instances == instances:
+                if op.instances == instances and op.engine_urls == engine_urls:
                     return op
                 raise ScaleConflict(f"operation {op.id} (to {op.instances} instances) is "
                                     f"{op.state}; wait for it or cancel it")
-            if instances == self.instances and op is not None and op.instances == instances:
+            if instances == self.instances and engine_urls == self.engine_urls \
+                    and op is not None and op.instances == instances:
                 return op  # already there: the same operation, nothing to do
-            op = Operation(uuid.uuid4().hex[:12], instances, from_instances=self.instances)
+            op = Operation(uuid.uuid4().hex[:12], instances, from_instances=self.instances,
+                           engine_urls=engine_urls, from_engine_urls=self.engine_urls)
             op.to("PENDING")
-            if instances == self.instances:
+            if instances == self.instances and engine_urls == self.engine_urls:
                 op.to("ACTIVE", "already at this count")
             self.ops[op.id] = op
             self.current = op
@@ -172,12 +233,12 @@ class RolloutScaler:
                 from relax.infra.controller import StageFailed
 
                 try:
-                    changed = self.apply(op.instances)
+                    changed = self.apply(op.instances, op.engine_urls)
                 except (StageFailed, ray.exceptions.RayError) as e:  # the op fails, not the run
                     op.error = f"{type(e).__name__}: {e}"
                     op.to("FAILED", op.error)
                     return
-                self.instances = op.instances
+                self.instances, self.engine_urls = op.instances, op.engine_urls
                 op.to("HEALTH_CHECKING", "started or restarted: " + ", ".join(changed))
                 return
             if time.monotonic() - op.started_mono > self.timeout_s:
@@ -197,10 +258,12 @@ class RolloutScaler:
                 op.to("ACTIVE", f"every instance at policy_version >= {op.policy_version}")
 
     def engines(self, beats: dict[str, dict], stages: dict[str, dict]) -> list[dict]:
-        """The rollout instances: name, pid, node, restarts, and ``state`` (the current
-        operation's while it runs, else ``ACTIVE``)."""
+        """The rollout instances: name, pid, node, restarts, ``state`` (the current
+        operation's while it runs, else ``ACTIVE``) and, on engine sglang, ``engine_url``
+        (its server)."""
         with self.lock:
             busy = self.current if self.current and self.current.state not in DONE else None
+            urls = self.engine_urls
         out = []
         for i in range(self.instances):
             name = f"rollout-{i}"
@@ -210,4 +273,6 @@ class RolloutScaler:
                         "restarts": s.get("restarts"),
                         "loop_age_s": beat.get("loop_age_s") if beat else None,
                         "state": busy.state if busy else "ACTIVE"})
+            if urls is not None:
+                out[-1]["engine_url"] = urls[i]
         return out

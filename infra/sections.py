@@ -57,10 +57,37 @@ BUS_WIRING = frozenset({"bootstrap_servers", "max_message_bytes"})
 ``data``, ``advantage``, ``resources`` and the process's place in the run); every other
 field is a key of the stage's recipe section (``tests/infra/test_recipe.py`` checks it)."""
 
+class _RolloutBase(StrictModel):
+    """The rollout section's own rules: one SGLang server per instance."""
+
+    @model_validator(mode="after")
+    def _servers(self):
+        urls, n = self.sglang_urls, self.instances
+        if urls and self.engine != "sglang":
+            raise ValueError(f"rollout.sglang_urls needs rollout.engine: sglang, got "
+                             f"{self.engine!r}")
+        if urls and len(urls) != n:
+            raise ValueError(f"rollout.sglang_urls: one SGLang server per instance, got "
+                             f"{len(urls)} for rollout.instances {n}")
+        if len(set(urls)) != len(urls):
+            raise ValueError(f"rollout.sglang_urls: a server drives one instance (it joins "
+                             f"the weight broadcast once), got {urls}")
+        if self.engine == "sglang" and n > 1 and not urls and self.follow_weights:
+            raise ValueError(f"rollout.instances {n} on engine sglang: give each instance "
+                             f"its server in rollout.sglang_urls (one sglang_url would join "
+                             f"the weight broadcast {n} times)")
+        return self
+
+
 RolloutSection = section_of(
     RolloutConfig, "RolloutSection", ROLLOUT_WIRING,
-    "Sampling: every option of ``RolloutConfig`` (``consumers/rollout``) plus ``instances``.",
-    instances=(int, Field(1, ge=1, description="rollout processes (consumer group members)")))
+    "Sampling: every option of ``RolloutConfig`` (``consumers/rollout``) plus ``instances`` "
+    "and ``sglang_urls``.", _RolloutBase,
+    instances=(int, Field(1, ge=1, description="rollout processes (consumer group members)")),
+    sglang_urls=(list[str], Field(default_factory=list, description=(
+        "engine sglang: the server of each instance (instance i drives sglang_urls[i]; "
+        "else every instance drives sglang_url); the control API's engine_urls add and "
+        "remove servers"))))
 
 RewardSpec = section_of(
     RewardStageConfig, "RewardSpec", REWARD_WIRING,

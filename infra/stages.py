@@ -66,12 +66,13 @@ def stage_specs(recipe: Recipe, bus: BusConfig, run_dir: Path) -> list[StageSpec
     run, ro = recipe.run, recipe.rollout
     busd = bus.model_dump()
     specs = []
-    options = ro.model_dump(exclude={"instances"})
+    options = ro.model_dump(exclude={"instances", "sglang_urls"})
     for i in range(ro.instances):
         name = f"rollout-{i}"
+        server = {"sglang_url": ro.sglang_urls[i]} if ro.sglang_urls else {}
         config = _checked(f"stage {name} (rollout)", RolloutConfig, dict(
-            options, bus=busd, run=run, dataset=recipe.data.dataset, model=recipe.model,
-            engine_id=name,
+            options, **server, bus=busd, run=run, dataset=recipe.data.dataset,
+            model=recipe.model, engine_id=name,
             rollouts_partitions=recipe.partitions,
             environment_reward=recipe.environment_reward()))
         specs.append(StageSpec(name, "rollout", config, recipe.resources_of("rollout")))

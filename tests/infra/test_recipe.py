@@ -180,6 +180,20 @@ def test_a_stage_rule_fails_at_load_naming_the_stage():
         load_recipe(RECIPES / "tiny_ci.yaml", ["rollout.engine=sglang"])
 
 
+def test_each_sglang_instance_drives_its_own_server():
+    urls = ["http://10.0.0.7:30000", "http://10.0.0.8:30000"]
+    r = _recipe("rollout.engine=sglang", "rollout.instances=2",
+                f"rollout.sglang_urls=[{urls[0]}, {urls[1]}]", "rollout.sglang_tp_size=2")
+    bus = BusConfig(bootstrap_servers="127.0.0.1:9")
+    specs = [s for s in stage_specs(r, bus, Path("runs/x")) if s.kind == "rollout"]
+    assert [(s.config["engine_id"], s.config["sglang_url"], s.config["sglang_tp_size"])
+            for s in specs] == [("rollout-0", urls[0], 2), ("rollout-1", urls[1], 2)]
+    with pytest.raises(RecipeError, match="give each instance its server in rollout.sglang_urls"):
+        _recipe("rollout.engine=sglang", "rollout.sglang_url=http://a:1", "rollout.instances=2")
+    with pytest.raises(RecipeError, match="one SGLang server per instance, got 1"):
+        _recipe("rollout.engine=sglang", "rollout.sglang_urls=[http://a:1]", "rollout.instances=2")
+
+
 def test_a_dumped_recipe_loads_again_unchanged():
     r = load_recipe(RECIPES / "arith_grpo_smollm2.yaml", ["kl={coef: 0.01, in: loss}"])
     again = load_recipe(tree=r.model_dump(mode="json"))
