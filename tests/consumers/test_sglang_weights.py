@@ -98,3 +98,44 @@ def test_a_server_with_tp_ranks_joins_and_leaves_under_consecutive_ids(bus, uniq
         assert pub.members() == ["hf"]
     finally:
         pub.close()
+
+
+def test_a_server_that_fails_an_update_rejoins_and_gets_the_next_version(bus, unique, tmp_path):
+    """The server answers ``success: false`` to v2's first bucket without receiving it:
+    the publisher's broadcast of v2 fails after its group timeout, the subscriber counts
+    v2 skipped and registers again, and v3 goes to both members in a new group."""
+    params = {"w": torch.arange(600, dtype=torch.float32), "b": torch.ones(100)}
+    proc, url = _start_receiver(tmp_path)
+    # the subscribers give up on v2 (5 s) before the publisher does (10 s), so both are
+    # registered again and waiting when v3's group forms
+    pub = WeightPublisher(bus, unique, bucket_bytes=1024, join_timeout_s=10)
+    engine = SGLangEngine(url, StubTokenizer(), engine_id="sglang-0")
+    relax_sub = WeightSubscriber(bus, unique, member_id="hf-0", rendezvous=pub.rendezvous,
+                                 join_timeout_s=5)
+    server_sub = ServerSubscriber(bus, unique, member_id="sglang-0", target=engine,
+                                  rendezvous=pub.rendezvous, join_timeout_s=5)
+    try:
+        relax_sub.start()
+        server_sub.start()
+        pub.wait_for_members(2, 60)
+        assert pub.publish(params, 1).result().error is None
+        assert server_sub.wait_for(1, 60) == 1
+        engine._post("/fail_next", {})
+        params["w"] += 1.0
+        first = pub.publish(params, 2).result()
+        assert first.error is not None and "v2" in first.error
+        params["w"] += 1.0
+        again = pub.publish(params, 3).result()
+        assert again.error is None and sorted(again.members) == ["hf-0", "sglang-0"]
+        assert again.group_name != first.group_name
+        assert server_sub.wait_for(3, 60) == 3 and relax_sub.wait_for(3, 60) == 3
+        got, meta = _dump(engine, tmp_path / "v3.safetensors")
+        assert meta["weight_version"] == "3" and torch.equal(got["w"], params["w"])
+        assert server_sub.stats.skipped == 1
+        assert [v for v, _ in server_sub.stats.history] == [1, 3]
+    finally:
+        server_sub.close()
+        relax_sub.close()
+        pub.close()
+        proc.kill()
+        proc.wait()
