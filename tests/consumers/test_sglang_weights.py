@@ -12,6 +12,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 import torch
 from safetensors import safe_open
 from testdata import StubTokenizer
@@ -22,7 +23,9 @@ from relax.streams.weights import ServerSubscriber, WeightPublisher, WeightSubsc
 RECEIVER = Path(__file__).parent / "fixtures" / "sglang" / "weight_receiver.py"
 
 
-def _start_receiver(tmp_path: Path) -> tuple[subprocess.Popen, str]:
+@pytest.fixture
+def receiver(tmp_path):
+    """The URL of a fresh receiver process (killed after the test)."""
     port_file = tmp_path / "receiver.port"
     proc = subprocess.Popen([sys.executable, str(RECEIVER), str(port_file)])
     deadline = time.monotonic() + 120
@@ -30,7 +33,9 @@ def _start_receiver(tmp_path: Path) -> tuple[subprocess.Popen, str]:
         assert proc.poll() is None, f"the receiver exited with {proc.returncode}"
         assert time.monotonic() < deadline, "the receiver did not start in 120 s"
         time.sleep(0.05)
-    return proc, f"http://127.0.0.1:{port_file.read_text()}"
+    yield f"http://127.0.0.1:{port_file.read_text()}"
+    proc.kill()
+    proc.wait()
 
 
 def _dump(engine: SGLangEngine, path: Path) -> tuple[dict[str, torch.Tensor], dict]:
@@ -40,7 +45,7 @@ def _dump(engine: SGLangEngine, path: Path) -> tuple[dict[str, torch.Tensor], di
 
 
 def test_an_sglang_style_receiver_gets_every_version_beside_a_relax_subscriber(
-        bus, unique, tmp_path):
+        bus, unique, tmp_path, receiver):
     g = torch.Generator().manual_seed(0)
     params = {  # three buckets of 2 KiB: a tensor never splits, dtypes mixed
         "embed.weight": torch.randn(16, 24, generator=g),
@@ -48,9 +53,8 @@ def test_an_sglang_style_receiver_gets_every_version_beside_a_relax_subscriber(
         "layer.0.bias": torch.randn(8, generator=g),
         "head.weight": torch.randn(20, 16, generator=g),
     }
-    proc, url = _start_receiver(tmp_path)
     pub = WeightPublisher(bus, unique, bucket_bytes=2048, join_timeout_s=60)
-    engine = SGLangEngine(url, StubTokenizer(), engine_id="sglang-0")
+    engine = SGLangEngine(receiver, StubTokenizer(), engine_id="sglang-0")
     relax_sub = WeightSubscriber(bus, unique, member_id="hf-0", rendezvous=pub.rendezvous)
     server_sub = ServerSubscriber(bus, unique, member_id="sglang-0", target=engine,
                                   rendezvous=pub.rendezvous)
@@ -80,8 +84,6 @@ def test_an_sglang_style_receiver_gets_every_version_beside_a_relax_subscriber(
         server_sub.close()
         relax_sub.close()
         pub.close()
-        proc.kill()
-        proc.wait()
 
 
 def test_a_server_with_tp_ranks_joins_and_leaves_under_consecutive_ids(bus, unique):
@@ -100,16 +102,16 @@ def test_a_server_with_tp_ranks_joins_and_leaves_under_consecutive_ids(bus, uniq
         pub.close()
 
 
-def test_a_server_that_fails_an_update_rejoins_and_gets_the_next_version(bus, unique, tmp_path):
+def test_a_server_that_fails_an_update_rejoins_and_gets_the_next_version(
+        bus, unique, tmp_path, receiver):
     """The server answers ``success: false`` to v2's first bucket without receiving it:
     the publisher's broadcast of v2 fails after its group timeout, the subscriber counts
     v2 skipped and registers again, and v3 goes to both members in a new group."""
     params = {"w": torch.arange(600, dtype=torch.float32), "b": torch.ones(100)}
-    proc, url = _start_receiver(tmp_path)
     # the subscribers give up on v2 (5 s) before the publisher does (10 s), so both are
     # registered again and waiting when v3's group forms
     pub = WeightPublisher(bus, unique, bucket_bytes=1024, join_timeout_s=10)
-    engine = SGLangEngine(url, StubTokenizer(), engine_id="sglang-0")
+    engine = SGLangEngine(receiver, StubTokenizer(), engine_id="sglang-0")
     relax_sub = WeightSubscriber(bus, unique, member_id="hf-0", rendezvous=pub.rendezvous,
                                  join_timeout_s=5)
     server_sub = ServerSubscriber(bus, unique, member_id="sglang-0", target=engine,
@@ -137,5 +139,3 @@ def test_a_server_that_fails_an_update_rejoins_and_gets_the_next_version(bus, un
         server_sub.close()
         relax_sub.close()
         pub.close()
-        proc.kill()
-        proc.wait()
