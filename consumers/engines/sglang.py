@@ -245,16 +245,23 @@ class SGLangEngine:
                  media: list[list[dict] | None] | None = None) -> list[Generation]:
         """Sample one continuation per prompt (``[N][prompt_len]`` token ids; with
         ``media``, per prompt its media items, and the ids with the placeholders
-        unexpanded: see the module docstring).
+        unexpanded: see the module docstring). Each generation's policy_version_end is
+        the version the server answered with; its policy_version_start is the one before
+        the call when a version was received during it (the tokens span both), else the
+        same.
 
         Raises:
             SGLangError: HTTP error; ValueError: a malformed answer.
         """
         if not prompts:
             return []
+        before = self._version
         body = self._post("/generate", generate_request(prompts, params, media))
+        changed = self._version != before  # a version was received during the call
         gens = parse_generate_response(body, len(prompts), self._version)
         for g in gens:
+            if changed:  # retracted requests went on with the new weights
+                g.policy_version_start = min(g.policy_version_start, before)
             self._version = max(self._version, g.policy_version_end)
         return gens
 

@@ -108,6 +108,23 @@ def test_generate_request_and_response(server):
     assert engine.policy_version == 3 and a.text == " 5"
 
 
+def test_a_version_received_during_a_call_starts_its_generations_earlier(server):
+    server.routes["/generate"] = (200, _fixture("generate_batch.json"))  # answers at v3
+    engine = SGLangEngine(server.url, StubTokenizer(eos=2), policy_version=3)
+    (a, _) = engine.generate([[1, 2, 3], [1, 2]], SamplingParams(max_new_tokens=4))
+    assert (a.policy_version_start, a.policy_version_end) == (3, 3)
+    engine = SGLangEngine(server.url, StubTokenizer(eos=2), policy_version=2)
+    post = engine._post
+
+    def post_while_updated(path, body):  # the subscriber installs v3 during the call
+        engine._version = 3
+        return post(path, body)
+
+    engine._post = post_while_updated
+    (a, _) = engine.generate([[1, 2, 3], [1, 2]], SamplingParams(max_new_tokens=4))
+    assert (a.policy_version_start, a.policy_version_end) == (2, 3)
+
+
 def test_abort_and_default_weight_version(server):
     server.routes["/generate"] = (200, _fixture("generate_abort.json"))
     engine = SGLangEngine(server.url, StubTokenizer(), policy_version=5)
