@@ -47,7 +47,7 @@ def _dump(engine: SGLangEngine, path: Path) -> tuple[dict[str, torch.Tensor], di
 def test_an_sglang_style_receiver_gets_every_version_beside_a_relax_subscriber(
         bus, unique, tmp_path, receiver):
     g = torch.Generator().manual_seed(0)
-    params = {  # three buckets of 2 KiB: a tensor never splits, dtypes mixed
+    params = {  # two buckets under 2 KiB: a tensor never splits, dtypes mixed
         "embed.weight": torch.randn(16, 24, generator=g),
         "layer.0.weight": torch.randn(8, 24, generator=g).to(torch.bfloat16),
         "layer.0.bias": torch.randn(8, generator=g),
