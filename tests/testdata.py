@@ -2,7 +2,14 @@
 
 from __future__ import annotations
 
+import os
 import re
+import signal
+import threading
+import time
+from collections.abc import Callable
+from contextlib import contextmanager
+from datetime import datetime, timezone
 from pathlib import Path
 
 from relax.schemas.metric_names import REWARD_WEIGHT_PREFIX, STALENESS_HIST_PREFIX
@@ -395,3 +402,29 @@ class PictureEnv:
         return {"role": "user", "content": [{"type": "image", "image": img},
                                             {"type": "text", "text": "What colour is it?"}]}, \
             False, None
+
+
+@contextmanager
+def kill_when(ready: Callable[[], bool], pids: Callable[[], list[int]], poll_s: float = 0.02):
+    """While the block runs, a thread SIGKILLs ``pids()`` as soon as ``ready()`` holds
+    (polled every ``poll_s`` seconds); yields the list it fills with ``(pid, UTC time of
+    the kill)``. Kill tests key on a file the stage writes (a checkpoint), not on the
+    driver's step events: those come seconds late, after a fast trainer's next steps."""
+    killed: list[tuple[int, datetime]] = []
+    stop = threading.Event()
+
+    def watch() -> None:
+        while not stop.is_set() and not ready():
+            time.sleep(poll_s)
+        if not stop.is_set():
+            for pid in pids():
+                killed.append((pid, datetime.now(timezone.utc)))
+                os.kill(pid, signal.SIGKILL)
+
+    killer = threading.Thread(target=watch, name="kill-when", daemon=True)
+    killer.start()
+    try:
+        yield killed
+    finally:
+        stop.set()
+        killer.join()

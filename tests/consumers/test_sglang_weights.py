@@ -90,15 +90,17 @@ def test_a_server_with_tp_ranks_joins_and_leaves_under_consecutive_ids(bus, uniq
     pub = WeightPublisher(bus, unique)
     engine = SGLangEngine("http://127.0.0.1:9", StubTokenizer(), tp_size=3)
     sub = ServerSubscriber(bus, unique, member_id="sg", target=engine)
+    other = WeightSubscriber(bus, unique, member_id="hf")
     try:
         assert not sub.catch_up and not sub.reads_shm  # the server loads nothing through us
         sub._connect(pub.rendezvous)
-        other = WeightSubscriber(bus, unique, member_id="hf")
         other._connect(pub.rendezvous)
         assert pub.members() == ["sg", "sg/tp1", "sg/tp2", "hf"]
         sub._store.append("relax/membership", sub._log_lines("-"))
         assert pub.members() == ["hf"]
     finally:
+        sub.close()
+        other.close()
         pub.close()
 
 

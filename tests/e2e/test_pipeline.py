@@ -4,17 +4,14 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
-import threading
-import time
 import uuid
-from datetime import datetime, timezone
+from datetime import datetime
 from pathlib import Path
 
 import pytest
-from testdata import PARITY_REWARD, RECIPES, s3_uri, tiny_recipe
+from testdata import PARITY_REWARD, RECIPES, kill_when, s3_uri, tiny_recipe
 
 from relax.schemas import metric_names as M
 from relax.streams.fsuri import open_uri
@@ -95,21 +92,6 @@ def test_cli_last_line_and_reinforce_pp_over_the_global_batch(tmp_path, broker):
                                                                    for s in stds), stds
 
 
-def _kill_trainer_after_checkpoint(run_dir: Path, store: str, name: str, killed: dict,
-                                   stop: threading.Event) -> None:
-    """SIGKILL the trainer as soon as checkpoint ``name`` is complete in ``store`` (its
-    state file is written last), so the next step is still to come however fast the
-    trainer is. The driver's step events come late: a trainer at 0.3 s a step may have
-    finished the run when the driver sees a step."""
-    fs, base = open_uri(store)
-    while not stop.is_set() and name not in checkpoint._complete(fs, base):
-        time.sleep(0.05)
-    if not stop.is_set():
-        pid = json.loads((run_dir / "stages.json").read_text())["trainer"]["pid"]
-        killed["trainer"] = (pid, datetime.now(timezone.utc))
-        os.kill(pid, signal.SIGKILL)
-
-
 def _train(recipe, on_step, timeout_s=500) -> tuple[dict, list[str]]:
     """``train`` with its progress lines kept; a run that does not finish fails with
     those lines and the tail of every stage's log (what each stage was waiting for)."""
@@ -134,16 +116,15 @@ def test_trainer_killed_after_step_2_resumes_at_step_3(broker, tmp_path, s3_endp
     # environment (the store's own tests use the environment)
     store = s3_uri(s3_endpoint, f"relax-test/{run}").replace("s3://", "s3://test:test@")
     recipe = tiny_recipe(broker, tmp_path, run, f"trainer.checkpoint_store={store}")
-    killed, stop = {}, threading.Event()
-    killer = threading.Thread(target=_kill_trainer_after_checkpoint,
-                              args=(tmp_path / run, store, "step_000002", killed, stop))
-    killer.start()
-    try:
+    fs, base = open_uri(store)
+    stages = tmp_path / run / "stages.json"
+    # once step 2's checkpoint is complete in the store (its state file is written last):
+    # step 3 is still to come, however fast the trainer is
+    with kill_when(lambda: "step_000002" in checkpoint._complete(fs, base),
+                   lambda: [json.loads(stages.read_text())["trainer"]["pid"]],
+                   poll_s=0.05) as killed:
         s, _ = _train(recipe, on_step=None)
-    finally:
-        stop.set()
-        killer.join()
-    assert list(killed) == ["trainer"], killed
+    assert len(killed) == 1, killed
     assert s["steps"] == 3 and s["balanced"], json.dumps(s, default=str)
     log = (Path(s["run_dir"]) / "logs" / "trainer.log").read_text()
     assert "resumed from" in log and "policy_version 2" in log
@@ -160,7 +141,7 @@ def test_trainer_killed_after_step_2_resumes_at_step_3(broker, tmp_path, s3_endp
             (Path(s["run_dir"]) / "metrics.jsonl").read_text().splitlines()]
     step2 = [r for r in rows if r["component"] == "trainer" and r["name"] == M.STEP_S
              and r["policy_version"] == 2]
-    after_kill = [r for r in step2 if datetime.fromisoformat(r["ts"]) > killed["trainer"][1]]
+    after_kill = [r for r in step2 if datetime.fromisoformat(r["ts"]) > killed[0][1]]
     assert len(step2) in (1, 2) and len(after_kill) == 1, (killed, step2)
 
 

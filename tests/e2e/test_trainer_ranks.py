@@ -10,16 +10,12 @@ rank 1)."""
 from __future__ import annotations
 
 import json
-import os
 import re
-import signal
-import threading
-import time
 import uuid
 from pathlib import Path
 
 import pytest
-from testdata import tiny_recipe
+from testdata import kill_when, tiny_recipe
 
 from relax.infra.launch import train
 
@@ -39,36 +35,21 @@ def _whole(s: dict) -> None:
     assert s["trained"] + s["stale"] + s["filtered"] + s["errors"] == s["sampled"] > 0, s
 
 
-def _kill_rank_1_after_step_1(run_dir: Path, killed: list, stop: threading.Event) -> None:
-    """SIGKILL the trainer's rank 1 as soon as step 1's checkpoint is in place (renamed
-    into place whole), so steps 2-4 are still to come however fast the trainer is. The
-    driver's step events come seconds late: a trainer at 1 s a step had finished all 4
-    steps when the driver saw step 2 (CI red)."""
-    ckpt = run_dir / "checkpoints" / "step_000001"
-    while not stop.is_set() and not ckpt.exists():
-        time.sleep(0.02)
-    if stop.is_set():
-        return
-    pid = json.loads((run_dir / "stages.json").read_text())["trainer"]["pid"]
-    for child in _child_ranks(pid):  # the test asserts there was one
-        os.kill(child, signal.SIGKILL)
-        killed.append(child)
-
-
 @pytest.mark.parametrize("mode", ["ddp", "fsdp2"])
 def test_a_killed_rank_restarts_the_trainer_and_loses_nothing(broker, tmp_path, mode):
     run = "dpkill" + uuid.uuid4().hex[:4]
     recipe = tiny_recipe(broker, tmp_path, run, "resources.trainer.processes=2",
                          "trainer.steps=4", "trainer.checkpoint_every=1",
                          f"trainer.data_parallel={mode}")
-    killed, stop = [], threading.Event()
-    killer = threading.Thread(target=_kill_rank_1_after_step_1, args=(tmp_path / run, killed, stop))
-    killer.start()
-    try:
+    run_dir = tmp_path / run
+
+    def rank_1() -> list[int]:
+        return _child_ranks(json.loads((run_dir / "stages.json").read_text())["trainer"]["pid"])
+
+    # once step 1's checkpoint is renamed into place whole: steps 2-4 are still to come
+    # (on the driver's step-2 event, a trainer at 1 s a step had finished: CI red)
+    with kill_when((run_dir / "checkpoints" / "step_000001").exists, rank_1) as killed:
         s = train(recipe, say=lambda _: None, timeout_s=500)
-    finally:
-        stop.set()
-        killer.join()
     assert len(killed) == 1 and s["steps"] == 4, (killed, s)
     _whole(s)
     stages = json.loads((Path(s["run_dir"]) / "stages.json").read_text())
