@@ -405,11 +405,13 @@ class PictureEnv:
 
 
 @contextmanager
-def kill_when(ready: Callable[[], bool], pids: Callable[[], list[int]], poll_s: float = 0.02):
-    """While the block runs, a thread SIGKILLs ``pids()`` as soon as ``ready()`` holds
-    (polled every ``poll_s`` seconds); yields the list it fills with ``(pid, UTC time of
-    the kill)``. Kill tests key on a file the stage writes (a checkpoint), not on the
-    driver's step events: those come seconds late, after a fast trainer's next steps."""
+def kill_when(ready: Callable[[], bool], pids: Callable[[], list[int]], poll_s: float = 0.02,
+              sig: int = signal.SIGKILL, then: Callable[[], None] | None = None):
+    """While the block runs, a thread sends ``sig`` (SIGKILL; SIGSTOP freezes) to
+    ``pids()`` as soon as ``ready()`` holds (polled every ``poll_s`` seconds), then calls
+    ``then()`` if given; yields the list it fills with ``(pid, UTC time of the signal)``.
+    Kill tests key on a file the stage writes (a checkpoint), not on the driver's step
+    events: those come seconds late, after a fast trainer's next steps."""
     killed: list[tuple[int, datetime]] = []
     stop = threading.Event()
 
@@ -419,7 +421,9 @@ def kill_when(ready: Callable[[], bool], pids: Callable[[], list[int]], poll_s: 
         if not stop.is_set():
             for pid in pids():
                 killed.append((pid, datetime.now(timezone.utc)))
-                os.kill(pid, signal.SIGKILL)
+                os.kill(pid, sig)
+            if then is not None:
+                then()
 
     killer = threading.Thread(target=watch, name="kill-when", daemon=True)
     killer.start()

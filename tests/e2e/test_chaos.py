@@ -6,14 +6,13 @@ bucket and none trained twice (``benchmarks/chaos.py`` runs many more of the sam
 from __future__ import annotations
 
 import json
-import os
 import random
 import signal
 import uuid
 from pathlib import Path
 
 import pytest
-from testdata import tiny_recipe
+from testdata import kill_when, tiny_recipe
 
 from relax.infra.chaos import Kill, chaos_run, plan_kills
 
@@ -65,24 +64,26 @@ FAST_PARITY = 'rewards=[{name: parity, fn: "testdata:parity_reward", timeout_s: 
 """The parity reward with a call limit under the tests' 20 s stall limit."""
 
 
-def _freeze_on(step: int, stage: str, frozen: dict):
-    def on_step(s, run_dir: Path):
-        if int(s["step"]) == step and stage not in frozen:
-            pid = json.loads((run_dir / "stages.json").read_text())[stage]["pid"]
-            os.kill(pid, signal.SIGSTOP)  # alive, holds its partitions, does nothing
-            frozen[stage] = pid
-    return on_step
+def _frozen_after_step_1(run_dir: Path, stage: str):
+    """SIGSTOP ``stage`` (alive, holds its partitions, does nothing) as soon as the
+    trainer's step-1 checkpoint is in place (``tiny_ci.yaml`` checkpoints every step).
+    Then at most (1 + max_staleness + 1) x batch_groups groups have started, so the run
+    cannot end without the frozen stage. Not on the driver's step-1 event: that comes
+    seconds late, when a fast trainer may have sampled and scored every group."""
+    return kill_when((run_dir / "checkpoints" / "step_000001").exists,
+                     lambda: [json.loads((run_dir / "stages.json").read_text())[stage]["pid"]],
+                     sig=signal.SIGSTOP)
 
 
 def test_frozen_stage_is_noticed_and_restarted(broker, tmp_path):
     from relax.infra.launch import train
 
-    recipe = tiny_recipe(broker, tmp_path, "frozen" + uuid.uuid4().hex[:6],
-                         "stall_timeout_s=20", FAST_PARITY, "trainer.steps=5")
-    frozen: dict = {}
+    run = "frozen" + uuid.uuid4().hex[:6]
+    recipe = tiny_recipe(broker, tmp_path, run, "stall_timeout_s=20", FAST_PARITY,
+                         "trainer.steps=5")
     lines: list[str] = []
-    s = train(recipe, say=lines.append, on_step=_freeze_on(1, "reward.parity", frozen),
-              timeout_s=400)
+    with _frozen_after_step_1(tmp_path / run, "reward.parity") as frozen:
+        s = train(recipe, say=lines.append, timeout_s=400)
     assert frozen and s["steps"] == 5 and s["balanced"], json.dumps(s, default=str)
     assert any(ln.startswith("restarted reward.parity: ") for ln in lines), lines
     state = json.loads((Path(s["run_dir"]) / "stages.json").read_text())
@@ -96,12 +97,13 @@ def test_frozen_stage_past_its_restarts_fails_the_run_with_a_report(broker, tmp_
     # 8 steps (16 groups): when step 1 is seen, the credit has let at most
     # consumed + (max_staleness + 1) x batch_groups groups start, so the run cannot end
     # without the frozen aggregator (with 3 steps it could: a CI flake, 2026-12-02)
-    recipe = tiny_recipe(broker, tmp_path, "frozenx" + uuid.uuid4().hex[:6],
-                         "stall_timeout_s=20", FAST_PARITY, "max_restarts=0", "trainer.steps=8")
-    frozen: dict = {}
-    with pytest.raises(RunFailed) as e:
-        train(recipe, say=lambda _: None, on_step=_freeze_on(1, "aggregate", frozen),
-              timeout_s=300)
+    run = "frozenx" + uuid.uuid4().hex[:6]
+    recipe = tiny_recipe(broker, tmp_path, run, "stall_timeout_s=20", FAST_PARITY,
+                         "max_restarts=0", "trainer.steps=8")
+    with _frozen_after_step_1(tmp_path / run, "aggregate") as frozen, \
+            pytest.raises(RunFailed) as e:
+        train(recipe, say=lambda _: None, timeout_s=300)
+    assert frozen
     msg = str(e.value)
     assert "stage aggregate failed 1 times; last: stalled" in msg, msg
     stages, metrics = msg.split("latest metrics:")
@@ -120,22 +122,22 @@ def test_local_broker_restart_stops_the_run_with_what_was_lost(tmp_path):
     h = start_broker()
     handles = [h]
 
-    def restart_broker(s, run_dir):
-        if int(s["step"]) == 1 and len(handles) == 1:
-            os.kill(h.pid, signal.SIGKILL)
-            time.sleep(2)
-            handles.append(start_broker(h.port))
+    def restart_broker():
+        time.sleep(2)
+        handles.append(start_broker(h.port))
 
-    recipe = tiny_recipe(h.bootstrap, tmp_path, "lost" + uuid.uuid4().hex[:6],
-                         "trainer.steps=5")
+    run = "lost" + uuid.uuid4().hex[:6]
+    recipe = tiny_recipe(h.bootstrap, tmp_path, run, "trainer.steps=5")
     t0 = time.monotonic()
-    try:
-        with pytest.raises(RunFailed) as e:
-            train(recipe, say=lambda _: None, on_step=restart_broker, timeout_s=300)
+    try:  # killed once step 1's checkpoint is in place (steps 2-5 still to come)
+        with kill_when((tmp_path / run / "checkpoints" / "step_000001").exists,
+                       lambda: [h.pid], then=restart_broker) as killed, \
+                pytest.raises(RunFailed) as e:
+            train(recipe, say=lambda _: None, timeout_s=300)
     finally:
         for x in handles:
             stop_broker(x)
-    assert len(handles) == 2
+    assert len(killed) == 1 and len(handles) == 2, (killed, handles)
     msg = str(e.value)
     assert "lost its broker's state" in msg and "checkpoint" in msg, msg
     assert time.monotonic() - t0 < 120, msg  # 36 s on 2 cores (the stages get 5 s to stop)
