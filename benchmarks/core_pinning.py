@@ -107,6 +107,7 @@ def run(system: str, steps: int, pinned: bool, plan: str, out: Path) -> dict:
     res = bench.summarise(json.loads(raw.read_text()))
     raw.unlink()
     Path(lg.name).unlink()
+    (out.parent / f"timeline_pin_{os.getpid()}.png").unlink(missing_ok=True)  # --one's copy
     return {"pinned": pinned, **{k: res.get(k) for k in KEYS}}
 
 

@@ -94,7 +94,7 @@ def test_frozen_stage_is_noticed_and_restarted(broker, tmp_path):
 def test_frozen_stage_past_its_restarts_fails_the_run_with_a_report(broker, tmp_path):
     from relax.infra.launch import RunFailed, train
 
-    # 8 steps (16 groups): when step 1 is seen, the credit has let at most
+    # 8 steps (16 groups): when step 1's checkpoint is in place, the credit has let at most
     # consumed + (max_staleness + 1) x batch_groups groups start, so the run cannot end
     # without the frozen aggregator (with 3 steps it could: a CI flake, 2026-12-02)
     run = "frozenx" + uuid.uuid4().hex[:6]
