@@ -2,9 +2,10 @@
 
     python benchmarks/bus_latency.py                       # embedded broker (Tansu)
     python benchmarks/bus_latency.py --bootstrap HOST:PORT --json out.json
+    python benchmarks/bus_latency.py --waits 200,250,10 --records 40
 
-Two readers, each at the default fetch wait (``relax.streams.client.FETCH_WAIT_MS``) and
-at a short one, side by side in one run:
+Two readers, at each fetch wait of ``--waits`` (default: ``relax.streams.client.
+FETCH_WAIT_MS`` and a short one), one wait after the other in one run:
 
 * ``hop``: a reader looping on ``poll`` (as every stage's consumer does) and a producer
   writing one record at random moments 0.3-0.6 s apart; the seconds from the producer's
@@ -92,7 +93,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--bootstrap", help="an existing cluster (default: start Tansu)")
     ap.add_argument("--records", type=int, default=20)
-    ap.add_argument("--short-ms", type=int, default=10)
+    ap.add_argument("--waits", help="fetch waits to measure, ms, comma-separated "
+                    "(default: FETCH_WAIT_MS,10)")
     ap.add_argument("--json", type=Path)
     a = ap.parse_args()
     from relax.infra.broker import start_broker, stop_broker
@@ -102,7 +104,8 @@ def main() -> None:
     try:
         bus = BusConfig(bootstrap_servers=a.bootstrap or handle.bootstrap)
         res = {}
-        for wait in (FETCH_WAIT_MS, a.short_ms):
+        waits = [int(x) for x in a.waits.split(",")] if a.waits else [FETCH_WAIT_MS, 10]
+        for wait in waits:
             res[f"wait_{wait}ms"] = {"hop": summary(hop(bus, wait, a.records)),
                                      "claim": summary(claims(bus, wait, a.records))}
             r = res[f"wait_{wait}ms"]

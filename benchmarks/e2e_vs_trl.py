@@ -5,6 +5,8 @@ relax sync and relax async (max_staleness 1 and 2).
     python benchmarks/e2e_vs_trl.py --steps 2 --systems loop,async1   # a quick look
     python benchmarks/e2e_vs_trl.py --steps 16 --systems loop,async1,trl --seed 2 \
         --out benchmarks/results/e2e_seed2.json       # other samples: the reward's spread
+    python benchmarks/e2e_vs_trl.py --steps 12 --systems sync --bus kafka --fetch-wait-ms 1000 \
+        --out /tmp/sync_kafka.json                    # relax on Apache Kafka (make install)
 
 The workload is the demo's (``recipes/arith_grpo_smollm2.yaml``): SmolLM2-135M-Instruct,
 reasoning-gym 2-digit additions (fixed seed, the same prompts in the same order for
@@ -295,9 +297,11 @@ def train_cpu(m: dict) -> dict:
 
 
 def run_relax(w: dict, mode: str, staleness: int, threads: int, run_root: str,
-              shm: bool = True) -> dict:
-    """``relax train`` on the demo recipe (every stage its own process, local broker);
-    ``shm=False`` sends the weights by the gloo broadcast (``trainer.weights_shm``)."""
+              shm: bool = True, bootstrap: str | None = None,
+              fetch_wait_ms: int | None = None) -> dict:
+    """``relax train`` on the demo recipe (every stage its own process, a local Tansu or
+    the cluster at ``bootstrap``); ``shm=False`` sends the weights by the gloo broadcast
+    (``trainer.weights_shm``); ``fetch_wait_ms``: ``bus.fetch_wait_ms`` (None: default)."""
     import yaml
 
     from relax.infra.launch import train
@@ -310,6 +314,9 @@ def run_relax(w: dict, mode: str, staleness: int, threads: int, run_root: str,
     tree["data"].update(limit=w["steps"] * w["batch_groups"], partitions=1)
     tree["rollout"]["seed"] = w["seed"]
     tree["trainer"].update(steps=w["steps"], max_staleness=staleness, weights_shm=shm)
+    tree["bootstrap_servers"] = bootstrap
+    if fetch_wait_ms is not None:
+        tree.setdefault("bus", {})["fetch_wait_ms"] = fetch_wait_ms
     tree["trainer"]["loss"].update(clip_eps_low=w["clip_eps"], clip_eps_high=w["clip_eps"])
     for stage in ("rollout", "trainer"):
         tree["resources"][stage]["torch_threads"] = threads
@@ -349,8 +356,10 @@ def run_relax(w: dict, mode: str, staleness: int, threads: int, run_root: str,
                                                          "errors")}}
 
 
-def one(system: str, w: dict, threads: int, out: Path) -> None:
-    """Run one system and write its raw result to ``out``."""
+def one(system: str, w: dict, threads: int, out: Path, bus: str = "tansu",
+        fetch_wait_ms: int | None = None) -> None:
+    """Run one system and write its raw result to ``out``; relax systems on the ``bus``
+    (``tansu``: the run's own; ``kafka``: an Apache Kafka node started for it)."""
     t0 = time.perf_counter()
     if system == "trl":
         res = run_trl(w, threads)
@@ -360,8 +369,18 @@ def one(system: str, w: dict, threads: int, out: Path) -> None:
         name = system.removesuffix("gloo")
         mode, s = ("sync", 0) if name.startswith("sync") else ("async", int(name[-1]))
         with tempfile.TemporaryDirectory(prefix="relax-bench-") as d:
-            res = run_relax(w, mode, s, threads, d,
-                            shm=not system.endswith("gloo"))
+            broker = None
+            if bus == "kafka":
+                from relax.infra.broker import stop_broker
+                from relax.infra.kafka_broker import start_kafka
+                broker = start_kafka(Path(d) / "kafka")
+            try:
+                res = run_relax(w, mode, s, threads, d, shm=not system.endswith("gloo"),
+                                bootstrap=broker and broker.bootstrap,
+                                fetch_wait_ms=fetch_wait_ms)
+            finally:
+                if broker:
+                    stop_broker(broker)
             png = Path(res.pop("run_dir")) / "timeline.png"  # the stages' CPU use
             if png.exists():
                 shutil.copy(png, out.parent / f"{out.stem.replace('raw_', 'timeline_')}.png")
@@ -536,13 +555,18 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=1,
                     help="sampling seed of every system (same prompts); runs at other seeds "
                          "give the spread of reward_mean")
+    ap.add_argument("--bus", choices=("tansu", "kafka"), default="tansu",
+                    help="the relax systems' broker: the run's own Tansu, or an Apache Kafka "
+                         "node started for each system (make install)")
+    ap.add_argument("--fetch-wait-ms", type=int, default=None,
+                    help="the relax systems' bus.fetch_wait_ms (default: BusConfig's)")
     ap.add_argument("--one", help=argparse.SUPPRESS)
     ap.add_argument("--threads", type=int, default=1, help=argparse.SUPPRESS)
     ap.add_argument("--raw", help=argparse.SUPPRESS)
     args = ap.parse_args()
     w = workload(args.steps, args.seed)
     if args.one:
-        one(args.one, w, args.threads, Path(args.raw))
+        one(args.one, w, args.threads, Path(args.raw), args.bus, args.fetch_wait_ms)
         return
     systems = [s for s in args.systems.split(",") if s]
     unknown = [s for s in systems if s not in SYSTEMS]
@@ -567,7 +591,9 @@ def main() -> None:
                 procs.append(subprocess.Popen(
                     [sys.executable, __file__, "--one", name.removesuffix("x2"), "--steps",
                      str(args.steps), "--seed", str(args.seed), "--threads", str(THREADS[name]),
-                     "--raw", str(r)],
+                     "--raw", str(r), "--bus", args.bus,
+                     *(["--fetch-wait-ms", str(args.fetch_wait_ms)]
+                       if args.fetch_wait_ms is not None else [])],
                     stdout=f, stderr=subprocess.STDOUT, env=env))
         for p, lg in zip(procs, logs):
             if p.wait(timeout=args.timeout_s) != 0:
@@ -584,6 +610,7 @@ def main() -> None:
               f"wall_s={r['wall_s']}", flush=True)
     rat = ratios(results)
     doc = {"workload": w, "threads": {k: THREADS[k] for k in systems},
+           "bus": {"broker": args.bus, "fetch_wait_ms": args.fetch_wait_ms},
            "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
                        "processor": platform.processor() or platform.machine(),
                        "python": platform.python_version()},

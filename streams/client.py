@@ -40,6 +40,20 @@ from relax.streams import kafka_join
 
 DEFAULT_MAX_MESSAGE_BYTES = 1 << 20
 
+FETCH_WAIT_MS = 200
+"""Default longest time the broker holds an empty fetch (``fetch_max_wait_ms``, ms;
+``BusConfig.fetch_wait_ms``, the recipe's ``bus.fetch_wait_ms``). An idle kafka-python
+consumer polls the broker again after each empty fetch, so short waits burn CPU that
+co-located stages need (measured on Tansu, 2 cores, one idle consumer: 10.5 % of a core
+at 20 ms, 1.7 % at 200 ms, 0.8 % at 500 ms). The price on Tansu 0.6.0: it answers a
+fetch already waiting when a record arrives only at half this wait, so a record reaches
+a reader that loops on ``poll`` in up to ~100 ms at 200 ms (median 20-44 ms), in 2-12 ms
+at 10-20 ms (``benchmarks/bus_latency.py --waits``). Apache Kafka answers such a fetch
+as soon as the record arrives, so a longer wait costs no latency there; on 2 cores a
+relax sync run on Kafka at 1000 ms was no faster than on Tansu at 200 ms (its JVM idles
+at ~0.04 cores; ``benchmarks/RESULTS.md``, 2026-12-06, last section). A reader polled
+only on demand takes a short wait of its own (``TopicReader(fetch_wait_ms=...)``)."""
+
 
 class BusConfig(BaseModel):
     """How to reach the bus and how large its messages may be.
@@ -53,6 +67,8 @@ class BusConfig(BaseModel):
             Tansu holds a JoinGroup for half the session timeout, hence 6000/2000.
         compression: Kafka-level producer compression (``zstd``, ``lz4``, ``gzip``, None).
         linger_ms: producer batching delay (ms).
+        fetch_wait_ms: longest time the broker holds an empty fetch of a reader that
+            loops on ``poll`` (``fetch_max_wait_ms``, ms; :data:`FETCH_WAIT_MS`).
         replication_factor: replicas of each topic relax creates; None = one per broker,
             at most 3.
         min_insync_replicas: ``min.insync.replicas`` of each topic relax creates (with
@@ -72,6 +88,7 @@ class BusConfig(BaseModel):
     heartbeat_interval_ms: int = Field(2000, ge=100)
     compression: str | None = "zstd"
     linger_ms: int = Field(5, ge=0)
+    fetch_wait_ms: int = Field(FETCH_WAIT_MS, ge=1, le=30_000)
     replication_factor: int | None = Field(None, ge=1)
     min_insync_replicas: int | None = Field(None, ge=1)
     retention_ms: int | None = Field(None, ge=-1)
@@ -114,15 +131,6 @@ def producer_kwargs(cfg: BusConfig, client_id: str | None = None) -> dict:
     )
 
 
-FETCH_WAIT_MS = 200
-"""Longest time the broker holds an empty fetch (``fetch_max_wait_ms``). An idle
-kafka-python consumer polls the broker again after each empty fetch, so short waits
-burn CPU that co-located stages need (measured on Tansu, 2 cores, one idle consumer:
-10.5 % of a core at 20 ms, 1.7 % at 200 ms, 0.8 % at 500 ms). The price: Tansu answers a
-fetch already waiting when a record arrives only at about half this wait, so a record
-reaches a reader that loops on ``poll`` in up to ~100 ms (median 20-44 ms in three runs)
-at 200 ms, in 2-12 ms at 10-20 ms (``benchmarks/bus_latency.py``). A reader polled only
-on demand takes a short wait of its own (``TopicReader(fetch_wait_ms=...)``)."""
 
 
 def consumer_kwargs(cfg: BusConfig, group_id: str | None, client_id: str | None = None,
@@ -144,7 +152,7 @@ def consumer_kwargs(cfg: BusConfig, group_id: str | None, client_id: str | None 
         max_partition_fetch_bytes=cfg.request_bytes,
         fetch_max_bytes=max(cfg.request_bytes, 52428800),
         max_poll_interval_ms=600_000,
-        fetch_max_wait_ms=FETCH_WAIT_MS,
+        fetch_max_wait_ms=cfg.fetch_wait_ms,
     )
 
 

@@ -1,6 +1,6 @@
 """One group-less client that follows several topics for a process (:class:`Follower`).
 
-An idle Kafka reader is a fetch round trip every wait (``FETCH_WAIT_MS``), in its
+An idle Kafka reader is a fetch round trip every wait (``BusConfig.fetch_wait_ms``), in its
 process and in the broker, and a relax process often follows several small control
 topics at once: the rollout stage reads the weight announcements (for the trainer's
 policy_version), its weight subscriber reads them again in its own thread, and it reads
@@ -65,7 +65,7 @@ class Follower:
     """A group-less Kafka client whose views (:meth:`follow`) share one fetch loop.
 
     Args:
-        cfg: bus settings (the fetch wait is ``FETCH_WAIT_MS``, as for every reader).
+        cfg: bus settings (the fetch wait is ``cfg.fetch_wait_ms``, as for every reader).
         name: part of the client id (``relax-<name>-<random>``), for the broker's logs.
     """
 

@@ -35,10 +35,10 @@ class TopicReader:
         cfg: bus settings.
         name: part of the client id (``relax-<name>-<random>``), for the broker's logs.
         fetch_wait_ms: longest time the broker holds an empty fetch (default
-            :data:`relax.streams.client.FETCH_WAIT_MS`). A reader polled only when it
-            needs an answer (not in a loop) loses nothing by a short one, and Tansu
-            answers a fetch already waiting when a record arrives only at about half
-            of it (``benchmarks/bus_latency.py``).
+            ``cfg.fetch_wait_ms``). A reader polled only when it needs an answer (not
+            in a loop) loses nothing by a short one, and Tansu answers a fetch already
+            waiting when a record arrives only at half of it
+            (``benchmarks/bus_latency.py``).
     """
 
     def __init__(self, cfg: BusConfig, name: str = "read", fetch_wait_ms: int | None = None):
@@ -106,7 +106,7 @@ class TopicReader:
         """The partition's end offset from ListOffsets on this client's connection (~2 ms,
         no new client; but a broker answers a connection's requests in order, so on a
         client that also follows partitions it waits behind the pending fetch, up to
-        ``FETCH_WAIT_MS``: keep a separate, idle reader for it). Exact on Apache Kafka; on
+        ``cfg.fetch_wait_ms``: keep a separate, idle reader for it). Exact on Apache Kafka; on
         Tansu, the base offset of the last record batch + 1 (``streams/lag.py``): a read
         up to it still fetches that whole batch, so a reader that keeps every record it
         is handed sees the log to its end.

@@ -49,7 +49,7 @@ class AnnouncementReader:
     """Reads ``<run>.weights`` announcements group-less from the beginning (no commits).
 
     Used by subscribers and by the rollout stage to learn the trainer's policy_version.
-    Fetches wait at most ``relax.streams.client.FETCH_WAIT_MS`` on the broker (the
+    Fetches wait at most ``BusConfig.fetch_wait_ms`` on the broker (the
     publisher's broadcast waits for subscribers to see its announcement, so its latency
     matters, but so does the CPU an idle reader burns). Records that are not a WEIGHTS
     batch (a null or empty value, a ``relax-schema`` header naming another schema, bytes

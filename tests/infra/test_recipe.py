@@ -23,7 +23,7 @@ from relax.infra.sections import (
     TRAINER_WIRING,
 )
 from relax.infra.stages import run_bus, stage_specs
-from relax.streams.client import BusConfig
+from relax.streams.client import FETCH_WAIT_MS, BusConfig, consumer_kwargs
 from relax.trainer.config import TrainerConfig
 from relax.trainer.loop import TrainerStageConfig
 
@@ -206,10 +206,14 @@ def test_bus_settings_are_recipe_keys():
     from relax.infra.sections import BUS_WIRING
 
     r = _recipe("bus.replication_factor=3", "bus.min_insync_replicas=2",
-                "bus.retention_ms=86400000", "bus.compression=lz4", "max_message_bytes=4194304")
+                "bus.retention_ms=86400000", "bus.compression=lz4", "max_message_bytes=4194304",
+                "bus.fetch_wait_ms=1000")
     bus = run_bus(r, "k1:9092,k2:9092,k3:9092", Path("runs/x"))
     assert (bus.replication_factor, bus.min_insync_replicas, bus.retention_ms, bus.compression,
-            bus.max_message_bytes) == (3, 2, 86400000, "lz4", 4194304)
+            bus.max_message_bytes, bus.fetch_wait_ms) == (3, 2, 86400000, "lz4", 4194304, 1000)
+    assert consumer_kwargs(bus, "g")["fetch_max_wait_ms"] == 1000
+    assert consumer_kwargs(run_bus(_recipe(), "k:1", Path("r")), "g")["fetch_max_wait_ms"] \
+        == FETCH_WAIT_MS
     assert bus.blob_store == str(Path("runs/x/blobs"))
     specs = stage_specs(r, bus, Path("runs/x"))
     assert all(s.config["bus"]["retention_ms"] == 86400000 for s in specs if "bus" in s.config)
