@@ -26,14 +26,15 @@ def publish_prompts(bus, dataset: str, rows: list[dict], partitions: int = 1) ->
     p.close()
 
 
-def trainer_progress(bus, run: str, consumed: int, needed: int) -> None:
-    """Write the trainer's progress as the trainer does (``<run>.progress``)."""
+def trainer_progress(bus, run: str, consumed: int, needed: int, version: int = 2) -> None:
+    """Write the trainer's progress as the trainer does (``<run>.progress``), as of its
+    policy_version ``version``."""
     from relax.streams.progress import PROGRESS_KEY, progress_row
 
     p = BatchProducer(bus)
     topic = topics.run_topic(run, topics.PROGRESS)
     ensure_topics(bus, {topic: 1})
-    p.send(topic, progress_row(consumed, needed, 2), key=PROGRESS_KEY)
+    p.send(topic, progress_row(consumed, needed, version), key=PROGRESS_KEY)
     p.close()
 
 
@@ -65,7 +66,11 @@ class StageRunner:
         if self.error is not None:
             raise self.error
 
-    def stop(self):
+    def stop(self, wake=None):
+        """Set the stop flag, call ``wake()`` (ends a long wait the stage is in, which
+        would otherwise run to its timeout), join, re-raise the stage's exception."""
         self._stop.set()
+        if wake is not None:
+            wake()
         self.thread.join(timeout=60)
         self.check()

@@ -135,3 +135,13 @@ def oldest_usable_version(
     if not versions:
         return None
     return max(versions) + groups_in_flight // batch_groups - max_staleness
+
+
+def report_lags(announced_version: int | None, reported_version: int | None) -> bool:
+    """Whether the trainer announced a policy_version (``<run>.weights``) that its latest
+    progress report (``<run>.progress``) has not reached. The trainer writes the report
+    right after the announcement; until it arrives, the groups that step consumed still
+    count as in flight, so :func:`oldest_usable_version` is a step too new and a rollout
+    would wait for weights the trainer is not about to send."""
+    return (announced_version is not None and reported_version is not None
+            and reported_version < announced_version)

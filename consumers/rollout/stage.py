@@ -157,14 +157,9 @@ class RolloutStage:
             if self._warned_behind:
                 return False
             self._warned_behind = True
-            log.warning(
-                "%s: weights v%d are older than the v%d a new group needs after %.0fs; "
-                "sampling anyway",
-                self.cfg.engine_id,
-                have,
-                need,
-                self.cfg.weights_wait_s,
-            )
+            log.warning("%s: weights v%d are older than the v%d a new group needs after "
+                        "%.0fs; sampling anyway", self.cfg.engine_id, have, need,
+                        self.cfg.weights_wait_s)
             return False
         return True
 
@@ -253,12 +248,16 @@ class RolloutStage:
         return not self._weights_behind() and (self.budget() > 0 or bool(self._regrants()))
 
     def wait(self, consumer, reader) -> None:
-        """While the gate is closed: wait for the weights, or for credit (keeping the
+        """While the gate is closed: wait for the weights (for the trainer's progress while
+        it lags its announcement: :func:`credit.report_lags`), or for credit (keeping the
         consumer group membership alive), and count the wait."""
-        t0 = time.perf_counter()
+        t0, timeout_s = time.perf_counter(), self.cfg.poll_timeout_s
         if self._weights_behind():
             self.stats.weight_waits += 1
-            self._idle(consumer, lambda: self._subscriber.poll(self.cfg.poll_timeout_s))
+            reported = getattr(self._progress, "version", None)
+            lags = credit.report_lags(self.trainer_version, reported)
+            self._idle(consumer, (lambda: self._learn(reader, timeout_s)) if lags
+                       else (lambda: self._subscriber.poll(timeout_s)))
             self.stats.weight_wait_s += time.perf_counter() - t0
         else:
             self.stats.budget_waits += 1

@@ -16,6 +16,7 @@ from relax.consumers.rollout.credit import (
     groups_in_flight,
     groups_per_call,
     oldest_usable_version,
+    report_lags,
     run_allowance,
 )
 
@@ -136,6 +137,15 @@ def test_oldest_usable_version():
     assert oldest_usable_version(3, None, 3, 4, 1) == 2
     # early in a run any weights do
     assert oldest_usable_version(0, None, 0, 4, 2) == -2
+
+
+def test_a_report_lags_only_behind_a_newer_announcement():
+    # v3 announced, the report still of v2: its step's groups count as in flight, so the
+    # version needed is a step too new until the report comes
+    assert report_lags(3, 2)
+    assert oldest_usable_version(3, 2, 8, 8, 0) == 4
+    assert not report_lags(3, 3) and not report_lags(2, 3)
+    assert not report_lags(None, 2) and not report_lags(3, None)
 
 
 def test_invalid_settings_raise():

@@ -206,6 +206,43 @@ def test_a_rollout_waiting_for_credit_wakes_on_the_trainer_s_progress(bus, uniqu
         runner.stop()
 
 
+def test_a_rollout_waiting_for_weights_wakes_on_the_progress_that_follows_them(
+    bus, unique, tmp_path
+):
+    """The trainer announces a version, then reports its progress. Between the two the
+    groups it just consumed still count as in flight, so the rollout takes the version it
+    needs to be one step newer than the one it received, and waits for weights. It must
+    wake on the report (which came ~0.5 s late in a sync step on Kafka), not at its poll
+    timeout: 60 s here, so 2 more groups follow within 20 s only if it does."""
+    from relax.streams.weights import WeightPublisher
+    from relax.trainer.models import load_model
+
+    _publish_prompts(bus, unique, prompt_rows(4, dataset=unique, messages=False))
+    _trainer_progress(bus, unique, consumed=0, needed=4, version=0)
+    pub = WeightPublisher(bus, unique, checkpoint_dir=tmp_path / "ckpt")
+    cfg = RolloutConfig(bus=bus, run=unique, dataset=unique, model="tiny-llama", group_size=1,
+                        batch_groups=2, max_staleness=0, max_new_tokens=3, seed=0,
+                        weights_rendezvous=pub.rendezvous, poll_timeout_s=60.0)
+    stage = RolloutStage(cfg)
+    runner = _Runner(stage)
+    params = dict(load_model("tiny-llama").named_parameters())
+    try:
+        pub.wait_for_members(1, 60)
+        _wait(lambda: runner.check() or stage.stats.groups >= 2, what="2 groups at v0")
+        assert pub.publish(params, 1).result().members == ["rollout-0"]
+        _wait(lambda: runner.check() or stage.stats.weight_waits > 0, what="a weight wait")
+        time.sleep(1.0)  # the wait has begun on the need the late report makes too new
+        assert stage.stats.groups == 2 and stage.trainer_version == 1
+        _trainer_progress(bus, unique, consumed=2, needed=2, version=1)
+        _wait(lambda: runner.check() or stage.stats.groups >= 4, timeout_s=20,
+              what="2 groups at v1 on the report")
+        assert stage.engine.policy_version == 1
+        runner.stop(wake=lambda: pub.publish(params, 2).result())  # it waits for v2 now
+    finally:
+        runner.stop()
+        pub.close()
+
+
 # ---------------------------------------------------------------- multi-turn
 
 
