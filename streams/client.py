@@ -50,9 +50,9 @@ fetch already waiting when a record arrives only at half this wait, so a record 
 a reader that loops on ``poll`` in up to ~100 ms at 200 ms (median 20-44 ms), in 2-12 ms
 at 10-20 ms (``benchmarks/bus_latency.py --waits``). Apache Kafka answers such a fetch
 as soon as the record arrives, so a longer wait costs no latency there; on 2 cores a
-relax sync run on Kafka at 1000 ms was no faster than on Tansu at 200 ms (its JVM idles
-at ~0.04 cores; ``benchmarks/RESULTS.md``, 2026-12-06, last section). A reader polled
-only on demand takes a short wait of its own (``TopicReader(fetch_wait_ms=...)``)."""
+relax sync run on Kafka at 1000 ms was still no faster than on Tansu at 200 ms (the JVM's
+cores came out of training; ``benchmarks/RESULTS.md``, "2026-12-06 (morning)"). A reader
+polled only on demand takes a short wait of its own (``TopicReader(fetch_wait_ms=...)``)."""
 
 
 class BusConfig(BaseModel):
@@ -129,8 +129,6 @@ def producer_kwargs(cfg: BusConfig, client_id: str | None = None) -> dict:
         # silently turning it off
         enable_idempotence=True,
     )
-
-
 
 
 def consumer_kwargs(cfg: BusConfig, group_id: str | None, client_id: str | None = None,
