@@ -8,8 +8,9 @@ small bootstrap that, before the code runs, moves itself into a new network name
 ``CLONE_NEWUSER | CLONE_NEWNET``) so that no address, loopback included, is reachable,
 and sets ``RLIMIT_AS`` and ``RLIMIT_CPU``. If neither unshare is allowed, nothing runs:
 :class:`SandboxError` (fail closed). A run over its time is killed with its whole
-process group. The limits are per call; the code sees ``__name__ == "__main__"``.
-Linux only.
+process group; so is one the kernel stops at its CPU limit (``SIGXCPU``: on a busy host
+the child can spend its CPU second before the parent's wall clock fires). The limits are
+per call; the code sees ``__name__ == "__main__"``. Linux only.
 """
 
 from __future__ import annotations
@@ -97,5 +98,8 @@ def run_python(code: str, *, timeout_s: float = 10.0, memory_bytes: int = 1 << 3
                                  _cut(err.decode(errors="replace")), True)
     if p.returncode == NO_NETWORK_EXIT and err.startswith(b"relax-sandbox: cannot isolate"):
         raise SandboxError(err.decode(errors="replace").strip())
+    if p.returncode == -signal.SIGXCPU:
+        return SandboxResult(None, _cut(out.decode(errors="replace")),
+                             _cut(err.decode(errors="replace")), True)
     return SandboxResult(p.returncode, _cut(out.decode(errors="replace")),
                          _cut(err.decode(errors="replace")), False)

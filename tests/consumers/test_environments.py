@@ -79,7 +79,10 @@ def test_sandbox_limits_time_memory_and_network():
     net = run_python("import socket; socket.create_connection(('127.0.0.1', 22), timeout=2)")
     assert net.returncode == 1 and "Network is unreachable" in net.stderr
     slow = run_python("while True: pass", timeout_s=1.0)
-    assert slow.timed_out and not slow.ok
+    assert slow.timed_out and not slow.ok and slow.returncode is None
+    # the kernel's CPU limit is a time-out too, whichever clock fires first
+    cpu = run_python("import os, signal; os.kill(os.getpid(), signal.SIGXCPU)", timeout_s=30.0)
+    assert cpu.timed_out and cpu.returncode is None
     big = run_python("x = bytearray(3 << 30)", memory_bytes=1 << 30)
     assert big.returncode == 1 and "MemoryError" in big.stderr
     assert run_python("import os; print(os.listdir('.'), 'HOME' in os.environ)").stdout == "[] False\n"
