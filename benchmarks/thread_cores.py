@@ -1,12 +1,14 @@
 """Which threads of a live run use the cores while one of its processes computes.
 
-    python benchmarks/thread_cores.py DRIVER_PID [--windows 4] [--seconds 8] [--json OUT]
+    python benchmarks/thread_cores.py DRIVER_PID [--windows 4] [--seconds 8] [--busy 1.5]
+                                      [--json OUT]
 
 ``DRIVER_PID`` is the ``relax train`` process (or any process that started the run
 in-process, such as ``e2e_vs_trl.py --one sync``). Its processes are it and everything
 below it (:func:`relax.infra.cpu_timeline.descendants`: the stages, the broker, Ray's
-daemons). Each second the tool looks for one using 1.5 cores or more (the trainer
-training, the rollout generating); then, over ``--seconds``, it reads every thread's CPU
+daemons). Each second the tool looks for one using ``--busy`` cores or more (1.5: the
+trainer training, the rollout generating at two threads; 0.9 for relax async's one-thread
+stages); then, over ``--seconds``, it reads every thread's CPU
 seconds and wake-ups (voluntary context switches: each time a thread went to sleep and was
 woken again) from ``/proc`` and gives, per process, its cores, its wake-ups a second and
 its busiest and most wakeful threads. The
@@ -104,6 +106,8 @@ def main() -> None:
     ap.add_argument("driver", type=int)
     ap.add_argument("--windows", type=int, default=4)
     ap.add_argument("--seconds", type=float, default=8.0)
+    ap.add_argument("--busy", type=float, default=BUSY_CORES,
+                    help="cores a process must use to count as computing")
     ap.add_argument("--json", type=Path)
     a = ap.parse_args()
     names: dict = {}
@@ -113,7 +117,7 @@ def main() -> None:
         c0 = {n: cpu_seconds(p) for n, p in procs.items()}
         time.sleep(1.0)
         c1 = {n: cpu_seconds(p) for n, p in procs.items()}
-        busy = [n for n in procs if c0[n] and c1[n] and c1[n][0] - c0[n][0] >= BUSY_CORES]
+        busy = [n for n in procs if c0[n] and c1[n] and c1[n][0] - c0[n][0] >= a.busy]
         if not busy:
             continue
         w = {"at": time.strftime("%H:%M:%S"), "busy": busy,
