@@ -8,12 +8,12 @@ in-process, such as ``e2e_vs_trl.py --one sync``). Its processes are it and ever
 below it (:func:`relax.infra.cpu_timeline.descendants`: the stages, the broker, Ray's
 daemons). Each second the tool looks for one using ``--busy`` cores or more (1.5: the
 trainer training, the rollout generating at two threads; 0.9 for relax async's one-thread
-stages); then, over ``--seconds``, it reads every thread's CPU
-seconds and wake-ups (voluntary context switches: each time a thread went to sleep and was
-woken again) from ``/proc`` and gives, per process, its cores, its wake-ups a second and
-its busiest and most wakeful threads. The
-run's CPU timeline reads threads only of busy processes; this shows what the idle ones
-spend their cores on (their Kafka clients' I/O threads, the stage loop, Ray's threads).
+stages); then, over ``--seconds``, it reads every thread's CPU seconds and wake-ups
+(voluntary context switches: each time a thread went to sleep and was woken again) from
+``/proc`` and gives, per process, its cores, its wake-ups a second and its busiest and
+most wakeful threads. The run's CPU timeline reads threads only of busy processes; this
+shows what the idle ones spend their cores on (their Kafka clients' I/O threads, the stage
+loop, Ray's threads).
 Threads are named by ``py-spy dump`` where ``py-spy`` is installed (Python's thread
 names: ``kafka-io-relax-<client>``, ``relax-trainer-input``; not a relax dependency),
 else by their ``comm``.

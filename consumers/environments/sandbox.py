@@ -98,8 +98,6 @@ def run_python(code: str, *, timeout_s: float = 10.0, memory_bytes: int = 1 << 3
                                  _cut(err.decode(errors="replace")), True)
     if p.returncode == NO_NETWORK_EXIT and err.startswith(b"relax-sandbox: cannot isolate"):
         raise SandboxError(err.decode(errors="replace").strip())
-    if p.returncode == -signal.SIGXCPU:
-        return SandboxResult(None, _cut(out.decode(errors="replace")),
-                             _cut(err.decode(errors="replace")), True)
-    return SandboxResult(p.returncode, _cut(out.decode(errors="replace")),
-                         _cut(err.decode(errors="replace")), False)
+    cpu_limit = p.returncode == -signal.SIGXCPU  # out of its time by the other clock
+    return SandboxResult(None if cpu_limit else p.returncode, _cut(out.decode(errors="replace")),
+                         _cut(err.decode(errors="replace")), cpu_limit)
