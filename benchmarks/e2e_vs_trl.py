@@ -42,6 +42,11 @@ waited for data and the mean reward of the trained samples. From those:
   (:func:`derived_limit`), from one-thread times measured alone (``loop1t``) or with
   the other core busy (``loop1tx2``); ``limit_rows``: ``limit`` with the loops'
   training times scaled to the best async system's rows a step;
+* ``trainer_data_wait_floor``: the data-wait share the best async system's staleness
+  bound forces even with perfect hand-offs (:mod:`relax.benchmarks.wait_floor`: its
+  own training times a step, the ``loop1tx2`` generation time a batch): where its steps
+  train in less time than one batch takes to generate, the trainer must wait, since
+  the next batch may not be sampled with older weights;
 * ``sync_over_loop_1thread``: relax sync at one torch thread a stage (``sync1t``) over
   the one-thread loop (``loop1t``): the bus and processes' cost when one of the 2 cores
   is left to the waiting processes, as on a GPU node's host.
@@ -65,6 +70,8 @@ import tempfile
 import time
 from datetime import datetime
 from pathlib import Path
+
+from relax.benchmarks.wait_floor import floor_pct
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE = ROOT / "recipes" / "arith_grpo_smollm2.yaml"
@@ -439,6 +446,10 @@ def summarise(raw: dict) -> dict:
         "reward_mean": round(sum(s["reward"] * s["samples"] for s in st) / samples, 4),
         "reward_curve": [round(s["reward"], 4) for s in st],
         "wait_s_curve": [round(s["wait_s"], 2) for s in st],
+        # the trainer's own seconds a step (step less data-wait and checkpoint): the input
+        # of relax.benchmarks.wait_floor
+        "own_s_curve": [round(s["step_s"] - s["wait_s"] - s.get("checkpoint_s", 0.0), 3)
+                        for s in st],
         **({"accounting": raw["accounting"]} if "accounting" in raw else {}),
     }
 
@@ -487,6 +498,22 @@ def corun(results: list[dict]) -> dict:
     return out
 
 
+def wait_floors(res: dict, best_async: str) -> dict:
+    """``trainer_data_wait_floor``: the best async system's data-wait share (a fraction,
+    as ``trainer_data_wait``) that its staleness bound forces with perfect hand-offs
+    (:func:`relax.benchmarks.wait_floor.floor_pct`), on its own training times and the
+    one-thread loop's generation time per step measured with the other core busy
+    (``loop1tx2``; else ``loop1t`` alone, ``wait_floor_from``); ``wait_floor_gen_s``:
+    that generation time. Empty without both."""
+    one = next((k for k in ("loop1tx2", "loop1t") if k in res), None)
+    if one is None or best_async not in res or "own_s_curve" not in res[best_async]:
+        return {}
+    gen = res[one]["wait_s_mean"]
+    pct = floor_pct(res[best_async]["own_s_curve"], gen, int(best_async[-1]))
+    return {"trainer_data_wait_floor": round(pct / 100, 4), "wait_floor_gen_s": gen,
+            "wait_floor_from": one}
+
+
 def ratios(res: dict) -> dict:
     """Ratios of steady samples/s (and of end-to-end samples/s, ``*_e2e``)."""
     def r(a, b, key="steady_samples_per_s"):
@@ -520,6 +547,7 @@ def ratios(res: dict) -> dict:
                                     if rows_limit else None)
     out["trainer_data_wait"] = (round(res[best_async]["data_wait_pct"] / 100, 4)
                                 if best_async in res else None)
+    out.update(wait_floors(res, best_async))
     return out
 
 
