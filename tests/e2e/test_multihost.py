@@ -147,8 +147,8 @@ def test_stages_on_three_hosts(tmp_path):
         seen = json.loads(seen.stdout)
         by_engine = seen["rows"]
         # the engines share one credit (dynamic claims): in 4 steps one may sample every
-        # group, so which engine wrote rows is left open; both got every version after
-        # the first by broadcast from a, none through a same-host file
+        # group, so which engine wrote rows is left open; the trainer on a sent a version
+        # to both by broadcast, none through a same-host file
         assert by_engine and set(by_engine) <= {"rollout-0", "rollout-1"}, by_engine.keys()
         assert max(seen["sent"]["weights_broadcast_subscribers"]) == 2, seen["sent"]
         assert set(seen["sent"]["weights_local_subscribers"]) == {0}, seen["sent"]
