@@ -175,8 +175,8 @@ def test_a_restarted_stage_counts_the_groups_its_predecessor_left_in_flight(bus,
     first.run(lambda: first.stats.budget_waits > 0)  # the credit (4 groups) is used up
     assert first.stats.groups == 4
     second = RolloutStage(cfg)
-    deadline = _time.monotonic() + 8
-    second.run(lambda: _time.monotonic() > deadline)
+    deadline = _time.monotonic() + 60  # its start-up, then 2 s waiting for credit
+    second.run(lambda: second.stats.budget_wait_s > 2.0 or _time.monotonic() > deadline)
     out = read_table(bus, topics.run_topic(unique, "rollouts")).column("group_id").to_pylist()
     assert second.stats.groups == 0 and second.stats.budget_waits > 0
     assert len(out) == len(set(out)) == 4

@@ -55,6 +55,9 @@ def test_a_killed_rank_restarts_the_trainer_and_loses_nothing(broker, tmp_path, 
     stages = json.loads((Path(s["run_dir"]) / "stages.json").read_text())
     assert stages["trainer"]["restarts"] >= 1, stages["trainer"]
     logs = Path(s["run_dir"]) / "logs"
-    assert (logs / "trainer.log").read_text().count(f"data-parallel ({mode}) trainer: 2 ranks") == 2
+    # every start of the trainer formed both ranks again (a slow rendezvous may cost a
+    # second restart: the run still finishes whole)
+    starts = (logs / "trainer.log").read_text().count(f"data-parallel ({mode}) trainer: 2 ranks")
+    assert starts == stages["trainer"]["restarts"] + 1, (starts, stages["trainer"])
     # the restarted trainer resumed at a checkpoint >= 1 and its rank 1 ran to the end
     assert re.search(r"rank 1 done after [1-3] steps", (logs / "trainer-rank1.log").read_text())
