@@ -33,9 +33,12 @@ def test_a_busy_process_shows_one_core_and_an_idle_one_none(tmp_path):
     rows = read_timeline(path)
     mine = {n: [r for r in rows if r["name"] == n] for n in ("busy", "idle", "gone")}
     assert len(mine["busy"]) >= 4 and not mine["gone"]
-    steady = mine["busy"][1:]  # the first interval may include the interpreter's start
-    assert min(r["cores"] for r in steady) > 0.5 and all(r["threads"] == 1 for r in steady)
-    assert max(r["cores"] for r in mine["idle"]) < 0.1
+    # the first interval may include the interpreter's start; on a loaded machine one
+    # interval of 0.2 s may give the spinning process less than half a core, not the mean
+    steady = mine["busy"][1:]
+    assert sum(r["cores"] for r in steady) / len(steady) > 0.7, steady
+    assert all(r["threads"] == 1 for r in steady)
+    assert max(r["cores"] for r in mine["idle"][1:]) < 0.1
     assert all(r["threads"] == 0 for r in mine["idle"])
     png = tmp_path / "timeline.png"
     assert plot_timeline(rows, png, [rows[0]["ts"] + 0.5])
