@@ -48,8 +48,8 @@ def want_threads(current: int, low: int, high: int, running: int, delay_s: float
     """The torch threads to use next, from what the scheduler says now.
 
     At ``high``: drop to ``low`` when more threads are runnable on the host than
-    ``high``, or when this thread waited on a run queue for more than 10 % of the
-    interval since the last check (another process's thread took its core). At ``low``:
+    ``high``, or when this thread waited on a run queue since the last check for more
+    than a tenth of ``interval_s`` (another process's thread took its core). At ``low``:
     go to ``high`` after two checks in a row where no thread but this one was runnable.
 
     Args:
