@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing as mp
+import os
 import statistics
 import sys
 import time
@@ -116,6 +117,11 @@ class _Elastic:
             self.switches += 1
             self.torch.set_num_threads(want)
 
+    def seconds_high(self) -> float:
+        """Seconds spent at ``high`` so far, the current stretch included."""
+        now = time.monotonic()
+        return self.high_s + (now - self._since if self.current == self.high else 0.0)
+
     def install(self, model) -> None:
         for m in model.modules():
             if next(m.children(), None) is None:
@@ -153,17 +159,13 @@ def _trainer(mode: str, seconds: float, interval_s: float, q) -> None:
         backend.model.zero_grad()
         n += 1
     wall = time.perf_counter() - t0
-    if elastic and elastic.current == elastic.high:
-        elastic.high_s += time.monotonic() - elastic._since
     q.put(dict(mode=mode, iters=n, iters_per_s=n / wall,
                cores=(time.process_time() - c0) / wall,
-               high_frac=elastic.high_s / wall if elastic else 0.0,
+               high_frac=elastic.seconds_high() / wall if elastic else 0.0,
                switches=elastic.switches if elastic else 0))
 
 
 def _corunner(seconds: float, busy_s: float, idle_s: float, nice: int, q) -> None:
-    import os
-
     import torch
 
     os.nice(nice)
@@ -171,21 +173,22 @@ def _corunner(seconds: float, busy_s: float, idle_s: float, nice: int, q) -> Non
     x, w1, w2 = torch.randn(64, 576), torch.randn(576, 1536), torch.randn(1536, 576)
     q.put("ready")
     work, busy, t0 = 0, 0.0, time.perf_counter()
-    while time.perf_counter() - t0 < seconds:
+    end = t0 + seconds  # busy_frac counts this window only: the last phase stops at its end
+    while time.perf_counter() < end:
         s = time.perf_counter()
-        while time.perf_counter() - s < busy_s:
+        while time.perf_counter() - s < busy_s and time.perf_counter() < end:
             for _ in range(20):
                 (x @ w1).relu_() @ w2
             work += 1
         busy += time.perf_counter() - s
-        time.sleep(idle_s)
+        time.sleep(max(0.0, min(idle_s, end - time.perf_counter())))
     q.put(dict(corunner_work_per_busy_s=work / busy, corunner_busy_frac=busy / seconds))
 
 
 def run_one(mode: str, args, alone: bool = False) -> dict:
     """One trainer run of ``mode`` beside a fresh co-runner (both spawned), or alone."""
     ctx = mp.get_context("spawn")
-    qt, qc = ctx.Queue(), ctx.Queue()
+    qt = ctx.Queue()
     trainer = ctx.Process(target=_trainer, args=(mode, args.seconds, args.interval_ms / 1e3, qt))
     trainer.start()
     qt.get()  # the model is loaded: start the co-runner
@@ -193,8 +196,9 @@ def run_one(mode: str, args, alone: bool = False) -> dict:
         out = dict(qt.get(), alone=True)
         trainer.join()
         return out
+    qc = ctx.Queue()
     co = ctx.Process(target=_corunner, args=(args.seconds, args.busy_s, args.idle_s,
-                                                     args.corunner_nice, qc))
+                                             args.corunner_nice, qc))
     co.start()
     qc.get()
     out = qt.get()
