@@ -7,6 +7,8 @@ relax sync and relax async (max_staleness 1 and 2).
         --out benchmarks/results/e2e_seed2.json       # other samples: the reward's spread
     python benchmarks/e2e_vs_trl.py --steps 12 --systems sync --bus kafka --fetch-wait-ms 1000 \
         --out /tmp/sync_kafka.json                    # relax on Apache Kafka (make install)
+    python benchmarks/e2e_vs_trl.py --steps 10 --systems async1 --trainer-processes 2 \
+        --out /tmp/async_2ranks.json                  # two data-parallel trainer ranks
 
 The workload is the demo's (``recipes/arith_grpo_smollm2.yaml``): SmolLM2-135M-Instruct,
 reasoning-gym 2-digit additions (fixed seed, the same prompts in the same order for
@@ -305,10 +307,12 @@ def train_cpu(m: dict) -> dict:
 
 def run_relax(w: dict, mode: str, staleness: int, threads: int, run_root: str,
               shm: bool = True, bootstrap: str | None = None,
-              fetch_wait_ms: int | None = None) -> dict:
+              fetch_wait_ms: int | None = None, trainer_processes: int = 1) -> dict:
     """``relax train`` on the demo recipe (every stage its own process, a local Tansu or
     the cluster at ``bootstrap``); ``shm=False`` sends the weights by the gloo broadcast
-    (``trainer.weights_shm``); ``fetch_wait_ms``: ``bus.fetch_wait_ms`` (None: default)."""
+    (``trainer.weights_shm``); ``fetch_wait_ms``: ``bus.fetch_wait_ms`` (None: default);
+    ``trainer_processes``: ``resources.trainer.processes`` (data-parallel ranks, each at
+    the stage's torch threads)."""
     import yaml
 
     from relax.infra.launch import train
@@ -327,6 +331,7 @@ def run_relax(w: dict, mode: str, staleness: int, threads: int, run_root: str,
     tree["trainer"]["loss"].update(clip_eps_low=w["clip_eps"], clip_eps_high=w["clip_eps"])
     for stage in ("rollout", "trainer"):
         tree["resources"][stage]["torch_threads"] = threads
+    tree["resources"]["trainer"]["processes"] = trainer_processes
     recipe = load_recipe(None, [], tree=tree)
     summary = train(recipe, say=lambda s: print(s, flush=True))
     run_dir = Path(summary["run_dir"])
@@ -364,7 +369,7 @@ def run_relax(w: dict, mode: str, staleness: int, threads: int, run_root: str,
 
 
 def one(system: str, w: dict, threads: int, out: Path, bus: str = "tansu",
-        fetch_wait_ms: int | None = None) -> None:
+        fetch_wait_ms: int | None = None, trainer_processes: int = 1) -> None:
     """Run one system and write its raw result to ``out``; relax systems on the ``bus``
     (``tansu``: the run's own; ``kafka``: an Apache Kafka node started for it)."""
     t0 = time.perf_counter()
@@ -384,7 +389,8 @@ def one(system: str, w: dict, threads: int, out: Path, bus: str = "tansu",
             try:
                 res = run_relax(w, mode, s, threads, d, shm=not system.endswith("gloo"),
                                 bootstrap=broker and broker.bootstrap,
-                                fetch_wait_ms=fetch_wait_ms)
+                                fetch_wait_ms=fetch_wait_ms,
+                                trainer_processes=trainer_processes)
             finally:
                 if broker:
                     stop_broker(broker)
@@ -588,13 +594,17 @@ def main() -> None:
                          "node started for each system (make install)")
     ap.add_argument("--fetch-wait-ms", type=int, default=None,
                     help="the relax systems' bus.fetch_wait_ms (default: BusConfig's)")
+    ap.add_argument("--trainer-processes", type=int, default=1,
+                    help="the relax systems' resources.trainer.processes (data-parallel "
+                         "trainer ranks)")
     ap.add_argument("--one", help=argparse.SUPPRESS)
     ap.add_argument("--threads", type=int, default=1, help=argparse.SUPPRESS)
     ap.add_argument("--raw", help=argparse.SUPPRESS)
     args = ap.parse_args()
     w = workload(args.steps, args.seed)
     if args.one:
-        one(args.one, w, args.threads, Path(args.raw), args.bus, args.fetch_wait_ms)
+        one(args.one, w, args.threads, Path(args.raw), args.bus, args.fetch_wait_ms,
+            args.trainer_processes)
         return
     systems = [s for s in args.systems.split(",") if s]
     unknown = [s for s in systems if s not in SYSTEMS]
@@ -620,6 +630,7 @@ def main() -> None:
                     [sys.executable, __file__, "--one", name.removesuffix("x2"), "--steps",
                      str(args.steps), "--seed", str(args.seed), "--threads", str(THREADS[name]),
                      "--raw", str(r), "--bus", args.bus,
+                     "--trainer-processes", str(args.trainer_processes),
                      *(["--fetch-wait-ms", str(args.fetch_wait_ms)]
                        if args.fetch_wait_ms is not None else [])],
                     stdout=f, stderr=subprocess.STDOUT, env=env))
@@ -639,6 +650,7 @@ def main() -> None:
     rat = ratios(results)
     doc = {"workload": w, "threads": {k: THREADS[k] for k in systems},
            "bus": {"broker": args.bus, "fetch_wait_ms": args.fetch_wait_ms},
+           "trainer_processes": args.trainer_processes,
            "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
                        "processor": platform.processor() or platform.machine(),
                        "python": platform.python_version()},
