@@ -75,7 +75,8 @@ def test_a_busy_process_shows_its_cpu_time_and_an_idle_one_none(tmp_path):
                                             "gone": gone.pid}, enough)
     finally:
         busy.kill()
-        _, _, usage = os.wait4(busy.pid, 0)
+        _, status, usage = os.wait4(busy.pid, 0)  # its CPU time, as the kernel counts it
+        busy.returncode = os.waitstatus_to_exitcode(status)
         t1 = time.time()
         idle.kill()
         idle.wait()
@@ -129,6 +130,7 @@ def test_a_run_follows_its_stages_the_broker_itself_and_what_it_started(tmp_path
             os.kill(p, 9)
         child.kill()
         child.wait()
+        child.stdout.close()
 
 
 def test_processes_that_barely_ran_share_one_panel_their_sum():
