@@ -4,9 +4,10 @@
 loop, which spends about half its time generating and half training. In relax async at
 max_staleness 1 the rollout beside the trainer generates for ~70 % of each step and
 waits for the rest. Decoding streams the whole model from memory for every token, while
-a training step mostly multiplies in cache, so the two co-runners may slow the trainer
-differently. Here each half runs alone and beside each kind of co-runner, in separate
-processes with one torch thread each, over the same timed window:
+a training step's matrix products reuse each weight for every row of the batch, so the
+two co-runners may slow the trainer differently. Here each half runs alone and beside
+each kind of co-runner, in separate processes with one torch thread each, over the same
+timed window:
 
 * ``train``: the trainer alone (the plain loop's ``train_step`` on the first
   ``--batches`` batches of the e2e workload, made once before the window, over and over);
