@@ -64,29 +64,8 @@ def role(kind: str, start_at: float, seconds: float, batches: int, seed: int) ->
     Raises:
         RuntimeError: the model load and the batches took past ``start_at``.
     """
-    import torch
-
-    from relax.consumers.engines.hf import HFEngine
-    from relax.trainer.backends.torch_backend import TorchBackend
-    from relax.trainer.batching import informative_rows, loss_counts, micro_batches
-    from relax.trainer.config import TrainerConfig
-    from relax.trainer.models import load_tokenizer
-
-    torch.set_num_threads(1)
-    torch.manual_seed(seed)
-    w = bench.workload(steps=max(batches, 8), seed=seed)
-    trainer, rcfg, acfg = bench.loop_configs(w)
-    backend = TorchBackend(TrainerConfig(**trainer))
-    tok = load_tokenizer(w["model"])
-    engine = HFEngine(backend.model, tok, engine_id=kind)
-    rows = bench.prompt_rows(w)
-
-    def make(step: int) -> list:
-        k = step % w["steps"]
-        batch = rows[k * w["batch_groups"]:(k + 1) * w["batch_groups"]]
-        return bench.grpo_groups(engine, tok, batch, k, w, rcfg, acfg)[0]
-
-    made = [make(i) for i in range(batches)] if kind == "train" else []
+    p = bench.loop_parts(bench.workload(steps=max(batches, 8), seed=seed), 1, kind)
+    made = [p.sample(i) for i in range(batches)] if kind == "train" else []
     if time.time() > start_at:
         raise RuntimeError(f"{kind}: ready {time.time() - start_at:.1f} s after --start-at")
     time.sleep(start_at - time.time())
@@ -94,11 +73,9 @@ def role(kind: str, start_at: float, seconds: float, batches: int, seed: int) ->
     while True:
         t0, r0 = time.time(), resource.getrusage(resource.RUSAGE_SELF)
         if kind == "train":
-            groups = made[i % batches]
-            n = backend.train_step(micro_batches(informative_rows(groups), 8192),
-                                   counts=loss_counts(groups))["rows_computed"]
+            n = p.train(made[i % batches])["rows_computed"]
         else:
-            make(i)
+            p.sample(i)
             n = 0
         t1, r1 = time.time(), resource.getrusage(resource.RUSAGE_SELF)
         if t1 > end:

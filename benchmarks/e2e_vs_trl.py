@@ -188,32 +188,17 @@ def run_trl(w: dict, threads: int) -> dict:
 def run_loop(w: dict, threads: int) -> dict:
     """The floor: relax's own pieces (HF engine, scorer, GRPO advantages, shared-prefix
     trainer step) called one after the other in one process, one model, no bus."""
-    import torch
-
-    from relax.consumers.engines.hf import HFEngine
-    from relax.trainer.backends.torch_backend import TorchBackend
-    from relax.trainer.batching import informative_rows, loss_counts, micro_batches
-    from relax.trainer.config import TrainerConfig
     from relax.trainer.loop import cpu_usage
-    from relax.trainer.models import load_tokenizer
 
-    torch.set_num_threads(threads)
-    torch.manual_seed(w["seed"])
-    trainer, rcfg, acfg = loop_configs(w)
-    backend = TorchBackend(TrainerConfig(**trainer))
-    tok = load_tokenizer(w["model"])
-    engine = HFEngine(backend.model, tok, engine_id="loop")
-    rows = prompt_rows(w)
+    p = loop_parts(w, threads, "loop")
     per_step = []
     t0 = time.perf_counter()
     for step in range(w["steps"]):
         ts = time.perf_counter()
-        batch = rows[step * w["batch_groups"]:(step + 1) * w["batch_groups"]]
-        groups, _ = grpo_groups(engine, tok, batch, step, w, rcfg, acfg)
+        groups = p.sample(step)
         wait = time.perf_counter() - ts
         before = resource.getrusage(resource.RUSAGE_SELF)
-        stats = backend.train_step(micro_batches(informative_rows(groups), 8192),
-                                   counts=loss_counts(groups))
+        stats = p.train(groups)
         now = time.perf_counter()
         rew = [x for g in groups for x in g.column("reward").to_pylist()]
         per_step.append({"t": now - t0, "samples": len(rew), "wait_s": wait,
@@ -222,6 +207,51 @@ def run_loop(w: dict, threads: int) -> dict:
                          "tokens": stats["tokens_trained"],
                          **train_cpu(cpu_usage(before, resource.getrusage(resource.RUSAGE_SELF)))})
     return {"steps": per_step, "train_s": per_step[-1]["t"]}
+
+
+class LoopParts:
+    """One process's model, tokenizer, engine (on the same model) and prompts for
+    workload ``w`` (:func:`loop_parts`), with the plain loop's two halves."""
+
+    def __init__(self, w: dict, backend, tok, engine, rows: list[dict], rcfg, acfg):
+        self.w, self.backend, self.tok, self.engine, self.rows = w, backend, tok, engine, rows
+        self.rcfg, self.acfg = rcfg, acfg
+
+    def sample(self, step: int) -> list:
+        """Step ``step``'s groups: its ``batch_groups`` prompts (step modulo the
+        workload's steps), sampled, scored and made into train samples
+        (:func:`grpo_groups`)."""
+        w, k = self.w, step % self.w["steps"]
+        batch = self.rows[k * w["batch_groups"]:(k + 1) * w["batch_groups"]]
+        return grpo_groups(self.engine, self.tok, batch, k, w, self.rcfg, self.acfg)[0]
+
+    def train(self, groups: list) -> dict:
+        """One optimizer step on the informative rows of ``groups`` (8192-token
+        micro-batches); the back end's step statistics."""
+        from relax.trainer.batching import informative_rows, loss_counts, micro_batches
+
+        return self.backend.train_step(micro_batches(informative_rows(groups), 8192),
+                                       counts=loss_counts(groups))
+
+
+def loop_parts(w: dict, threads: int, engine_id: str) -> LoopParts:
+    """The plain loop's pieces at ``threads`` torch threads, seeded by ``w["seed"]``:
+    relax's torch back end and HF engine sharing one model, the first prompts of the
+    workload (:func:`prompt_rows`)."""
+    import torch
+
+    from relax.consumers.engines.hf import HFEngine
+    from relax.trainer.backends.torch_backend import TorchBackend
+    from relax.trainer.config import TrainerConfig
+    from relax.trainer.models import load_tokenizer
+
+    torch.set_num_threads(threads)
+    torch.manual_seed(w["seed"])
+    trainer, rcfg, acfg = loop_configs(w)
+    backend = TorchBackend(TrainerConfig(**trainer))
+    tok = load_tokenizer(w["model"])
+    engine = HFEngine(backend.model, tok, engine_id=engine_id)
+    return LoopParts(w, backend, tok, engine, prompt_rows(w), rcfg, acfg)
 
 
 def loop_configs(w: dict, budget: int = 8192) -> tuple[dict, object, object]:
