@@ -303,16 +303,27 @@ def scale_cmd(run: str = typer.Argument(..., help="run name (its folder: RUN_ROO
     $RELAX_API_TOKEN or the run folder): by count, or on engine sglang by server."""
     from pathlib import Path
 
+    import httpx
+
     from relax.infra.scale_client import scale_servers, scale_to
 
     if sum(map(bool, (instances is not None, add_engine, remove_engine))) != 1:
         raise typer.BadParameter("give one of --instances, --add-engine, --remove-engine")
     run_dir = Path(run_root) / run
-    if instances is not None:
-        op = scale_to(run_dir, instances, wait, timeout_s, say=typer.echo)
-    else:
-        op = scale_servers(run_dir, add_engine or remove_engine, bool(add_engine), wait,
-                           timeout_s, say=typer.echo)
+    try:
+        if instances is not None:
+            op = scale_to(run_dir, instances, wait, timeout_s, say=typer.echo)
+        else:
+            op = scale_servers(run_dir, add_engine or remove_engine, bool(add_engine), wait,
+                               timeout_s, say=typer.echo)
+    except FileNotFoundError as e:
+        typer.echo(f"error: {run_dir}: no control API to ask ({e.filename} is missing): "
+                   "the run is not running here, or api.enabled is off", err=True)
+        raise typer.Exit(1) from None
+    except httpx.TransportError as e:  # the run ended before or during the operation
+        typer.echo(f"error: the control API of {run} does not answer ({e}): the run has "
+                   "ended", err=True)
+        raise typer.Exit(1) from None
     if op["state"] != "ACTIVE":
         raise typer.Exit(1)
 
@@ -329,6 +340,11 @@ def monitor_cmd(run: str = typer.Option(..., "--run", help="run to watch"),
     cfg = bus_config(bootstrap)
     if once:
         snap = monitor.snapshot(cfg, run)
+        if not snap["topics"]:  # empty tables would look like an idle run
+            typer.echo(f"error: no topics of run {run!r} on {cfg.bootstrap_servers}: a run "
+                       "started without --bootstrap had its own broker, gone with it; give "
+                       "the broker it ran on (--bootstrap HOST:PORT)", err=True)
+            raise typer.Exit(1)
         if as_json:
             typer.echo(monitor.to_json(snap))
         else:

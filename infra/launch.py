@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import os
 import signal
 import time
 from collections.abc import Callable
@@ -163,8 +164,9 @@ def train(recipe: Recipe, *, say: Callable[[str], None] = print,
 
             api = serve_run_api(recipe, bus, run_dir, controller, watch)
             stack.callback(api.close)
-            say(f"api: {api.url} (token: {run_dir / 'api.json'}; relax scale {recipe.run} "
-                f"--instances N)")
+            token = ("$RELAX_API_TOKEN" if os.environ.get("RELAX_API_TOKEN")
+                     else run_dir / "api_token")
+            say(f"api: {api.url} (token: {token}; relax scale {recipe.run} --instances N)")
         watch.until_done(stopping, None if timeout_s is None else t_start + timeout_s)
         summary["train_s"] = round(time.time() - t_train, 1)
         timeline.close()

@@ -156,3 +156,16 @@ def test_metrics_fold_timeline_keeps_each_stages_busy_frac_rows():
             "value": 0.0, "policy_version": None} for i in range(TIMELINE_POINTS)])
     assert len(f.timeline["trainer"]) == TIMELINE_POINTS
     assert f.timeline["trainer"][0] == (1_800_000_000.0, 0.0)
+
+
+def test_monitor_once_on_a_run_with_no_topics_says_so_and_exits_1(bus, unique):
+    # e.g. the demo's run, whose own broker stopped with it: empty tables would read as idle
+    from typer.testing import CliRunner
+
+    from relax.infra.cli import app
+
+    res = CliRunner().invoke(app, ["monitor", "--run", unique, "--once", "--json",
+                                   "--bootstrap", bus.bootstrap_servers])
+    assert res.exit_code == 1
+    assert f"no topics of run '{unique}' on {bus.bootstrap_servers}" in res.output
+    assert "--bootstrap" in res.output
