@@ -26,18 +26,23 @@ BootstrapOpt = typer.Option(None, "--bootstrap", "-b", envvar="RELAX_BOOTSTRAP",
 
 
 def resolve_bootstrap(bootstrap: Optional[str]) -> str:
-    """The bootstrap servers to use: the option, else the recorded local broker.
+    """The bootstrap servers to use: the option, else the recorded local broker (the one
+    recorded last, named on stderr when several are running).
 
     Raises:
         typer.BadParameter: when neither is available.
     """
     if bootstrap:
         return bootstrap
-    from relax.infra.broker import status
+    from relax.infra.broker import load_states, running
 
-    handle, running = status()
-    if handle is not None and running:
-        return handle.bootstrap
+    live = [h for h in load_states() if running(h)]
+    if len(live) > 1:
+        typer.echo(f"using the {live[-1].kind} broker on {live[-1].bootstrap}, the last of "
+                   f"{len(live)} running ({', '.join(f'{h.kind} on {h.bootstrap}' for h in live)}"
+                   "); --bootstrap picks another", err=True)
+    if live:
+        return live[-1].bootstrap
     raise typer.BadParameter("no broker: pass --bootstrap host:port (or set RELAX_BOOTSTRAP), "
                              "or run `relax broker start`", param_hint="--bootstrap")
 

@@ -63,7 +63,8 @@ def test_cli_broker_start_topics_stop():
 
 
 def test_cli_broker_stop_by_port_leaves_the_other_running(monkeypatch, tmp_path):
-    """Two recorded brokers: `stop` alone asks which, `stop --port` stops that one only."""
+    """Two recorded brokers: a bus command without --bootstrap names the one it uses, `stop`
+    alone asks which, `stop --port` stops that one only."""
     monkeypatch.setenv("RELAX_HOME", str(tmp_path))
     cli = CliRunner()
     a = start_broker()
@@ -77,6 +78,10 @@ def test_cli_broker_stop_by_port_leaves_the_other_running(monkeypatch, tmp_path)
         assert cli.invoke(app, ["broker", "start"]).exit_code == 1  # the last one runs
         (b,) = [h for h in load_states() if h.port == port]
         assert [h.port for h in load_states()] == [a.port, b.port]
+        out = cli.invoke(app, ["topics", "--json"])  # no --bootstrap: the last, named
+        assert out.exit_code == 0, out.output
+        assert (f"using the tansu broker on 127.0.0.1:{b.port}, the last of 2 running "
+                f"(tansu on 127.0.0.1:{a.port}, tansu on 127.0.0.1:{b.port})") in out.output
 
         recorded = f"tansu on {a.port}, tansu on {b.port}"
         out = cli.invoke(app, ["broker", "stop"])
@@ -91,6 +96,7 @@ def test_cli_broker_stop_by_port_leaves_the_other_running(monkeypatch, tmp_path)
         assert not pid_alive(a.pid) and running(b)
         assert [h.port for h in load_states()] == [b.port]
         assert f"running: kind=tansu pid={b.pid}" in cli.invoke(app, ["broker", "status"]).output
+        assert "using the" not in cli.invoke(app, ["topics", "--json"]).output  # one runs
 
         out = cli.invoke(app, ["broker", "stop"])  # one recorded: no --port needed
         assert out.exit_code == 0 and not pid_alive(b.pid)
