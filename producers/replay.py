@@ -34,13 +34,15 @@ from relax.streams.client import BusConfig
 @dataclass
 class ReplayResult:
     """What a replay sent: ``rows``, ``messages``, value ``bytes``, wall ``seconds``,
-    and ``{archived topic: new topic}``."""
+    ``{archived topic: new topic}`` (every archived topic is made, empty ones too) and
+    ``{archived topic: rows sent}`` (those with rows)."""
 
     rows: int = 0
     messages: int = 0
     bytes: int = 0
     seconds: float = 0.0
     topics: dict[str, str] = field(default_factory=dict)
+    per_topic: dict[str, int] = field(default_factory=dict)
 
     @property
     def rows_per_s(self) -> float:
@@ -49,8 +51,9 @@ class ReplayResult:
 
     def summary(self) -> str:
         """One line for the CLI."""
-        return (f"replayed rows={self.rows} messages={self.messages} topics={len(self.topics)} "
-                f"seconds={self.seconds:.2f}")
+        empty = len(self.topics) - len(self.per_topic)
+        return (f"replayed rows={self.rows} messages={self.messages} "
+                f"topics={len(self.per_topic)} empty_topics={empty} seconds={self.seconds:.2f}")
 
 
 def renamed(topic: str, old_run: str, new_run: str) -> str:
@@ -137,6 +140,8 @@ def replay(cfg: BusConfig, archive_dir: Path | str, new_run: str, *,
                         result.messages += 1
                         result.bytes += len(value)
                     result.rows += rows.num_rows
+                    if rows.num_rows:
+                        result.per_topic[t] = result.per_topic.get(t, 0) + rows.num_rows
             _wait(kp, futures, timeout_s)
     finally:
         kp.close(timeout=10)

@@ -48,6 +48,10 @@ def _archive_replay_roundtrip(cfg, run: str, tmp_path) -> None:
     new = run + "r"
     rep = replay(cfg, out, new)
     assert rep.rows == res.rows and rep.messages == res.messages
+    # both count the topics with rows alike; replay also makes the empty ones
+    assert rep.per_topic == res.per_topic
+    assert f"topics={len(res.per_topic)} empty_topics={len(existing) - len(res.per_topic)} " \
+        in rep.summary()
     targets = {topic: new + topic[len(run):] for topic in existing}
     assert topic_partitions(cfg, list(targets.values())) == \
         {targets[t]: n for t, n in existing.items()}
