@@ -26,8 +26,8 @@ BootstrapOpt = typer.Option(None, "--bootstrap", "-b", envvar="RELAX_BOOTSTRAP",
 
 
 def resolve_bootstrap(bootstrap: Optional[str]) -> str:
-    """The bootstrap servers to use: the option, else the recorded local broker (the one
-    recorded last, named on stderr when several are running).
+    """The bootstrap servers to use: the option, else the running local broker recorded
+    last (named on stderr when several are running).
 
     Raises:
         typer.BadParameter: when neither is available.
