@@ -48,23 +48,6 @@ import e2e_vs_trl as bench  # noqa: E402
 
 CONTEXTS = ("alone", "inproc", "outproc")
 
-_CLIENTS = r"""
-import sys, threading, time
-from kafka import KafkaConsumer, TopicPartition
-from relax.streams.client import BusConfig, consumer_kwargs
-bus = BusConfig(bootstrap_servers=sys.argv[1])
-def poll():
-    c = KafkaConsumer(**consumer_kwargs(bus, None))
-    c.assign([TopicPartition(sys.argv[2], 0)])
-    while True:
-        c.poll(timeout_ms=200)
-for _ in range(int(sys.argv[3])):
-    threading.Thread(target=poll, daemon=True).start()
-while True:
-    time.sleep(1)
-"""
-
-
 class Clients:
     """``n`` consumers polling ``topic`` in threads of this process, run only while
     :attr:`on` is set."""
@@ -122,13 +105,20 @@ def ratios(calls: list[dict]) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--part", choices=("gen", "train"), required=True)
+    ap.add_argument("--part", choices=("gen", "train"))
     ap.add_argument("--triples", type=int, default=12)
     ap.add_argument("--clients", type=int, default=4, help="consumers in each context")
     ap.add_argument("--settle-s", type=float, default=1.0,
                     help="after switching the helpers on, before the call")
     ap.add_argument("--out", type=Path)
+    ap.add_argument("--serve-clients", metavar="BOOTSTRAP", help=argparse.SUPPRESS)
     a = ap.parse_args()
+    if a.serve_clients:  # the second process: the same clients, never paused by an event
+        Clients(a.serve_clients, "idle", a.clients).on.set()
+        while True:
+            time.sleep(1)
+    if a.part is None:
+        ap.error("--part gen or --part train is required")
     from relax.infra.broker import start_broker, stop_broker
     from relax.streams.client import BusConfig, ensure_topics
 
@@ -137,8 +127,8 @@ def main() -> None:
     try:
         ensure_topics(BusConfig(bootstrap_servers=broker.bootstrap), {"idle": 1})
         inproc = Clients(broker.bootstrap, "idle", a.clients)
-        other = subprocess.Popen([sys.executable, "-c", _CLIENTS, broker.bootstrap, "idle",
-                                  str(a.clients)])
+        other = subprocess.Popen([sys.executable, __file__, "--serve-clients",
+                                  broker.bootstrap, "--clients", str(a.clients)])
         p = bench.loop_parts(bench.workload(steps=8, seed=1), 1, a.part)
         made = [p.sample(i) for i in range(2)] if a.part == "train" else []
 
@@ -157,6 +147,8 @@ def main() -> None:
                 if ctx == "inproc":
                     inproc.on.set()
                 if ctx == "outproc":
+                    if other.poll() is not None:
+                        raise RuntimeError(f"the clients' process exited {other.returncode}")
                     os.kill(other.pid, signal.SIGCONT)
                 time.sleep(a.settle_s)
                 t0 = time.perf_counter()
