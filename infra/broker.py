@@ -23,12 +23,13 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+
+from relax.streams.ports import free_port, port_open
 
 KINDS = ("tansu", "kafka")
 """Broker kinds relax can start locally (``relax broker start --kind``)."""
@@ -62,22 +63,6 @@ def tansu_binary() -> Path:
     if not path.exists():
         raise FileNotFoundError(f"no Tansu binary at {path}")
     return path
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that was free a moment ago on ``host``."""
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
-def port_open(host: str, port: int, timeout_s: float = 0.2) -> bool:
-    """Whether ``host:port`` accepts TCP connections."""
-    try:
-        with socket.create_connection((host, port), timeout=timeout_s):
-            return True
-    except OSError:
-        return False
 
 
 def pid_alive(pid: int) -> bool:

@@ -13,7 +13,8 @@ import uuid
 from dataclasses import asdict
 from pathlib import Path
 
-from relax.infra.broker import BrokerHandle, KafkaNode, free_port, pid_alive, port_open, stop_pids
+from relax.infra.broker import BrokerHandle, KafkaNode, pid_alive, stop_pids
+from relax.streams.ports import free_port, port_open
 
 KAFKA_VERSION = "4.4.0"
 """The Kafka release ``make install`` copies (``infra/kafka/pom.xml`` pins the same)."""

@@ -12,7 +12,6 @@ with the reason, where java or ``.kafka/lib`` (``make install``) is missing.
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -120,9 +119,9 @@ def _relax_home(tmp_path_factory, monkeypatch):
 def s3_endpoint():
     """``host:port`` of an S3-compatible server (moto's) on loopback, with test
     credentials in the environment (where pyarrow's S3 file system reads them)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    from relax.streams.ports import free_port
+
+    port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p",
                              str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     old = {k: os.environ.get(k) for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY",

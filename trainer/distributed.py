@@ -9,7 +9,7 @@ default process group and wraps its forward in DDP. The collective back end is
 weights; every rank holds the same weights after each step.
 
 Rendezvous is TCP on ``master_addr:master_port`` (rank 0 listens there): every rank
-must be given the same address and port. :func:`free_port` picks one on loopback
+must be given the same address and port. :func:`relax.streams.ports.free_port` picks one on loopback
 for single-host runs and tests. Ranks on several hosts (``resources.trainer.rank_hosts``)
 use rank 0's routable address; gloo then binds each rank's device to the interface
 that reaches it (:func:`gloo_interface`), not to whatever the host name resolves to.
@@ -17,7 +17,6 @@ that reaches it (:func:`gloo_interface`), not to whatever the host name resolves
 
 from __future__ import annotations
 
-import socket
 import time
 from collections.abc import Callable
 from datetime import timedelta
@@ -37,14 +36,6 @@ def node_address() -> str:
     import ray
 
     return ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1"
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that was free on ``host`` a moment ago (bind to port 0; another
-    process may take it before rank 0 listens, which is fine for tests)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
 
 
 def interface_of(ip: str) -> str | None:

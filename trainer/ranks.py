@@ -35,9 +35,9 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from relax.streams.ports import free_port
 from relax.trainer.config import TrainerConfig
-from relax.trainer.distributed import (destroy_data_parallel, free_port, init_data_parallel,
-                                       node_address)
+from relax.trainer.distributed import destroy_data_parallel, init_data_parallel, node_address
 
 log = logging.getLogger(__name__)
 

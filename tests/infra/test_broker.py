@@ -14,10 +14,8 @@ from testdata import rollout_rows
 from typer.testing import CliRunner
 
 from relax.infra.broker import (
-    free_port,
     load_states,
     pid_alive,
-    port_open,
     running,
     save_state,
     start_broker,
@@ -28,6 +26,7 @@ from relax.infra.kafka_broker import kafka_missing, start_kafka
 from relax.schemas import topics
 from relax.schemas.v1 import ROLLOUTS
 from relax.streams.client import BusConfig, ensure_topics
+from relax.streams.ports import free_port, port_open
 from relax.streams.producer import BatchProducer
 from relax.streams.read import read_table
 

@@ -6,8 +6,8 @@ import json
 
 from typer.testing import CliRunner
 
-from relax.infra.broker import free_port
 from relax.infra.cli import app
+from relax.streams.ports import free_port
 
 
 def test_scale_of_a_run_whose_api_is_gone_says_the_run_has_ended(tmp_path):

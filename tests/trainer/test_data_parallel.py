@@ -107,7 +107,7 @@ def _worker(rank: int, world: int, port: int, out: Path) -> None:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """``(results of rank 0 (with the reference), of rank 1, wall seconds)``."""
-    from relax.trainer.distributed import free_port
+    from relax.streams.ports import free_port
 
     out = tmp_path_factory.mktemp("dp")
     port = free_port()

@@ -264,7 +264,7 @@ def _run_megatron(tp: int, pp: int, jobs: list[tuple]) -> list[dict]:
     import subprocess
     import sys
 
-    from relax.trainer.distributed import free_port
+    from relax.streams.ports import free_port
 
     port = free_port()
     spec = json.dumps([[str(x) for x in job] for job in jobs])

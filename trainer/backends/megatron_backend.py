@@ -93,9 +93,10 @@ class MegatronBackend:
     def __init__(self, cfg: TrainerConfig, device: str | None = None, model=None):
         from megatron.core import parallel_state
 
+        from relax.streams.ports import free_port
         from relax.trainer.backends.megatron_cpu import redirect_cuda_to_cpu
         from relax.trainer.backends.megatron_model import build_gpt
-        from relax.trainer.distributed import free_port, init_data_parallel
+        from relax.trainer.distributed import init_data_parallel
         from relax.trainer.models import load_model
 
         self.cfg = cfg
