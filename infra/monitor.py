@@ -202,31 +202,41 @@ def _fmt(v, digits: int = 2) -> str:
     return str(v)
 
 
+def _short(name: str, run: str) -> str:
+    """``name`` without the ``<run>.`` prefix every topic and consumer group of a run
+    carries (the head names the run); other names (a shared prompts topic) stay whole."""
+    return name[len(run) + 1:] if name.startswith(run + ".") else name
+
+
 def render(snap: dict):
     """A rich renderable of a snapshot: topics, consumer groups, staleness histogram,
-    reward/accuracy per policy_version, trainer timings, errors."""
+    reward/accuracy per policy_version, trainer timings, errors. Fits 80 columns: the
+    head's items flow onto more lines, and names drop the run's prefix and fold."""
+    from rich.columns import Columns
     from rich.console import Group
-    from rich.table import Table
+    from rich.table import Column, Table
 
-    tr = snap["trainer"]
-    head = Table.grid(padding=(0, 3))
-    head.add_row(f"[b]run[/b] {snap['run']}",
-                 f"[b]policy_version[/b] {_fmt(tr['policy_version'])}",
-                 f"[b]step_s[/b] {_fmt(tr['step_s_mean'])}",
-                 f"[b]data wait[/b] {_fmt(tr['data_wait_pct'], 1)}%",
-                 f"[b]lag[/b] {snap['lag_total']}",
-                 f"[b]errors[/b] {snap['errors_total']}",
-                 time.strftime("%H:%M:%S", time.localtime(snap["ts"])))
-    topics = Table("topic", "partitions", "records", "records/s", "rows/s", "MB/s", "errors",
-                   title="topics", title_justify="left")
+    tr, run = snap["trainer"], snap["run"]
+    head = Columns([f"[b]run[/b] {run}",
+                    f"[b]policy_version[/b] {_fmt(tr['policy_version'])}",
+                    f"[b]step_s[/b] {_fmt(tr['step_s_mean'])}",
+                    f"[b]data wait[/b] {_fmt(tr['data_wait_pct'], 1)}%",
+                    f"[b]lag[/b] {snap['lag_total']}",
+                    f"[b]errors[/b] {snap['errors_total']}",
+                    time.strftime("%H:%M:%S", time.localtime(snap["ts"]))], padding=(0, 3))
+    topics = Table(Column("topic", overflow="fold"), "partitions", "records", "records/s",
+                   "rows/s", "MB/s", "errors", title=f"topics ({run}.*)", title_justify="left")
     for t, v in snap["topics"].items():
-        topics.add_row(t, str(v["partitions"]), str(v["records"]), _fmt(v["records_per_s"], 1),
-                       _fmt(v["rows_per_s"], 1), _fmt(v["mb_per_s"], 3),
+        topics.add_row(_short(t, run), str(v["partitions"]), str(v["records"]),
+                       _fmt(v["records_per_s"], 1), _fmt(v["rows_per_s"], 1),
+                       _fmt(v["mb_per_s"], 3),
                        str(snap["errors"].get(topic_names.errors_topic(t), 0)))
-    groups = Table("consumer group", "lag", "per topic", title="consumer groups (lag in records)",
-                   title_justify="left")
+    groups = Table(Column("consumer group", overflow="fold"), "lag",
+                   Column("per topic", overflow="fold"),
+                   title="consumer groups (lag in records)", title_justify="left")
     for g, v in snap["groups"].items():
-        groups.add_row(g, _fmt(v["lag"]), "  ".join(f"{t}={n}" for t, n in v["topics"].items())
+        groups.add_row(_short(g, run), _fmt(v["lag"]),
+                       "  ".join(f"{_short(t, run)}={n}" for t, n in v["topics"].items())
                        or "no committed offsets")
     hist = Table("staleness", "samples", "", title="staleness histogram", title_justify="left")
     total = max(snap["staleness_hist"].values(), default=0) or 1

@@ -2,13 +2,22 @@
 
 from __future__ import annotations
 
+import io
 import json
 
 import pyarrow as pa
 import pytest
 from testdata import alternating_rewards, produce_run, rollout_rows, train_sample_rows
 
-from relax.infra.monitor import MetricsFold, Monitor, Reading, SamplesFold, build_snapshot, snapshot
+from relax.infra.monitor import (
+    MetricsFold,
+    Monitor,
+    Reading,
+    SamplesFold,
+    build_snapshot,
+    render,
+    snapshot,
+)
 from relax.schemas import topics
 from relax.schemas.v1 import ROLLOUTS, TRAIN_SAMPLES
 from relax.streams.consumer import BatchConsumer
@@ -121,6 +130,25 @@ def test_build_snapshot_is_pure_rates_lag_and_sample_fallback():
     assert s["trainer"]["steps"] == 0 and s["trainer"]["data_wait_pct"] is None
     assert build_snapshot(now, before) == s  # same input, same output
     json.dumps(s)
+
+
+def test_render_fits_80_columns_without_cutting_a_name():
+    run = "demo-20261207-031245"
+    hw = {f"{run}.rollouts": {0: 30}, f"{run}.train_samples": {0: 8}, "prompts.gsm8k": {0: 4}}
+    committed = {f"{run}.reward.gsm8k": {f"{run}.rollouts": {0: 25}}}
+    snap = build_snapshot(_reading(102.0, hw, {}, {}, committed=committed))
+    snap["run"] = run
+    snap["trainer"].update(policy_version=17, step_s_mean=12.34, data_wait_pct=3.4)
+    from rich.console import Console
+
+    console = Console(width=80, record=True, file=io.StringIO())
+    console.print(render(snap))
+    text = console.export_text()
+    assert max(map(len, text.splitlines())) <= 80 and "\u2026" not in text  # no ellipsis
+    for item in (f"run {run}", "policy_version 17", "step_s 12.34", "data wait 3.4%", "lag 5",
+                 "errors 0", "rollouts", "train_samples", "prompts.gsm8k", "reward.gsm8k",
+                 "rollouts=5", f"topics ({run}.*)"):
+        assert item in text, item
 
 
 @pytest.mark.parametrize("k", [0, 3])
