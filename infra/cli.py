@@ -413,6 +413,9 @@ def train_cmd(recipe: str = typer.Argument(..., help="recipe YAML (see recipes/)
 
         try:
             summary = train(rec, say=typer.echo, timeout_s=timeout_s)
+        except RecipeError as e:  # found before anything started (the eval set)
+            typer.echo(f"error: {e}", err=True)
+            raise typer.Exit(2) from None
         except RunFailed as e:
             typer.echo(f"error: {e}", err=True)
             raise typer.Exit(1) from None

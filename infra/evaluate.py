@@ -3,8 +3,10 @@
 Prompts are rendered exactly as the rollout stage renders them (prompt template,
 then the chat template with the generation prompt; a prompt with images or audio
 through the model's processor, placeholders expanded), decoded greedily (top-k 1)
-by the ``hf`` engine, and scored by a reward function in-process; a prompt is
-correct when the reward value is > ``threshold``.
+by the ``hf`` engine, and scored by a reward function in a :class:`RewardPool` as the
+reward stage scores (warm-up, a time limit, failed calls retried row by row); a prompt is
+correct when the reward value is > ``threshold``, and a row whose reward failed counts as
+wrong and is counted in ``errors``.
 """
 
 from __future__ import annotations
@@ -20,14 +22,17 @@ from relax.producers.sources import read_source
 
 @dataclass
 class EvalResult:
-    """Accuracy of one evaluation: ``correct`` of ``n`` prompts, wall ``seconds``, and a
-    few ``examples`` (prompt, response, value) to look at."""
+    """Accuracy of one evaluation: ``correct`` of ``n`` prompts, wall ``seconds``, a few
+    ``examples`` (prompt, response, value) to look at, and the rows whose reward failed
+    (``errors``; the first one's text in ``first_error``), which count as wrong."""
 
     accuracy: float
     n: int
     correct: int
     seconds: float
     examples: list[dict] = field(default_factory=list)
+    errors: int = 0
+    first_error: str | None = None
 
 
 def prompt_key(row: dict) -> tuple[str, tuple[str, ...]]:
@@ -85,7 +90,8 @@ def eval_rows(source: str, size: int, *, prompt_field: str, label_field: str,
 
 def greedy_accuracy(model: str, rows: list[dict], *, reward_fn: str, reward_options: dict,
                     prompt_template: str = "{prompt}", max_new_tokens: int = 16,
-                    batch_size: int = 50, threshold: float = 0.5) -> EvalResult:
+                    batch_size: int = 50, threshold: float = 0.5,
+                    reward_pool: dict | None = None) -> EvalResult:
     """Greedy-decode every row with ``model`` and score it with ``reward_fn``.
 
     Args:
@@ -95,14 +101,18 @@ def greedy_accuracy(model: str, rows: list[dict], *, reward_fn: str, reward_opti
         prompt_template: applied to the prompt text before the chat template.
         max_new_tokens: generation budget (tokens); batch_size: prompts per engine call.
         threshold: a value > threshold counts as correct.
+        reward_pool: further :class:`RewardPool` arguments (``timeout_s``,
+            ``memory_limit_bytes``, ``startup_timeout_s``); one worker scores.
+
+    Raises:
+        relax.consumers.reward.pool.RewardLoadError: the reward function does not load or
+            fails its warm-up call on an empty batch.
+        ValueError: the model takes no media and a row has some.
     """
     from relax.consumers.engines.base import SamplingParams
     from relax.consumers.engines.hf import HFEngine
-    from relax.consumers.multiturn import prompt_messages, render_ids
-    from relax.consumers.reward import load_reward_fn
-    from relax.consumers.reward.base import Score
+    from relax.consumers.reward.pool import RewardPool
     from relax.trainer.models import load, load_processor
-    from relax.trainer.multimodal import encode_prompt
 
     t0 = time.perf_counter()
     m, tok = load(model)
@@ -110,30 +120,45 @@ def greedy_accuracy(model: str, rows: list[dict], *, reward_fn: str, reward_opti
     if processor is None and any(r["media"] for r in rows):
         raise ValueError(f"{model} takes no images or audio, and the eval rows have media")
     engine = HFEngine(m, tok, engine_id="eval")
-    fn = load_reward_fn(reward_fn)
+    pool = RewardPool(reward_fn, reward_options, workers=1, batch_rows=batch_size,
+                      **(reward_pool or {}))
     params = SamplingParams(max_new_tokens=max_new_tokens, temperature=1.0, top_k=1)
-    correct, examples = 0, []
-    for i in range(0, len(rows), batch_size):
-        chunk = rows[i:i + batch_size]
-        ids, media = [], []
-        for r in chunk:
-            msgs = prompt_messages({**r, "prompt": prompt_template.format(prompt=r["prompt"])})
-            if r["media"]:  # as the rollout stage renders it (consumers/rollout/stage.py)
-                p, inputs = encode_prompt(processor, msgs, r["media"])
-            else:
-                p, inputs = render_ids(tok, msgs), None
-            ids.append(p)
-            media.append(inputs)
-        gens = engine.generate(ids, params, media=media if any(media) else None)
-        texts = [g.text for g in gens]
-        scores = fn(texts, [r["label"] for r in chunk], [json.loads(r["metadata"]) for r in chunk],
-                    **reward_options)
-        for r, text, s in zip(chunk, texts, scores):
-            value = s.value if isinstance(s, Score) else s
-            ok = value is not None and value > threshold
-            correct += ok
-            if len(examples) < 5:
-                examples.append({"prompt": r["prompt"], "label": r["label"], "response": text,
-                                 "value": value})
+    correct, examples, errors = 0, [], []
+    with pool:
+        for i in range(0, len(rows), batch_size):
+            correct += _score_chunk(engine, processor, tok, pool, rows[i:i + batch_size], params,
+                                    prompt_template, threshold, examples, errors)
     n = len(rows)
-    return EvalResult(correct / n if n else 0.0, n, correct, time.perf_counter() - t0, examples)
+    return EvalResult(correct / n if n else 0.0, n, correct, time.perf_counter() - t0, examples,
+                      len(errors), errors[0] if errors else None)
+
+
+def _score_chunk(engine, processor, tok, pool, chunk: list[dict], params, prompt_template: str,
+                 threshold: float, examples: list[dict], errors: list[str]) -> int:
+    """Generate and score one engine call's rows; the number correct. Appends to
+    ``examples`` (up to 5) and the error text of each failed row to ``errors``."""
+    from relax.consumers.multiturn import prompt_messages, render_ids
+    from relax.trainer.multimodal import encode_prompt
+
+    ids, media = [], []
+    for r in chunk:
+        msgs = prompt_messages({**r, "prompt": prompt_template.format(prompt=r["prompt"])})
+        if r["media"]:  # as the rollout stage renders it (consumers/rollout/stage.py)
+            p, inputs = encode_prompt(processor, msgs, r["media"])
+        else:
+            p, inputs = render_ids(tok, msgs), None
+        ids.append(p)
+        media.append(inputs)
+    gens = engine.generate(ids, params, media=media if any(media) else None)
+    texts = [g.text for g in gens]
+    results = pool.score(texts, [r["label"] for r in chunk],
+                         [json.loads(r["metadata"]) for r in chunk])
+    correct = 0
+    for r, text, res in zip(chunk, texts, results):
+        correct += res.value is not None and res.value > threshold
+        if res.error is not None:
+            errors.append(f"{r['prompt_id']}: {res.error}")
+        if len(examples) < 5:
+            examples.append({"prompt": r["prompt"], "label": r["label"], "response": text,
+                             "value": res.value, **({"error": res.error} if res.error else {})})
+    return correct

@@ -29,7 +29,7 @@ from relax.infra.broker import LocalBroker
 from relax.infra.controller import Controller
 from relax.infra.cpu_timeline import CpuTimeline, run_processes
 from relax.infra.preflight import preflight
-from relax.infra.recipe import ENVIRONMENT_REWARD, Recipe
+from relax.infra.recipe import ENVIRONMENT_REWARD, Recipe, RecipeError
 from relax.infra.report import step_rows
 from relax.infra.run_watch import (
     MetricsFollower,
@@ -104,15 +104,34 @@ def _training_keys(recipe: Recipe) -> set[tuple]:
 
 
 def _evaluate(recipe: Recipe, model: str, rows: list[dict]):
+    """Greedy accuracy of ``model`` on ``rows`` (:func:`relax.infra.evaluate.greedy_accuracy`)
+    with the eval reward.
+
+    Raises:
+        RunFailed: the reward does not load or warm up, or fails on every row; one line
+            naming the recipe key of the reward.
+    """
+    from relax.consumers.reward.pool import RewardLoadError
     from relax.infra.evaluate import greedy_accuracy
 
     ev = recipe.eval
-    reward = ev.reward or next(r for r in recipe.rewards
-                               if r.weight and r.fn != ENVIRONMENT_REWARD)
-    return greedy_accuracy(model, rows, reward_fn=reward.fn, reward_options=reward.options,
-                           prompt_template=recipe.rollout.prompt_template,
-                           max_new_tokens=ev.max_new_tokens, batch_size=ev.batch_size,
-                           threshold=ev.threshold)
+    key, reward = ("eval.reward", ev.reward) if ev.reward else next(
+        (f"rewards.{i}", r) for i, r in enumerate(recipe.rewards)
+        if r.weight and r.fn != ENVIRONMENT_REWARD)
+    try:
+        r = greedy_accuracy(model, rows, reward_fn=reward.fn, reward_options=reward.options,
+                            prompt_template=recipe.rollout.prompt_template,
+                            max_new_tokens=ev.max_new_tokens, batch_size=ev.batch_size,
+                            threshold=ev.threshold,
+                            reward_pool={"timeout_s": reward.timeout_s,
+                                         "memory_limit_bytes": reward.memory_limit_bytes,
+                                         "startup_timeout_s": reward.startup_timeout_s})
+    except RewardLoadError as e:
+        raise RunFailed(f"eval: {key}.fn: {e}") from None
+    if r.n and r.errors == r.n:
+        raise RunFailed(f"eval: {key}.fn {reward.fn!r} failed on every one of the {r.n} eval "
+                        f"rows; the first: {r.first_error}")
+    return r
 
 
 def train(recipe: Recipe, *, say: Callable[[str], None] = print,
@@ -132,17 +151,19 @@ def train(recipe: Recipe, *, say: Callable[[str], None] = print,
             which stage and why, then the latest metrics of every stage.
         RunTimeout: ``timeout_s`` passed (the same report).
         relax.infra.recipe.RecipeError: before anything starts, when a name in the recipe
-            does not resolve (:func:`relax.infra.preflight.preflight`).
+            does not resolve (:func:`relax.infra.preflight.preflight`) or ``eval.source``
+            has fewer than ``eval.size`` prompts outside the training data.
     """
     preflight(recipe)
     t_start = time.time()
+    held_out = _eval_rows(recipe)  # before anything is made: a short eval source is a recipe error
     run_dir = _run_folder(recipe, say)
     summary: dict = {"run": recipe.run, "mode": recipe.mode, "run_dir": str(run_dir)}
     with contextlib.ExitStack() as stack:
         broker: dict[str, int] = {}
         bus = _bus(recipe, run_dir, stack, say, broker)  # set up: broker, topics, prompts
         stack.callback(remove_run_files, SHM_ROOT, recipe.run)  # after the stages stop
-        eval_rows = _eval_before(recipe, summary, say)
+        eval_rows = _eval_before(recipe, held_out, summary, say)
         follower = stack.enter_context(contextlib.closing(MetricsFollower(bus, recipe.run)))
         controller = Controller(stage_specs(recipe, bus, run_dir), bus, run_dir,
                                 address=recipe.ray_address, max_restarts=recipe.max_restarts,
@@ -206,25 +227,48 @@ def _bus(recipe: Recipe, run_dir: Path, stack: contextlib.ExitStack,
 
 def _eval_summary(r) -> dict:
     return {"accuracy": r.accuracy, "correct": r.correct, "n": r.n,
-            "seconds": round(r.seconds, 1), "examples": r.examples}
+            "seconds": round(r.seconds, 1), "examples": r.examples, "reward_errors": r.errors,
+            **({"first_error": r.first_error} if r.first_error else {})}
 
 
-def _eval_before(recipe: Recipe, summary: dict, say: Callable[[str], None]) -> list[dict] | None:
-    """The held-out rows (None without ``eval``); the initial model's accuracy on them
-    when ``eval.before``."""
+def eval_line(when: str, r) -> str:
+    """``eval before: greedy held-out accuracy 56/200 = 0.280 (12s)``, with the rows whose
+    reward failed (counted as wrong) and the first one's error when there are any."""
+    failed = (f"; the reward failed on {r.errors} rows, counted as wrong (first: "
+              f"{r.first_error})" if r.errors else "")
+    return (f"eval {when}: greedy held-out accuracy {r.correct}/{r.n} = {r.accuracy:.3f} "
+            f"({r.seconds:.0f}s){failed}")
+
+
+def _eval_rows(recipe: Recipe) -> list[dict] | None:
+    """The held-out rows (None without ``eval``): the first ``eval.size`` prompts of
+    ``eval.source`` that are not training prompts.
+
+    Raises:
+        RecipeError: ``eval.size``: the source has fewer such prompts.
+    """
     if recipe.eval is None:
         return None
     from relax.infra.evaluate import eval_rows as load_eval_rows
 
     ev = recipe.eval
-    rows = load_eval_rows(ev.source, ev.size, prompt_field=ev.prompt_field,
-                          label_field=ev.label_field, exclude=_training_keys(recipe),
-                          media=_media_options(ev.image_field, ev.audio_field))
-    if ev.before:
+    try:
+        return load_eval_rows(ev.source, ev.size, prompt_field=ev.prompt_field,
+                              label_field=ev.label_field, exclude=_training_keys(recipe),
+                              media=_media_options(ev.image_field, ev.audio_field))
+    except ValueError as e:
+        raise RecipeError(f"eval.size: {e} (prompts that are also in data.source are left "
+                          "out of eval; lower eval.size or give more prompts)") from None
+
+
+def _eval_before(recipe: Recipe, rows: list[dict] | None, summary: dict,
+                 say: Callable[[str], None]) -> list[dict] | None:
+    """``rows`` (the held-out rows, None without ``eval``); the initial model's accuracy
+    on them when ``eval.before``."""
+    if rows is not None and recipe.eval.before:
         r = _evaluate(recipe, recipe.model, rows)
         summary["eval_before"] = _eval_summary(r)
-        say(f"eval before: greedy held-out accuracy {r.correct}/{r.n} = {r.accuracy:.3f} "
-            f"({r.seconds:.0f}s)")
+        say(eval_line("before", r))
     return rows
 
 
@@ -263,10 +307,14 @@ def _finish(recipe: Recipe, bus: BusConfig, run_dir: Path, follower: MetricsFoll
         checkpoint.download(store, checkpoint.FINAL_MODEL, final)  # the trainer's host's
     if eval_rows is not None and recipe.eval.after and final.exists():
         save_tokenizer(recipe.model, final)
-        r = _evaluate(recipe, str(final), eval_rows)
-        summary["eval_after"] = _eval_summary(r)
-        say(f"eval after: greedy held-out accuracy {r.correct}/{r.n} = {r.accuracy:.3f} "
-            f"({r.seconds:.0f}s)")
+        try:
+            r = _evaluate(recipe, str(final), eval_rows)
+        except RunFailed as e:  # the run itself is done: report it, keep its folder whole
+            summary["eval_after_error"] = str(e)
+            say(f"eval after: {e}")
+        else:
+            summary["eval_after"] = _eval_summary(r)
+            say(eval_line("after", r))
     write_metrics_jsonl(run_dir / "metrics.jsonl", follower.rows)
     ends = [ts_ms(r["ts"]) / 1000 for r in follower.rows
             if r["component"] == "trainer" and r["name"] == M.STEP_S]

@@ -129,8 +129,10 @@ def _worker_main(conn, spec: str, options_json: str, memory_limit_bytes: int | N
 
         fn = load_reward_fn(spec)
         warm = fn([], [], [], **options)
-        if len(warm) != 0:
-            raise ValueError(f"returned {len(warm)} values for an empty batch; expected []")
+        if not isinstance(warm, (list, tuple)) or len(warm) != 0:
+            raise TypeError(f"returned {warm!r:.80} for an empty batch; expected [] (a reward "
+                            "function takes lists of N responses, labels and metadata dicts "
+                            "and returns a list of N values)")
     except Exception as e:  # noqa: BLE001  (reported to the parent, which refuses to start)
         _send(conn, {"ready": False, "error": f"reward {spec!r} failed to load or warm up: "
                                               f"{_describe(e)}"})

@@ -1,0 +1,64 @@
+"""Held-out evaluation with a user's reward (``infra/evaluate.py``, ``infra/launch.py``): it
+is scored as the reward stage scores, so a reward that fails on some rows costs those rows
+only, one that cannot work fails the run with one line naming its recipe key, and an eval
+source too short for ``eval.size`` is a recipe error found before anything is made."""
+
+from __future__ import annotations
+
+import pytest
+from testdata import tiny_recipe
+
+from relax.infra import launch
+from relax.infra.evaluate import eval_rows, greedy_accuracy
+from relax.infra.recipe import RecipeError
+from relax.infra.run_watch import RunFailed
+
+SOURCE = "reasoning_gym:basic_arithmetic?size=40&seed=7&min_digits=1&max_digits=1"
+
+
+def fails_on_odd_labels(responses, labels, metadata, **options):
+    """Raises on a batch with an odd label: each of its rows is retried alone, and only
+    the odd ones fail."""
+    if any(int(x) % 2 for x in labels):
+        raise ValueError(f"odd label among {labels}")
+    return [1.0 for _ in responses]
+
+
+def one_float_per_call(responses, labels, metadata, **options):
+    """The usual mistake: a per-row function (returns one float, not a list)."""
+    return 1.0
+
+
+def _rows(n: int) -> list[dict]:
+    return eval_rows(SOURCE, n, prompt_field="question", label_field="answer")
+
+
+def test_a_reward_failing_on_some_rows_costs_those_rows_only():
+    rows = _rows(8)
+    odd = sum(int(r["label"]) % 2 for r in rows)
+    assert 0 < odd < 8
+    r = greedy_accuracy("tiny-llama", rows, reward_fn=f"{__name__}:fails_on_odd_labels",
+                        reward_options={}, max_new_tokens=2, batch_size=4)
+    assert (r.n, r.errors, r.correct) == (8, odd, 8 - odd)
+    assert r.first_error.startswith(rows[[int(x["label"]) % 2 for x in rows].index(1)]
+                                    ["prompt_id"] + ": ValueError: odd label")
+    assert "failed on" in launch.eval_line("before", r)
+
+
+def test_a_reward_that_cannot_warm_up_fails_the_eval_with_one_line_naming_its_key(tmp_path):
+    recipe = tiny_recipe("127.0.0.1:9", tmp_path, "ev",
+                         f'eval={{source: "{SOURCE}", size: 4, max_new_tokens: 2, '
+                         f'reward: {{name: e, fn: "{__name__}:one_float_per_call"}}}}')
+    with pytest.raises(RunFailed) as e:
+        launch._evaluate(recipe, "tiny-llama", _rows(4))
+    msg = str(e.value)
+    assert msg.startswith("eval: eval.reward.fn: reward ") and "\n" not in msg
+    assert "returned 1.0 for an empty batch; expected []" in msg
+
+
+def test_an_eval_source_short_of_eval_size_is_a_recipe_error_before_anything_is_made(tmp_path):
+    recipe = tiny_recipe("127.0.0.1:9", tmp_path, "short",
+                         f'eval={{source: "{SOURCE}", size: 500}}')
+    with pytest.raises(RecipeError, match=r"^eval\.size: eval source .* has only \d+ prompts"):
+        launch.train(recipe)
+    assert not (tmp_path / "short").exists()  # no run folder, no topics (the broker is :9)
