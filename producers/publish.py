@@ -7,7 +7,8 @@ Rows follow the ``prompts`` schema (:data:`relax.schemas.PROMPTS`):
   every data set and every publish;
 * ``prompt`` from ``prompt_field`` (text, or a list of ``{role, content}`` chat
   messages, then ``messages`` is set and ``prompt`` is the last user message);
-* ``label`` from ``label_field`` (text; numbers are written as text; null if absent);
+* ``label`` from ``label_field`` (text; numbers are written as text; a null or NaN
+  label fails its row; null when there is no ``label_field``);
 * ``metadata`` = JSON ``{"source": SOURCE, "line": N, "fields": {other columns}}``,
   or for reasoning-gym ``{"source": "reasoning_gym", "task", "entry", "index",
   "seed", "size"}`` (read by the ``reasoning_gym`` reward).
@@ -34,6 +35,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 import time
 from dataclasses import dataclass
 
@@ -179,7 +181,8 @@ def prompt_row(record: dict, *, dataset: str, prompt_field: str, label_field: st
 
     Raises:
         RowError: ``prompt_field`` (or ``label_field``) is missing, or has the wrong type
-            (prompt: non-empty text or chat messages; label: text or a number).
+            (prompt: non-empty text or chat messages; label: text or a number, not null
+            or NaN).
         relax.producers.media.MediaError: a media column is missing or an item is bad.
     """
     if prompt_field not in record:
@@ -204,7 +207,10 @@ def prompt_row(record: dict, *, dataset: str, prompt_field: str, label_field: st
         if label_field not in record:
             raise RowError(f"missing field {label_field!r} (the label field)")
         raw_label = record[label_field]
-        if raw_label is None or isinstance(raw_label, str):
+        if raw_label is None or (isinstance(raw_label, float) and math.isnan(raw_label)):
+            raise RowError(f"field {label_field!r} (the label field) is null; give the row a "
+                           "label, or publish without a label field for rewards that need none")
+        if isinstance(raw_label, str):
             label = raw_label
         elif isinstance(raw_label, (int, float)) and not isinstance(raw_label, bool):
             label = str(raw_label)

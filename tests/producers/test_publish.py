@@ -70,12 +70,14 @@ def test_bad_rows_go_to_errors_topic_with_line_numbers_and_good_rows_go(broker, 
         b"{not json",                                                         # 7 not JSON
         json.dumps({"q": "What is 3 + 3?", "a": 6}).encode(),                 # 8 good (number label)
         json.dumps({"q": [{"role": "user", "content": "Hi?"}], "a": "hi"}).encode(),  # 9 good chat
+        json.dumps({"q": "What is 4 + 4?", "a": None}).encode(),              # 10 null label
+        b'{"q": "What is 5 + 5?", "a": NaN}',                                 # 11 NaN label
     ]
     src = _jsonl(tmp_path / "bad.jsonl", lines)
     topic = f"prompts.{unique}"
     r = publish(cfg, str(src), topic, prompt_field="q", label_field="a", partitions=2)
-    assert (r.published, r.errors, r.partitions) == (3, 5, 2)
-    assert r.summary() == f"published=3 errors=5 topic={topic} partitions=2"
+    assert (r.published, r.errors, r.partitions) == (3, 7, 2)
+    assert r.summary() == f"published=3 errors=7 topic={topic} partitions=2"
 
     good = read_table(cfg, topic).to_pylist()
     assert sorted(json.loads(g["metadata"])["line"] for g in good) == [1, 8, 9]
@@ -87,7 +89,7 @@ def test_bad_rows_go_to_errors_topic_with_line_numbers_and_good_rows_go(broker, 
     assert by_line[9]["prompt"] == "Hi?"
 
     errs = {e["source_offset"]: e for e in read_table(cfg, topics.errors_topic(topic)).to_pylist()}
-    assert sorted(errs) == [2, 3, 4, 5, 7]
+    assert sorted(errs) == [2, 3, 4, 5, 7, 10, 11]
     for line, e in errs.items():
         assert e["source_topic"] == str(src) and e["stage"] == "publish"
         assert e["error"].startswith(f"line {line}: ")
@@ -99,6 +101,8 @@ def test_bad_rows_go_to_errors_topic_with_line_numbers_and_good_rows_go(broker, 
     assert "over max_message_bytes=65536" in errs[5]["error"]
     assert "truncated" in errs[5]["error"] and errs[5]["value"] == big[:32 * 1024]
     assert "not valid JSON" in errs[7]["error"]
+    assert "field 'a' (the label field) is null" in errs[10]["error"]
+    assert "field 'a' (the label field) is null" in errs[11]["error"]
 
     with pytest.raises(AlreadyPublished, match="already holds 3 of the 3 prompt_ids"):
         publish(cfg, str(src), topic, prompt_field="q", label_field="a")
