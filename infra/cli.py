@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 from typing import Optional
 
 import typer
@@ -52,6 +53,20 @@ def bus_config(bootstrap: Optional[str], **kw):
     from relax.streams.client import BusConfig
 
     return BusConfig(bootstrap_servers=resolve_bootstrap(bootstrap), **kw)
+
+
+def exit_unless_a_topic(cfg, *names: str) -> None:
+    """Exit 1 with one line unless one of the topics ``names`` is on the cluster: a
+    misspelled topic or run name, or a run whose own broker has stopped, would otherwise
+    print zero rows as if the topic were empty."""
+    from relax.streams.client import list_topics
+
+    if set(names) & set(list_topics(cfg)):
+        return
+    typer.echo(f"error: no topic {names[0]!r} on {cfg.bootstrap_servers} (`relax topics` lists "
+               "them; a run started without --bootstrap had its own broker, gone with it)",
+               err=True)
+    raise typer.Exit(1)
 
 
 @app.command("topics")
@@ -103,7 +118,9 @@ def tail_cmd(topic: str, n: int = typer.Option(10, "-n", help="rows to print"),
     """Decode and print the last N rows of a topic (newest last)."""
     from relax.streams.read import read_last_rows
 
-    rows = read_last_rows(bus_config(bootstrap), topic, n)
+    cfg = bus_config(bootstrap)
+    exit_unless_a_topic(cfg, topic)
+    rows = read_last_rows(cfg, topic, n)
     if as_json:
         for r in rows:
             typer.echo(json.dumps(r, default=_json_default))
@@ -136,6 +153,7 @@ def errors_cmd(topic: str, n: int = typer.Option(20, "-n", help="records to prin
 
     cfg = bus_config(bootstrap)
     etopic = topic if topic.endswith(ERRORS_SUFFIX) else errors_topic(topic)
+    exit_unless_a_topic(cfg, topic, etopic)
     rows = read_last_rows(cfg, etopic, n)
     for r in rows:
         _echo_error(r, as_json)
@@ -241,11 +259,14 @@ def archive_cmd(run: str = typer.Option(..., "--run", help="run whose topics to 
                 interval: float = typer.Option(2.0, help="seconds between --follow passes"),
                 bootstrap: Optional[str] = BootstrapOpt) -> None:
     """Archive every topic of a run to Parquet (incremental: a rerun appends what is new)."""
-    from relax.producers.archive import archive_run, stop_on_signals
+    from relax.producers.archive import archive_run, run_topic_names, stop_on_signals
 
+    cfg = bus_config(bootstrap)
+    if not follow:  # --follow may start before the run makes its topics
+        exit_unless_a_topic(cfg, *run_topic_names(run))
     stop = stop_on_signals() if follow else None
     try:
-        r = archive_run(bus_config(bootstrap), run, out, follow=follow, interval_s=interval,
+        r = archive_run(cfg, run, out, follow=follow, interval_s=interval,
                         should_stop=stop.is_set if stop else None)
     except ValueError as e:  # archive of another run, or a recreated topic
         typer.echo(f"error: {e}", err=True)
@@ -281,8 +302,13 @@ def replay_cmd(archive_dir: str = typer.Argument(..., help="folder written by re
         raise typer.Exit(1 if rep.first_divergent is not None else 0)
     if not run:
         raise typer.BadParameter("give --run NEW (or --recompute-loss)", param_hint="--run")
+    from relax.producers.archive import MANIFEST
     from relax.producers.replay import replay
 
+    if not (Path(archive_dir) / MANIFEST).is_file():
+        typer.echo(f"error: {archive_dir} is not a run archive (no {MANIFEST} there; "
+                   "`relax archive --run RUN --out DIR` writes one)", err=True)
+        raise typer.Exit(1)
     try:
         r = replay(bus_config(bootstrap), archive_dir, run)
     except ValueError as e:  # not a run archive, same run, partition mismatch
@@ -306,8 +332,6 @@ def scale_cmd(run: str = typer.Argument(..., help="run name (its folder: RUN_ROO
               timeout_s: float = typer.Option(300.0, help="give up waiting after this long")) -> None:
     """Scale a live run's rollout instances through its control API (token from
     $RELAX_API_TOKEN or the run folder): by count, or on engine sglang by server."""
-    from pathlib import Path
-
     import httpx
 
     from relax.infra.scale_client import scale_servers, scale_to

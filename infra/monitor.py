@@ -54,7 +54,8 @@ def build_snapshot(reading: Reading, previous: Reading | None = None) -> dict:
 
     Returns:
         ``{"run", "ts", "topics": {topic: {partitions, records, records_per_s,
-        rows_per_s, mb_per_s}}, "errors": {error topic: records}, "errors_total",
+        rows_per_s, mb_per_s}}, "errors": {error topic: records}, "reward_errors":
+        {reward component: failed reward rows}, "errors_total" (both together),
         "groups": {group: {lag, topics: {topic: lag}, partitions: {"topic[p]": lag}}},
         "lag_total", "staleness_hist": {"k": samples}, "versions": [{policy_version,
         reward_mean, accuracy, samples, source}], "trainer": {steps, policy_version,
@@ -100,7 +101,8 @@ def build_snapshot(reading: Reading, previous: Reading | None = None) -> dict:
         "ts": reading.ts,
         "topics": topics,
         "errors": errors,
-        "errors_total": sum(errors.values()),
+        "reward_errors": {c: int(n) for c, n in sorted(reading.metrics.reward_errors.items())},
+        "errors_total": sum(errors.values()) + int(sum(reading.metrics.reward_errors.values())),
         "groups": groups,
         "lag_total": sum(g["lag"] or 0 for g in groups.values()),
         "staleness_hist": {str(k): reading.metrics.staleness[k]
@@ -226,11 +228,14 @@ def render(snap: dict):
                     time.strftime("%H:%M:%S", time.localtime(snap["ts"]))], padding=(0, 3))
     topics = Table(Column("topic", overflow="fold"), "partitions", "records", "records/s",
                    "rows/s", "MB/s", "errors", title=f"topics ({run}.*)", title_justify="left")
+    failed_rewards = sum(snap.get("reward_errors", {}).values())
     for t, v in snap["topics"].items():
+        errors = snap["errors"].get(topic_names.errors_topic(t), 0)
+        if t == topic_names.run_topic(run, topic_names.REWARDS):
+            errors += failed_rewards  # failed reward rows: rows of this topic, error set
         topics.add_row(_short(t, run), str(v["partitions"]), str(v["records"]),
                        _fmt(v["records_per_s"], 1), _fmt(v["rows_per_s"], 1),
-                       _fmt(v["mb_per_s"], 3),
-                       str(snap["errors"].get(topic_names.errors_topic(t), 0)))
+                       _fmt(v["mb_per_s"], 3), str(errors))
     groups = Table(Column("consumer group", overflow="fold"), "lag",
                    Column("per topic", overflow="fold"),
                    title="consumer groups (lag in records)", title_justify="left")

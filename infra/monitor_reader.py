@@ -35,6 +35,9 @@ class MetricsFold:
         latest: ``{component: {name: value}}``, the newest value of every metric.
         timeline: ``{component: [(ts seconds, busy_frac), ...]}``, the newest
             :data:`TIMELINE_POINTS` ``busy_frac`` rows of each stage, in read order.
+        reward_errors: ``{component: rows}``: reward rows that failed (each reward stage's
+            per-poll ``reward_errors``, summed). They stay rows of ``<run>.rewards`` with
+            their error set, not records of an error topic.
         rows: metric rows folded.
     """
 
@@ -46,6 +49,7 @@ class MetricsFold:
     samples_trained: dict[int, float] = field(default_factory=dict)
     latest: dict[str, dict[str, float]] = field(default_factory=dict)
     timeline: dict[str, list] = field(default_factory=dict)
+    reward_errors: dict[str, float] = field(default_factory=dict)
     rows: int = 0
 
     def add(self, rows: list[dict]) -> None:
@@ -60,6 +64,8 @@ class MetricsFold:
                 points.append((ts.timestamp() if hasattr(ts, "timestamp") else ts / 1000.0,
                                value))
                 del points[:-TIMELINE_POINTS]
+            if name == mn.REWARD_ERRORS:
+                self.reward_errors[comp] = self.reward_errors.get(comp, 0.0) + value
             if name.startswith(mn.STALENESS_HIST_PREFIX):
                 k = name[len(mn.STALENESS_HIST_PREFIX):]
                 if k.isdigit():

@@ -83,3 +83,20 @@ def test_errors_help_says_reward_rows_are_listed():
     res = CliRunner().invoke(app, ["errors", "--help"])
     assert res.exit_code == 0 and "error" in res.output
     assert "--no-reward-rows" in res.output
+
+
+def test_a_topic_or_run_that_is_not_there_is_an_error_not_an_empty_answer(bus, unique, tmp_path):
+    b = ["-b", bus.bootstrap_servers]
+    for args in (["tail", f"{unique}.rollouts"], ["errors", f"{unique}.rewards"],
+                 ["archive", "--run", unique, "--out", str(tmp_path / "a")]):
+        res = CliRunner().invoke(app, [*args, *b])
+        assert res.exit_code == 1, (args, res.output)
+        assert res.stderr.startswith(f"error: no topic '{unique}.") and \
+            res.stderr.count("\n") == 1, res.stderr
+    assert not (tmp_path / "a").exists()  # no manifest of a run that is not there
+    res = CliRunner().invoke(app, ["replay", str(tmp_path / "nothing"), "--run", unique, *b])
+    assert res.exit_code == 1 and "is not a run archive (no manifest.json there" in res.stderr
+    # a topic that is there answers as before
+    rewards = _reward_run(bus, unique)
+    res = CliRunner().invoke(app, ["tail", topics.errors_topic(rewards), *b])
+    assert res.exit_code == 0 and f"rows=1 topic={topics.errors_topic(rewards)}" in res.stdout

@@ -7,6 +7,7 @@ import json
 
 import pyarrow as pa
 import pytest
+from rich.console import Console
 from testdata import alternating_rewards, produce_run, rollout_rows, train_sample_rows
 
 from relax.infra.monitor import (
@@ -132,6 +133,23 @@ def test_build_snapshot_is_pure_rates_lag_and_sample_fallback():
     json.dumps(s)
 
 
+def test_failed_reward_rows_count_as_errors_of_the_rewards_topic():
+    """They are rows of <run>.rewards with error set (no error topic holds them): the
+    monitor sums each reward stage's per-poll reward_errors."""
+    m = MetricsFold()
+    m.add([{"name": "reward_errors", "value": n, "policy_version": 1, "component": c,
+            "ts": 0} for c, n in (("reward.a", 3.0), ("reward.a", 2.0), ("reward.b", 1.0),
+                                  ("reward.a", 0.0))])
+    hw = {"r.rewards": {0: 9}, "r.rewards.errors": {0: 0}, "r.rollouts.errors": {0: 4}}
+    s = build_snapshot(_reading(10.0, hw, {}, {}, metrics=m))
+    assert s["reward_errors"] == {"reward.a": 5, "reward.b": 1}
+    assert s["errors_total"] == 4 + 6
+    console = Console(width=120, record=True, file=io.StringIO())
+    console.print(render(s))
+    row = next(x for x in console.export_text().splitlines() if "│ rewards " in x)
+    assert row.split("│")[-2].strip() == "6"
+
+
 def test_render_fits_80_columns_without_cutting_a_name():
     run = "demo-20261207-031245"
     hw = {f"{run}.rollouts": {0: 30}, f"{run}.train_samples": {0: 8}, "prompts.gsm8k": {0: 4}}
@@ -139,8 +157,6 @@ def test_render_fits_80_columns_without_cutting_a_name():
     snap = build_snapshot(_reading(102.0, hw, {}, {}, committed=committed))
     snap["run"] = run
     snap["trainer"].update(policy_version=17, step_s_mean=12.34, data_wait_pct=3.4)
-    from rich.console import Console
-
     console = Console(width=80, record=True, file=io.StringIO())
     console.print(render(snap))
     text = console.export_text()
