@@ -189,6 +189,7 @@ def _echo_error(r: dict, as_json: bool) -> None:
 # --- commands of other components register below (keep one line each) ---
 from relax.infra.reward_cli import reward_app; app.add_typer(reward_app, name="reward")  # noqa: E402,E702
 from relax.infra.stage_cli import register as _stages; _stages(app)  # rollout, reference  # noqa: E402,E702,E501
+from relax.infra.train_cli import register as _train; _train(app)  # train, eval  # noqa: E402,E702
 
 
 @app.command("publish")
@@ -393,70 +394,6 @@ def dashboard_cmd(run: str = typer.Option(..., "--run", help="run to show"),
     from relax.infra.dashboard import serve
 
     serve(bus_config(bootstrap), run, port=port, interval_s=interval)
-
-
-@app.command("train")
-def train_cmd(recipe: str = typer.Argument(..., help="recipe YAML (see recipes/)"),
-              overrides: Optional[list[str]] = typer.Argument(
-                  None, help="dotted overrides key=value, e.g. trainer.steps=3"),
-              bootstrap: Optional[str] = typer.Option(
-                  None, "--bootstrap", "-b", envvar="RELAX_BOOTSTRAP",
-                  help="Kafka cluster host:port (default: the recipe's, else a local broker)"),
-              from_archive: Optional[str] = typer.Option(
-                  None, "--from-archive", help="train offline from a run archive's train samples"),
-              timeout_s: Optional[float] = typer.Option(
-                  None, help="give up after this many seconds (stages are stopped)")) -> None:
-    """Run GRPO end to end: rollout, rewards, aggregation, trainer, each its own process.
-
-    Run name (topics <run>.*, folder runs/<run>/): recipe key `run`, default <recipe>-<time>.
-
-    Override any recipe key (infra/recipe.py) with key=value, e.g. run=NAME.
-    """
-    import logging
-
-    from relax.infra.preflight import preflight
-    from relax.infra.recipe import RecipeError, load_recipe
-
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    logging.getLogger("kafka").setLevel(logging.CRITICAL)  # clients log closed sockets as ERROR
-    extra = list(overrides or [])
-    if bootstrap:
-        extra.append(f"bootstrap_servers={bootstrap}")
-    try:
-        rec = load_recipe(recipe, extra)
-        preflight(rec)  # names that do not resolve: before a broker, Ray or a stage starts
-    except (RecipeError, FileNotFoundError, ValueError) as e:
-        typer.echo(f"error: {e}", err=True)
-        raise typer.Exit(2) from None
-    if from_archive:
-        from relax.infra.offline import train_from_archive
-
-        summary = train_from_archive(rec, from_archive, say=typer.echo)
-    else:
-        from relax.infra.launch import RunFailed, train
-
-        try:
-            summary = train(rec, say=typer.echo, timeout_s=timeout_s)
-        except RecipeError as e:  # found before anything started (the eval set)
-            typer.echo(f"error: {e}", err=True)
-            raise typer.Exit(2) from None
-        except RunFailed as e:
-            typer.echo(f"error: {e}", err=True)
-            raise typer.Exit(1) from None
-    from relax.infra.launch import final_line
-
-    typer.echo(f"run folder: {summary['run_dir']}")
-    if "samples_per_s" in summary:
-        typer.echo(f"throughput: samples/s={summary['samples_per_s']:.2f} (trained rows over "
-                   f"the {summary['train_s']:.0f} s from the stages' start to the last step) "
-                   f"trainer data-wait="
-                   f"{summary['trainer_wait_pct']:.0f}% wall_s={summary['wall_s']:.0f}")
-    before, after = summary.get("eval_before"), summary.get("eval_after")
-    if before and after:
-        typer.echo(f"greedy held-out accuracy: before {before['accuracy']:.3f} after "
-                   f"{after['accuracy']:.3f} ({100 * (after['accuracy'] - before['accuracy']):+.1f} "
-                   f"points, n={after['n']})")
-    typer.echo(final_line(summary))
 
 
 def main() -> None:

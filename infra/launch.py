@@ -103,7 +103,7 @@ def _training_keys(recipe: Recipe) -> set[tuple]:
                        media=_media_options(d.image_field, d.audio_field), limit=d.limit)
 
 
-def _evaluate(recipe: Recipe, model: str, rows: list[dict]):
+def evaluate_held_out(recipe: Recipe, model: str, rows: list[dict]):
     """Greedy accuracy of ``model`` on ``rows`` (:func:`relax.infra.evaluate.greedy_accuracy`)
     with the eval reward.
 
@@ -156,7 +156,7 @@ def train(recipe: Recipe, *, say: Callable[[str], None] = print,
     """
     preflight(recipe)
     t_start = time.time()
-    held_out = _eval_rows(recipe)  # before anything is made: a short eval source is a recipe error
+    held_out = held_out_rows(recipe)  # first: a short eval source is a recipe error
     run_dir = _run_folder(recipe, say)
     summary: dict = {"run": recipe.run, "mode": recipe.mode, "run_dir": str(run_dir)}
     with contextlib.ExitStack() as stack:
@@ -240,7 +240,7 @@ def eval_line(when: str, r) -> str:
             f"({r.seconds:.0f}s){failed}")
 
 
-def _eval_rows(recipe: Recipe) -> list[dict] | None:
+def held_out_rows(recipe: Recipe) -> list[dict] | None:
     """The held-out rows (None without ``eval``): the first ``eval.size`` prompts of
     ``eval.source`` that are not training prompts.
 
@@ -266,7 +266,7 @@ def _eval_before(recipe: Recipe, rows: list[dict] | None, summary: dict,
     """``rows`` (the held-out rows, None without ``eval``); the initial model's accuracy
     on them when ``eval.before``."""
     if rows is not None and recipe.eval.before:
-        r = _evaluate(recipe, recipe.model, rows)
+        r = evaluate_held_out(recipe, recipe.model, rows)
         summary["eval_before"] = _eval_summary(r)
         say(eval_line("before", r))
     return rows
@@ -308,7 +308,7 @@ def _finish(recipe: Recipe, bus: BusConfig, run_dir: Path, follower: MetricsFoll
     if eval_rows is not None and recipe.eval.after and final.exists():
         save_tokenizer(recipe.model, final)
         try:
-            r = _evaluate(recipe, str(final), eval_rows)
+            r = evaluate_held_out(recipe, str(final), eval_rows)
         except RunFailed as e:  # the run itself is done: report it, keep its folder whole
             summary["eval_after_error"] = str(e)
             say(f"eval after: {e}")

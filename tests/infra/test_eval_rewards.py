@@ -50,7 +50,7 @@ def test_a_reward_that_cannot_warm_up_fails_the_eval_with_one_line_naming_its_ke
                          f'eval={{source: "{SOURCE}", size: 4, max_new_tokens: 2, '
                          f'reward: {{name: e, fn: "{__name__}:one_float_per_call"}}}}')
     with pytest.raises(RunFailed) as e:
-        launch._evaluate(recipe, "tiny-llama", _rows(4))
+        launch.evaluate_held_out(recipe, "tiny-llama", _rows(4))
     msg = str(e.value)
     assert msg.startswith("eval: eval.reward.fn: reward ") and "\n" not in msg
     assert "returned 1.0 for an empty batch; expected []" in msg
@@ -62,3 +62,23 @@ def test_an_eval_source_short_of_eval_size_is_a_recipe_error_before_anything_is_
     with pytest.raises(RecipeError, match=r"^eval\.size: eval source .* has only \d+ prompts"):
         launch.train(recipe)
     assert not (tmp_path / "short").exists()  # no run folder, no topics (the broker is :9)
+
+
+def test_relax_eval_measures_a_model_on_the_recipes_eval_set(tmp_path):
+    from typer.testing import CliRunner
+
+    from relax.infra.cli import app
+
+    base = ["eval", "recipes/tiny_ci.yaml", f"run_root={tmp_path}",
+            f'eval={{source: "{SOURCE}", size: 6, max_new_tokens: 2, '
+            'reward: {name: e, fn: "testdata:parity_reward"}}']
+    res = CliRunner().invoke(app, base)
+    assert res.exit_code == 0, res.output
+    assert res.stdout.startswith("eval of tiny-llama: greedy held-out accuracy ") and "/6 = " in \
+        res.stdout
+    res = CliRunner().invoke(app, [*base, "--model", str(tmp_path / "no-such-folder")])
+    assert res.exit_code == 2 and res.stderr.startswith("error: model: ")
+    res = CliRunner().invoke(app, base[:2])  # tiny_ci has no eval section
+    assert res.exit_code == 2 and res.stderr.startswith("error: eval: the recipe has no eval")
+    res = CliRunner().invoke(app, [*base[:2], f'eval={{source: "{SOURCE}", size: 999}}'])
+    assert res.exit_code == 2 and res.stderr.startswith("error: eval.size: eval source")

@@ -1,0 +1,118 @@
+"""``relax train`` (a recipe end to end) and ``relax eval`` (a model's greedy held-out
+accuracy on a recipe's eval set). Imports stay light: the run loads inside the commands.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import typer
+
+_RecipeArg = typer.Argument(..., help="recipe YAML (see recipes/)")
+_OverridesArg = typer.Argument(None, help="dotted overrides key=value, e.g. trainer.steps=3")
+
+
+def load_checked_recipe(recipe: str, overrides: list[str] | None):
+    """The recipe with ``overrides``, checked before anything starts
+    (:func:`relax.infra.preflight.preflight`); exits 2 with one line naming the key."""
+    from relax.infra.preflight import preflight
+    from relax.infra.recipe import RecipeError, load_recipe
+
+    try:
+        rec = load_recipe(recipe, list(overrides or []))
+        preflight(rec)  # names that do not resolve: before a broker, Ray or a stage starts
+    except (RecipeError, FileNotFoundError, ValueError) as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2) from None
+    return rec
+
+
+def train_cmd(recipe: str = _RecipeArg, overrides: Optional[list[str]] = _OverridesArg,
+              bootstrap: Optional[str] = typer.Option(
+                  None, "--bootstrap", "-b", envvar="RELAX_BOOTSTRAP",
+                  help="Kafka cluster host:port (default: the recipe's, else a local broker)"),
+              from_archive: Optional[str] = typer.Option(
+                  None, "--from-archive", help="train offline from a run archive's train samples"),
+              timeout_s: Optional[float] = typer.Option(
+                  None, help="give up after this many seconds (stages are stopped)")) -> None:
+    """Run GRPO end to end: rollout, rewards, aggregation, trainer, each its own process.
+
+    Run name (topics <run>.*, folder runs/<run>/): recipe key `run`, default <recipe>-<time>.
+
+    Override any recipe key (infra/recipe.py) with key=value, e.g. run=NAME.
+    """
+    import logging
+
+    from relax.infra.recipe import RecipeError
+
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    logging.getLogger("kafka").setLevel(logging.CRITICAL)  # clients log closed sockets as ERROR
+    extra = list(overrides or [])
+    if bootstrap:
+        extra.append(f"bootstrap_servers={bootstrap}")
+    rec = load_checked_recipe(recipe, extra)
+    if from_archive:
+        from relax.infra.offline import train_from_archive
+
+        summary = train_from_archive(rec, from_archive, say=typer.echo)
+    else:
+        from relax.infra.launch import RunFailed, train
+
+        try:
+            summary = train(rec, say=typer.echo, timeout_s=timeout_s)
+        except RecipeError as e:  # found before anything started (the eval set)
+            typer.echo(f"error: {e}", err=True)
+            raise typer.Exit(2) from None
+        except RunFailed as e:
+            typer.echo(f"error: {e}", err=True)
+            raise typer.Exit(1) from None
+    from relax.infra.launch import final_line
+
+    typer.echo(f"run folder: {summary['run_dir']}")
+    if "samples_per_s" in summary:
+        typer.echo(f"throughput: samples/s={summary['samples_per_s']:.2f} (trained rows over "
+                   f"the {summary['train_s']:.0f} s from the stages' start to the last step) "
+                   f"trainer data-wait="
+                   f"{summary['trainer_wait_pct']:.0f}% wall_s={summary['wall_s']:.0f}")
+    before, after = summary.get("eval_before"), summary.get("eval_after")
+    if before and after:
+        gain = 100 * (after["accuracy"] - before["accuracy"])
+        typer.echo(f"greedy held-out accuracy: before {before['accuracy']:.3f} after "
+                   f"{after['accuracy']:.3f} ({gain:+.1f} points, n={after['n']})")
+    typer.echo(final_line(summary))
+
+
+def eval_cmd(recipe: str = _RecipeArg, overrides: Optional[list[str]] = _OverridesArg,
+             model: Optional[str] = typer.Option(
+                 None, "--model", "-m", help="model to evaluate: a run's final_model or "
+                 "checkpoint folder, a built-in name or a Hub id (default: the recipe's)")) -> None:
+    """Greedy held-out accuracy of a model on the recipe's eval set, as `relax train` measures
+    it before and after training (the same prompts, template, reward and threshold).
+
+    Needs no broker: it decodes in this process. Exit 2: a recipe error (no eval section, or
+    too few eval prompts); exit 1: the reward cannot score.
+    """
+    from relax.infra.launch import RunFailed, eval_line, evaluate_held_out, held_out_rows
+    from relax.infra.recipe import RecipeError
+
+    rec = load_checked_recipe(recipe, [*(overrides or []), *([f"model={model}"] if model else [])])
+    try:
+        if rec.eval is None:
+            raise RecipeError("eval: the recipe has no eval section (eval: {source: ..., "
+                              "size: ...})")
+        rows = held_out_rows(rec)
+    except RecipeError as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2) from None
+    try:
+        r = evaluate_held_out(rec, rec.model, rows)
+    except RunFailed as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(1) from None
+    typer.echo(eval_line(f"of {rec.model}", r))
+
+
+def register(app: typer.Typer) -> None:
+    """Add ``train`` and ``eval`` to the ``relax`` app."""
+    app.command("train")(train_cmd)
+    app.command("eval")(eval_cmd)
