@@ -82,7 +82,11 @@ def _publish_data(recipe: Recipe, bus: BusConfig, say: Callable[[str], None]) ->
     res = publish(bus, d.source, topic, prompt_field=d.prompt_field, label_field=d.label_field,
                   limit=d.limit, partitions=d.partitions, progress=False,
                   media=_media_options(d.image_field, d.audio_field))
-    say(f"prompts: published={res.published} errors={res.errors} topic={topic}")
+    notes = ([f"skipped {res.repeated} rows repeating an earlier prompt"] if res.repeated else [])
+    if res.errors:
+        notes.append(f"first error: {res.first_error}; see `relax errors {topic}`")
+    say(f"prompts: published={res.published} errors={res.errors} topic={topic}"
+        + "".join(f" ({n})" for n in notes))
 
 
 def _media_options(image_field: str | None, audio_field: str | None):

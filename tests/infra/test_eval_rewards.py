@@ -82,3 +82,18 @@ def test_relax_eval_measures_a_model_on_the_recipes_eval_set(tmp_path):
     assert res.exit_code == 2 and res.stderr.startswith("error: eval: the recipe has no eval")
     res = CliRunner().invoke(app, [*base[:2], f'eval={{source: "{SOURCE}", size: 999}}'])
     assert res.exit_code == 2 and res.stderr.startswith("error: eval.size: eval source")
+
+
+def test_relax_train_says_what_publishing_its_data_skipped_and_where_the_bad_rows_are(
+        bus, unique, tmp_path):
+    src = tmp_path / "d.jsonl"
+    src.write_text('{"question": "2*3?", "answer": 6}\n{"question": "2*3?", "answer": 6}\n'
+                   '{"question": "4*4?", "answer": null}\n{"question": "5*5?", "answer": 25}\n')
+    recipe = tiny_recipe(bus.bootstrap_servers, tmp_path, unique, f"data.source={src}",
+                         f"data.dataset={unique}", "data.limit=null")
+    said: list[str] = []
+    launch._publish_data(recipe, bus, said.append)
+    assert said == [f"prompts: published=2 errors=1 topic=prompts.{unique} (skipped 1 rows "
+                    "repeating an earlier prompt) (first error: line 3: field 'answer' (the "
+                    "label field) is null; give the row a label, or publish without a label "
+                    f"field for rewards that need none; see `relax errors prompts.{unique}`)"]
