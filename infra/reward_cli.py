@@ -225,7 +225,8 @@ def eval_cmd(reward: str = typer.Argument(..., help="reward name or module:funct
              timeout_s: float = _TimeoutOpt, memory_limit_bytes: Optional[int] = _MemoryOpt,
              batch_rows: int = _BatchOpt) -> None:
     """Score DATA offline through the same worker pool as the stage; the last line is
-    `scored=N mean=X errors=E` (N = rows with a value)."""
+    `scored=N mean=X errors=E` (N = rows with a value); the first failed rows are named on
+    stderr, and it exits 1 when rows failed and none was scored."""
     import time
 
     from relax.consumers.reward import load_reward_fn
@@ -257,12 +258,14 @@ def eval_cmd(reward: str = typer.Argument(..., help="reward name or module:funct
         results = pool.score(responses, labels, metadata)
         t2 = time.perf_counter()
     values = [r.value for r in results if r.value is not None]
-    errors = [r.error for r in results if r.error is not None]
-    for e in list(dict.fromkeys(errors))[:3]:
-        typer.echo(f"error: {e}", err=True)
+    errors = [(n, r.error) for n, r in enumerate(results, 1) if r.error is not None]
+    for n, e in errors[:3]:
+        typer.echo(f"error: {data}: row {n}: {e}", err=True)
     abstained = len(results) - len(values) - len(errors)
     mean = round(sum(values) / len(values), 4) if values else float("nan")
     typer.echo(f"rows={len(results)} abstained={abstained} workers={workers} "
                f"startup_s={t1 - t0:.2f} score_s={t2 - t1:.3f} "
                f"rows/s={len(results) / max(t2 - t1, 1e-9):.1f}")
     typer.echo(f"scored={len(values)} mean={mean} errors={len(errors)}")
+    if errors and not values:  # nothing scored: the function does not work on this data
+        raise typer.Exit(1)

@@ -41,7 +41,11 @@ def test_eval_math_with_options_metadata_and_errors(tmp_path):
     res, lines = _eval("gsm8k", str(data), "--response-field", "out", "--label-field", "gold")
     # strict mode finds no "####": 0.0; "two" is no number: a row error; null label abstains
     assert lines[-1] == "scored=2 mean=0.0 errors=1"
-    assert any("label 'two' is not a number" in line for line in lines)
+    assert f"error: {data}: row 2: gsm8k label 'two' is not a number" in res.output
+    # every row failed, none scored: exit 1 (the function does not work on this data)
+    data.write_text(json.dumps(rows[1]) + "\n")
+    res, lines = _eval("gsm8k", str(data), "--response-field", "out", "--label-field", "gold")
+    assert res.exit_code == 1 and lines[-1] == "scored=0 mean=nan errors=1"
     # "-o mode=..." reaches the function; a bad option stops the start with the reason
     res, lines = _eval("gsm8k", str(data), "--response-field", "out", "-o", "mode=loose")
     assert res.exit_code == 1 and "unknown gsm8k mode 'loose'" in res.output
