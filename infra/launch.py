@@ -290,10 +290,12 @@ def _sigterm_flag(stack: contextlib.ExitStack) -> Callable[[], bool]:
 
 def _finish(recipe: Recipe, bus: BusConfig, run_dir: Path, follower: MetricsFollower,
             eval_rows: list[dict] | None, summary: dict, say: Callable[[str], None]) -> None:
-    """Accounting, step figures, the final model's accuracy, metrics.jsonl, curves.png
-    and timeline.png (the stages' CPU use, :mod:`relax.infra.cpu_timeline`)."""
+    """Accounting, step figures, the final model's accuracy, metrics.jsonl, errors.jsonl
+    (:mod:`relax.infra.run_errors`), curves.png and timeline.png (the stages' CPU use,
+    :mod:`relax.infra.cpu_timeline`)."""
     from relax.infra.cpu_timeline import plot_timeline, read_timeline
     from relax.infra.report import accounting, plot_curves, ts_ms, write_metrics_jsonl
+    from relax.infra.run_errors import ERRORS_FILE, write_run_errors
     from relax.trainer import checkpoint
 
     follower.read_to_end()
@@ -320,6 +322,11 @@ def _finish(recipe: Recipe, bus: BusConfig, run_dir: Path, follower: MetricsFoll
             summary["eval_after"] = _eval_summary(r)
             say(eval_line("after", r))
     write_metrics_jsonl(run_dir / "metrics.jsonl", follower.rows)
+    n = write_run_errors(bus, list(run_topics(recipe)), run_dir / ERRORS_FILE)
+    summary["error_records"] = n
+    if n:
+        say(f"errors: {n} failed records in {run_dir / ERRORS_FILE} (`relax errors "
+            f"{recipe.run}.rewards` and the like while the broker runs)")
     ends = [ts_ms(r["ts"]) / 1000 for r in follower.rows
             if r["component"] == "trainer" and r["name"] == M.STEP_S]
     plot_timeline(read_timeline(run_dir / "cpu_timeline.jsonl"), run_dir / "timeline.png", ends)
