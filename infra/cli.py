@@ -176,7 +176,9 @@ def _echo_error(r: dict, as_json: bool) -> None:
         typer.echo(json.dumps({k: v for k, v in r.items() if k != "value"},
                               default=_json_default))
         return
-    where = f"{r['source_topic']}[{r['source_partition']}]@{r['source_offset']}"
+    where = (f"{r['source_topic']}[{r['source_partition']}]@{r['source_offset']}"
+             if r["source_partition"] is not None  # else a file: the offset is its line
+             else f"{r['source_topic']} line {r['source_offset']}")
     if r.get("row") is not None:
         where += f" row {r['row']}"
     if r.get("rollout_id") is not None:

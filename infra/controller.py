@@ -427,10 +427,14 @@ class Controller:
                 except ray.exceptions.RayActorError:
                     pass
         refs = [r.ref for r in self.stages.values() if not r.finished]
-        if refs:
-            ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+        done = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)[0] if refs else []
         for r in self.stages.values():
+            if not r.finished:  # stages.json ends with how each one ended
+                r.finished = r.ref in done
+                r.history.append(f"{time.strftime('%H:%M:%S')} "
+                                 f"{'stopped' if r.finished else 'killed (did not stop)'}")
             ray.kill(r.actor, no_restart=True)
+        self._write_state()
         self.stages.clear()
         if self._ray_started:
             ray.shutdown()

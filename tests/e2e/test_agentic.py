@@ -38,6 +38,9 @@ def test_agentic_recipe_with_the_tiny_model(broker, tmp_path, recipe_name, rewar
     assert s["steps"] == 2 and s["balanced"], (s, lines)
     stages = json.loads((Path(s["run_dir"]) / "stages.json").read_text())
     assert not [n for n in stages if n.startswith("reward.")]  # the environment scores
+    # a clean end: every stage ended on its own or when asked, and stages.json says so
+    assert all(st["finished"] and st["history"][-1].split()[-1] in ("finished", "stopped")
+               for st in stages.values()), stages
 
     bus = BusConfig(bootstrap_servers=broker)
     rollouts = read_table(bus, f"{run}.rollouts").to_pylist()
