@@ -2,10 +2,14 @@
 samples, and recomputing a finished run's losses to find where it diverged.
 
 * :func:`train_from_archive` (``relax train RECIPE --from-archive DIR``): the
-  archived ``train_samples`` rows, in the order they were written, become batches of
-  ``trainer.batch_groups`` groups for the recipe's trainer; no broker, no rollout.
-  Rows with a ``drop_reason`` are skipped (they were never meant to be trained);
-  staleness is not applied (offline data is as old as the archive).
+  archived ``train_samples`` rows, in the order they were written (message time across
+  partitions, then partition and offset), become batches of ``trainer.batch_groups``
+  groups for the recipe's trainer, each step computed as the trainer stage computes it
+  (:func:`relax.trainer.step_batch.step_batch`); no broker, no rollout. Rows with a
+  ``drop_reason`` are skipped (they were never meant to be trained); staleness is not
+  applied (offline data is as old as the archive). The live trainer took groups as they
+  arrived and dropped stale ones, so a step's batch equals the live step's only where
+  those orders agree; :func:`recompute_losses` follows the live batches exactly.
 * :func:`recompute_losses` (``relax replay DIR --recompute-loss --run-dir RUN_DIR``):
   for every recorded step k, the rows the trainer's ledger says it trained at
   policy_version k-1 are loaded from the archive, the weights of version k-1 are
@@ -37,9 +41,10 @@ def _archived_topic(archive_dir: str | Path, name: str) -> str:
     return found[0]
 
 
-def archived_rows(archive_dir: str | Path, name: str) -> pa.Table:
+def archived_rows(archive_dir: str | Path, name: str, *, write_order: bool = False) -> pa.Table:
     """Every archived row of the run's ``name`` topic (e.g. ``train_samples``), with its
-    v1 schema, in archive order.
+    v1 schema: in archive order (partition by partition), or with ``write_order`` sorted
+    by message time, partition and offset (the order the rows were written in).
 
     Raises:
         ValueError: the archive has no such topic.
@@ -47,12 +52,16 @@ def archived_rows(archive_dir: str | Path, name: str) -> pa.Table:
     from relax.producers.archive import iter_archive, strip_meta
 
     topic = _archived_topic(archive_dir, name)
-    tables = [strip_meta(t, name) for t in iter_archive(archive_dir, topic)]
+    tables = list(iter_archive(archive_dir, topic))
     if not tables:
         from relax.schemas.v1 import get_schema
 
         return get_schema(name).empty_table()
-    return pa.concat_tables(tables)
+    table = pa.concat_tables(tables)
+    if write_order:
+        table = table.sort_by([("_timestamp", "ascending"), ("_partition", "ascending"),
+                               ("_offset", "ascending")])
+    return strip_meta(table, name)
 
 
 def _groups(table: pa.Table) -> list[pa.Table]:
@@ -61,35 +70,82 @@ def _groups(table: pa.Table) -> list[pa.Table]:
     return [g for _, g in group_by_key(table, "group_id")]
 
 
-def train_from_archive(recipe: Recipe, archive_dir: str, *, say: Callable[[str], None] = print) -> dict:
+def live_batches(samples: pa.Table, run_dir: str | Path) -> dict[int, list[pa.Table]]:
+    """The groups the run's trainer trained at each policy_version (its step
+    policy_version + 1), from the ledger of the run's newest checkpoint, as rows of
+    ``samples`` (the archived ``train_samples``; a row archived twice is taken once).
+
+    Raises:
+        ValueError: ``run_dir`` has no checkpoint with a ledger.
+    """
+    from relax.trainer import checkpoint
+    from relax.trainer.ledger import Ledger
+
+    ckpt = checkpoint.latest(Path(run_dir))
+    if ckpt is None:
+        raise ValueError(f"{run_dir}: no checkpoint (with its ledger)")
+    by_version: dict[int, set[str]] = {}
+    for rid, (outcome, version, _) in Ledger.load(ckpt / "ledger.parquet").items():
+        if outcome == "trained":
+            by_version.setdefault(version, set()).add(rid)
+    out = {}
+    for version, ids in sorted(by_version.items()):
+        rows = samples.filter(pc.is_in(samples.column("rollout_id"),
+                                       value_set=pa.array(sorted(ids))))
+        out[version] = _groups(_dedup(rows))
+    return out
+
+
+def train_from_archive(recipe: Recipe, archive_dir: str, *, batches_from: str | None = None,
+                       say: Callable[[str], None] = print) -> dict:
     """Train the recipe's model on the archive's train samples; returns a summary (also in
-    ``<run_root>/<run>/summary.json``); the model goes to ``final_model``."""
+    ``<run_root>/<run>/summary.json``, with each step's ``losses``); the model goes to
+    ``final_model``.
+
+    Args:
+        batches_from: the archived run's folder: train the batches its trainer trained, in
+            its order (:func:`live_batches`), which reproduces its steps; None: batches of
+            ``trainer.batch_groups`` groups in write order.
+
+    Raises:
+        ValueError: fewer trainable groups than one batch, or ``batches_from`` has no
+            checkpoint with a ledger.
+    """
     import time
 
     from relax.trainer import checkpoint
     from relax.trainer.backends import build_backend
     from relax.trainer.batching import micro_batches
     from relax.trainer.ledger import Ledger
+    from relax.trainer.step_batch import step_batch
 
     t = recipe.trainer
     run_dir = Path(recipe.run_root) / recipe.run
     run_dir.mkdir(parents=True, exist_ok=True)
-    rows = archived_rows(archive_dir, "train_samples")
+    rows = archived_rows(archive_dir, "train_samples", write_order=True)
     keep = rows.filter(rows.column("drop_reason").is_null())
-    groups = _groups(keep)
+    if batches_from is not None:
+        batches = list(live_batches(keep, batches_from).values())
+    else:
+        groups = _groups(keep)
+        batches = [groups[i:i + t.batch_groups]
+                   for i in range(0, len(groups) - t.batch_groups + 1, t.batch_groups)]
+    steps = min(t.steps, len(batches))
+    if steps == 0:
+        raise ValueError(f"{archive_dir}: fewer trainable groups than one batch of "
+                         f"{t.batch_groups}")
     backend = build_backend(t)
     ledger = Ledger()
     t0 = time.time()
-    steps = min(t.steps, len(groups) // t.batch_groups)
-    if steps == 0:
-        raise ValueError(f"{archive_dir}: {len(groups)} trainable groups, fewer than one batch "
-                         f"of {t.batch_groups}")
-    for step in range(steps):
-        batch = groups[step * t.batch_groups:(step + 1) * t.batch_groups]
-        stats = backend.train_step(micro_batches(batch, t.max_tokens_per_microbatch))
+    losses = []
+    for step, batch in enumerate(batches[:steps]):
+        prepared = step_batch(batch, t)
+        stats = backend.train_step(micro_batches(prepared.trained, t.max_tokens_per_microbatch),
+                                   counts=prepared.counts)
         for g in batch:
             for rid in g.column("rollout_id").to_pylist():
                 ledger.record(rid, "trained", step)
+        losses.append(float(stats["loss"]))
         say(f"offline step {step + 1}/{steps} loss={stats['loss']:.4f} "
             f"grad_norm={stats['grad_norm']:.3f} rows={sum(g.num_rows for g in batch)}")
     checkpoint.save(run_dir, backend, checkpoint.TrainerState(steps), ledger)
@@ -97,7 +153,8 @@ def train_from_archive(recipe: Recipe, archive_dir: str, *, say: Callable[[str],
     summary = {"run": recipe.run, "run_dir": str(run_dir), "steps": steps,
                "sampled": rows.num_rows, "trained": len(ledger), "stale": 0,
                "filtered": rows.num_rows - keep.num_rows, "errors": 0,
-               "offline_from": str(archive_dir), "train_s": round(time.time() - t0, 1)}
+               "offline_from": str(archive_dir), "batches_from": batches_from,
+               "losses": losses, "train_s": round(time.time() - t0, 1)}
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
     return summary
 
@@ -128,10 +185,8 @@ def recompute_losses(archive_dir: str, run_dir: str, *, rtol: float = 1e-3,
     import torch
 
     from relax.infra.recipe import load_recipe
-    from relax.trainer import checkpoint
     from relax.trainer.backends.torch_backend import TorchBackend
     from relax.trainer.batching import micro_batches
-    from relax.trainer.ledger import Ledger
     from relax.trainer.losses import compute_policy_loss
     from relax.trainer.losses.aggregate import mask_counts
 
@@ -143,31 +198,20 @@ def recompute_losses(archive_dir: str, run_dir: str, *, rtol: float = 1e-3,
                 if r["component"] == "trainer" and r["name"] == "loss"}
     if not recorded:
         raise ValueError(f"{archive_dir}: no recorded trainer loss")
-    ckpt = checkpoint.latest(run_dir_p)
-    if ckpt is None:
-        raise ValueError(f"{run_dir}: no checkpoint (with its ledger)")
-    ledger = Ledger.load(ckpt / "ledger.parquet")
-    by_version: dict[int, set[str]] = {}
-    for rid, (outcome, version, _) in ledger.items():
-        if outcome == "trained":
-            by_version.setdefault(version, set()).add(rid)
-    samples = archived_rows(archive_dir, "train_samples")
+    batches = live_batches(archived_rows(archive_dir, "train_samples"), run_dir_p)
     backend = TorchBackend(t)
     report = RecomputeReport()
     for step in sorted(recorded):
-        ids = by_version.get(step - 1)
+        groups = batches.get(step - 1)
         weights = run_dir_p / "checkpoints" / f"step_{step - 1:06d}"
-        if not ids or (step > 1 and not weights.exists()):
+        if not groups or (step > 1 and not weights.exists()):
             report.skipped.append(step)
             continue
         if step > 1:
             backend.load(weights)
         else:
             backend = TorchBackend(t)
-        rows = samples.filter(pc.is_in(samples.column("rollout_id"),
-                                       value_set=pa.array(sorted(ids))))
-        rows = _dedup(rows)
-        mbs = micro_batches(_groups(rows), t.max_tokens_per_microbatch)
+        mbs = micro_batches(groups, t.max_tokens_per_microbatch)
         counts = [mask_counts(mb.loss_mask) for mb in mbs]
         tokens, seqs = sum(c[0] for c in counts), sum(c[1] for c in counts)
         total = 0.0

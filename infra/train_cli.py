@@ -33,6 +33,9 @@ def train_cmd(recipe: str = _RecipeArg, overrides: Optional[list[str]] = _Overri
                   help="Kafka cluster host:port (default: the recipe's, else a local broker)"),
               from_archive: Optional[str] = typer.Option(
                   None, "--from-archive", help="train offline from a run archive's train samples"),
+              batches_from: Optional[str] = typer.Option(
+                  None, "--batches-from", help="with --from-archive: the archived run's folder; "
+                  "train its trainer's batches in its order (reproduces its steps)"),
               timeout_s: Optional[float] = typer.Option(
                   None, help="give up after this many seconds (stages are stopped)")) -> None:
     """Run GRPO end to end: rollout, rewards, aggregation, trainer, each its own process.
@@ -54,7 +57,12 @@ def train_cmd(recipe: str = _RecipeArg, overrides: Optional[list[str]] = _Overri
     if from_archive:
         from relax.infra.offline import train_from_archive
 
-        summary = train_from_archive(rec, from_archive, say=typer.echo)
+        try:
+            summary = train_from_archive(rec, from_archive, batches_from=batches_from,
+                                         say=typer.echo)
+        except ValueError as e:  # too few groups, a folder with no ledger, not an archive
+            typer.echo(f"error: {e}", err=True)
+            raise typer.Exit(1) from None
     else:
         from relax.infra.launch import RunFailed, train
 

@@ -34,14 +34,13 @@ from relax.streams.progress import PROGRESS_KEY, progress_row
 from relax.streams.metrics import MetricsWriter
 from relax.streams.producer import BatchProducer
 from relax.trainer import checkpoint
-from relax.trainer.advantage.batch import with_batch_advantages
 from relax.trainer.backends import build_backend
-from relax.trainer.batching import (informative_rows, loss_counts, micro_batches, split_groups,
-                                   teacher_kl)
+from relax.trainer.batching import micro_batches, split_groups, teacher_kl
 from relax.trainer.config import TrainerConfig
 from relax.trainer.distributed import node_address
 from relax.trainer.ledger import Ledger
 from relax.trainer.source import Batch, SampleSource
+from relax.trainer.step_batch import step_batch
 from relax.trainer.telemetry import Telemetry, TelemetryConfig
 
 log = logging.getLogger(__name__)
@@ -184,10 +183,6 @@ class TrainerStage:
         if self.telemetry.prometheus_port is not None:
             log.info("Prometheus metrics on http://127.0.0.1:%d/metrics",
                      self.telemetry.prometheus_port)
-        loss = t.loss
-        # rows with zero advantage add exactly 0 to a pure policy-gradient loss: skip their
-        # forward/backward (the loss keeps the whole batch's normalisation)
-        self._skip_zero = not (loss.kl_coef and loss.kl_in == "loss") and loss.entropy_coef == 0
 
     # -- progress for the rollout stage's credit
     def _progress(self, consumed_delta: int = 0) -> None:
@@ -234,12 +229,9 @@ class TrainerStage:
         batch = self.source.next_batch(self.version, should_stop)
         if batch is None:
             return None
-        groups = batch.groups
-        if t.batch_advantage is not None:  # REINFORCE++: statistics of the whole batch
-            groups = with_batch_advantages(groups, t.batch_advantage, t.batch_advantage_options)
-        adv_stats = advantage_metrics(groups)
-        groups = informative_rows(groups) if self._skip_zero else groups
-        counts = loss_counts(batch.groups)
+        prepared = step_batch(batch.groups, t)
+        adv_stats = advantage_metrics(prepared.advantaged)
+        groups, counts = prepared.trained, prepared.counts
         save = self._save_due(self.version + 1)
         if self.ranks is not None:
             n = self.ranks.world_size  # megatron: every TP rank takes the whole batch

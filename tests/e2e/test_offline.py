@@ -60,3 +60,24 @@ def test_train_from_archive(archived, tmp_path):
     s = train_from_archive(rec, str(out), say=lines.append)
     assert s["steps"] == 2 and len(lines) == 2 and "loss=" in lines[0]
     assert (tmp_path / "offline1" / "final_model" / "model.safetensors").exists()
+
+
+def test_train_from_archive_with_the_live_batches_reproduces_the_runs_losses(archived, tmp_path):
+    """The trainer's batches (its ledger), each step computed as the stage computes it:
+    every step's loss is the live one, to float noise."""
+    import json
+    from pathlib import Path
+
+    from relax.infra.recipe import load_recipe
+
+    recipe, summary, out = archived
+    rec = load_recipe(tree=recipe.model_dump(mode="json") | {"run": "offline2",
+                                                              "run_root": str(tmp_path)})
+    s = train_from_archive(rec, str(out), batches_from=summary["run_dir"], say=lambda _: None)
+    rows = [json.loads(x) for x in (Path(summary["run_dir"]) / "metrics.jsonl").read_text()
+            .splitlines()]
+    live = [r["value"] for r in sorted((r for r in rows if r["component"] == "trainer"
+                                        and r["name"] == "loss"),
+                                       key=lambda r: r["policy_version"])]
+    assert s["steps"] == len(live) == 3
+    assert s["losses"] == pytest.approx(live, rel=1e-4, abs=1e-6), (s["losses"], live)
