@@ -222,7 +222,7 @@ def render(snap: dict):
     head = Columns([f"[b]run[/b] {run}",
                     f"[b]policy_version[/b] {_fmt(tr['policy_version'])}",
                     f"[b]step_s[/b] {_fmt(tr['step_s_mean'])}",
-                    f"[b]data wait[/b] {_fmt(tr['data_wait_pct'], 1)}%",
+                    f"[b]data wait[/b] {_fmt(tr['data_wait_pct'], 1)}% (last {RECENT_STEPS} steps)",
                     f"[b]lag[/b] {snap['lag_total']}",
                     f"[b]errors[/b] {snap['errors_total']}",
                     time.strftime("%H:%M:%S", time.localtime(snap["ts"]))], padding=(0, 3))

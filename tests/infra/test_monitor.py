@@ -161,7 +161,7 @@ def test_render_fits_80_columns_without_cutting_a_name():
     console.print(render(snap))
     text = console.export_text()
     assert max(map(len, text.splitlines())) <= 80 and "\u2026" not in text  # no ellipsis
-    for item in (f"run {run}", "policy_version 17", "step_s 12.34", "data wait 3.4%", "lag 5",
+    for item in (f"run {run}", "policy_version 17", "step_s 12.34", "data wait 3.4% (last 10 steps)", "lag 5",
                  "errors 0", "rollouts", "train_samples", "prompts.gsm8k", "reward.gsm8k",
                  "rollouts=5", f"topics ({run}.*)"):
         assert item in text, item
