@@ -25,6 +25,7 @@ Contract:
 from __future__ import annotations
 
 import json
+import logging
 import math
 import multiprocessing
 import os
@@ -37,6 +38,8 @@ from multiprocessing.connection import wait
 from typing import Self
 
 from relax.consumers.reward.base import Score
+
+log = logging.getLogger(__name__)
 
 DEFAULT_MEMORY_LIMIT_BYTES = 4 << 30
 """Default address-space limit of a worker (bytes); raise it for model-based rewards."""
@@ -359,6 +362,10 @@ class RewardPool:
     def _fail(self, rows: list[int], error: str, elapsed_s: float, pending: deque,
               results: list) -> None:
         if len(rows) > 1:
+            if not self.stats.retried_rows:  # the first only: the counters tell the rest
+                log.warning("reward %r: a call on %d rows failed (%s); its rows are retried one "
+                            "by one (a function that works on one row but not on a batch is "
+                            "slower for it)", self.spec, len(rows), error)
             self.stats.retried_rows += len(rows)
             pending.extend([i] for i in rows)
             return
