@@ -20,6 +20,10 @@ from relax.producers.publish import RowError, prompt_row
 from relax.producers.sources import read_source
 
 
+class TooFewEvalRows(ValueError):
+    """The eval source has fewer usable prompts outside the training data than asked for."""
+
+
 @dataclass
 class EvalResult:
     """Accuracy of one evaluation: ``correct`` of ``n`` prompts, wall ``seconds``, a few
@@ -65,7 +69,7 @@ def eval_rows(source: str, size: int, *, prompt_field: str, label_field: str,
     columns ``media`` names.
 
     Raises:
-        ValueError: fewer than ``size`` usable rows in the source.
+        TooFewEvalRows: fewer than ``size`` usable rows in the source.
     """
     rows, seen = [], set()
     for src in read_source(source):
@@ -84,8 +88,8 @@ def eval_rows(source: str, size: int, *, prompt_field: str, label_field: str,
         rows.append(row)
         if len(rows) == size:
             return rows
-    raise ValueError(f"eval source {source!r} has only {len(rows)} prompts not in the training "
-                     f"data; {size} wanted")
+    raise TooFewEvalRows(f"eval source {source!r} has only {len(rows)} prompts not in the "
+                         f"training data; {size} wanted")
 
 
 def greedy_accuracy(model: str, rows: list[dict], *, reward_fn: str, reward_options: dict,

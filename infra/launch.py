@@ -253,6 +253,7 @@ def held_out_rows(recipe: Recipe) -> list[dict] | None:
     """
     if recipe.eval is None:
         return None
+    from relax.infra.evaluate import TooFewEvalRows
     from relax.infra.evaluate import eval_rows as load_eval_rows
 
     ev = recipe.eval
@@ -260,7 +261,7 @@ def held_out_rows(recipe: Recipe) -> list[dict] | None:
         return load_eval_rows(ev.source, ev.size, prompt_field=ev.prompt_field,
                               label_field=ev.label_field, exclude=_training_keys(recipe),
                               media=_media_options(ev.image_field, ev.audio_field))
-    except ValueError as e:
+    except TooFewEvalRows as e:
         raise RecipeError(f"eval.size: {e} (prompts that are also in data.source are left "
                           "out of eval; lower eval.size or give more prompts)") from None
 
