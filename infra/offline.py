@@ -9,7 +9,9 @@ samples, and recomputing a finished run's losses to find where it diverged.
   ``drop_reason`` are skipped (they were never meant to be trained); staleness is not
   applied (offline data is as old as the archive). The live trainer took groups as they
   arrived and dropped stale ones, so a step's batch equals the live step's only where
-  those orders agree; :func:`recompute_losses` follows the live batches exactly.
+  those orders agree. With ``--batches-from RUN_DIR`` it trains the live batches
+  themselves, in their order (:func:`live_batches`, from the run's ledger), which
+  reproduces the run's losses.
 * :func:`recompute_losses` (``relax replay DIR --recompute-loss --run-dir RUN_DIR``):
   for every recorded step k, the rows the trainer's ledger says it trained at
   policy_version k-1 are loaded from the archive, the weights of version k-1 are
