@@ -11,6 +11,7 @@ wrong and is counted in ``errors``.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from dataclasses import dataclass, field
@@ -92,21 +93,21 @@ def eval_rows(source: str, size: int, *, prompt_field: str, label_field: str,
                          f"training data; {size} wanted")
 
 
-def greedy_accuracy(model: str, rows: list[dict], *, reward_fn: str, reward_options: dict,
+def greedy_accuracy(model: str, rows: list[dict], *, reward_fn: str | None = None,
+                    reward_options: dict | None = None, pool=None,
                     prompt_template: str = "{prompt}", max_new_tokens: int = 16,
-                    batch_size: int = 50, threshold: float = 0.5,
-                    reward_pool: dict | None = None) -> EvalResult:
+                    batch_size: int = 50, threshold: float = 0.5) -> EvalResult:
     """Greedy-decode every row with ``model`` and score it with ``reward_fn``.
 
     Args:
         model: model name, folder (e.g. a run's ``final_model``) or Hub id.
         rows: PROMPTS-schema dicts (:func:`eval_rows`).
-        reward_fn: a ``REWARD_FNS`` name or ``module:function``; ``reward_options`` its options.
+        reward_fn: a ``REWARD_FNS`` name or ``module:function``; ``reward_options`` its
+            options; scored by a one-worker :class:`RewardPool` started and closed here.
+        pool: a started :class:`RewardPool` to score with instead (left open).
         prompt_template: applied to the prompt text before the chat template.
         max_new_tokens: generation budget (tokens); batch_size: prompts per engine call.
         threshold: a value > threshold counts as correct.
-        reward_pool: further :class:`RewardPool` arguments (``timeout_s``,
-            ``memory_limit_bytes``, ``startup_timeout_s``); one worker scores.
 
     Raises:
         relax.consumers.reward.pool.RewardLoadError: the reward function does not load or
@@ -124,11 +125,12 @@ def greedy_accuracy(model: str, rows: list[dict], *, reward_fn: str, reward_opti
     if processor is None and any(r["media"] for r in rows):
         raise ValueError(f"{model} takes no images or audio, and the eval rows have media")
     engine = HFEngine(m, tok, engine_id="eval")
-    pool = RewardPool(reward_fn, reward_options, workers=1, batch_rows=batch_size,
-                      **(reward_pool or {}))
     params = SamplingParams(max_new_tokens=max_new_tokens, temperature=1.0, top_k=1)
     correct, examples, errors = 0, [], []
-    with pool:
+    with contextlib.ExitStack() as stack:
+        if pool is None:
+            pool = stack.enter_context(RewardPool(reward_fn, reward_options or {}, workers=1,
+                                                  batch_rows=batch_size))
         for i in range(0, len(rows), batch_size):
             correct += _score_chunk(engine, processor, tok, pool, rows[i:i + batch_size], params,
                                     prompt_template, threshold, examples, errors)
@@ -161,7 +163,9 @@ def _score_chunk(engine, processor, tok, pool, chunk: list[dict], params, prompt
     for r, text, res in zip(chunk, texts, results):
         correct += res.value is not None and res.value > threshold
         if res.error is not None:
-            errors.append(f"{r['prompt_id']}: {res.error}")
+            line = json.loads(r["metadata"]).get("line")  # a file source's; else the prompt
+            where = f"line {line}" if line is not None else f"prompt {r['prompt'][:60]!r}"
+            errors.append(f"{where}: {res.error}")
         if len(examples) < 5:
             examples.append({"prompt": r["prompt"], "label": r["label"], "response": text,
                              "value": res.value, **({"error": res.error} if res.error else {})})

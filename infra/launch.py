@@ -29,7 +29,7 @@ from relax.infra.broker import LocalBroker
 from relax.infra.controller import Controller
 from relax.infra.cpu_timeline import CpuTimeline, run_processes
 from relax.infra.preflight import preflight
-from relax.infra.recipe import ENVIRONMENT_REWARD, Recipe, RecipeError
+from relax.infra.recipe import ENVIRONMENT_REWARD, Recipe, RecipeError, RewardSpec
 from relax.infra.report import step_rows
 from relax.infra.run_watch import (
     MetricsFollower,
@@ -107,31 +107,64 @@ def _training_keys(recipe: Recipe) -> set[tuple]:
                        media=_media_options(d.image_field, d.audio_field), limit=d.limit)
 
 
-def evaluate_held_out(recipe: Recipe, model: str, rows: list[dict]):
-    """Greedy accuracy of ``model`` on ``rows`` (:func:`relax.infra.evaluate.greedy_accuracy`)
-    with the eval reward.
+def _eval_reward(recipe: Recipe) -> tuple[str, RewardSpec]:
+    """The eval reward and its recipe key: ``eval.reward``, else the first counted reward
+    not given by the environment."""
+    ev = recipe.eval
+    if ev.reward is not None:
+        return "eval.reward", ev.reward
+    return next((f"rewards.{i}", r) for i, r in enumerate(recipe.rewards)
+                if r.weight and r.fn != ENVIRONMENT_REWARD)
+
+
+def eval_pool(recipe: Recipe):
+    """The eval reward's :class:`~relax.consumers.reward.pool.RewardPool` (one worker, the
+    reward's time and memory limits), started: its warm-up call has run.
 
     Raises:
-        RunFailed: the reward does not load or warm up, or fails on every row; one line
-            naming the recipe key of the reward.
+        RecipeError: the reward fails to load or warm up (``<key>.fn: ...``).
     """
-    from relax.consumers.reward.pool import RewardLoadError
+    from relax.consumers.reward.pool import RewardLoadError, RewardPool
+
+    key, reward = _eval_reward(recipe)
+    try:
+        return RewardPool(reward.fn, reward.options, workers=1,
+                          batch_rows=recipe.eval.batch_size, timeout_s=reward.timeout_s,
+                          memory_limit_bytes=reward.memory_limit_bytes,
+                          startup_timeout_s=reward.startup_timeout_s)
+    except RewardLoadError as e:
+        raise RecipeError(f"{key}.fn: {e}") from None
+
+
+def _warm_eval_pool(recipe: Recipe, rows: list[dict] | None, stack: contextlib.ExitStack):
+    """The eval reward's pool for ``eval.before`` (None without it), started before
+    anything is made, closed with ``stack`` at the latest."""
+    if rows is None or not recipe.eval.before:
+        return None
+    pool = eval_pool(recipe)
+    stack.callback(pool.close)
+    return pool
+
+
+def evaluate_held_out(recipe: Recipe, model: str, rows: list[dict], pool=None):
+    """Greedy accuracy of ``model`` on ``rows`` (:func:`relax.infra.evaluate.greedy_accuracy`)
+    with the eval reward, scored through ``pool`` (else one started here and closed).
+
+    Raises:
+        RecipeError: the reward fails to load or warm up.
+        RunFailed: the reward fails on every row; one line naming its recipe key.
+    """
     from relax.infra.evaluate import greedy_accuracy
 
     ev = recipe.eval
-    key, reward = ("eval.reward", ev.reward) if ev.reward else next(
-        (f"rewards.{i}", r) for i, r in enumerate(recipe.rewards)
-        if r.weight and r.fn != ENVIRONMENT_REWARD)
-    try:
-        r = greedy_accuracy(model, rows, reward_fn=reward.fn, reward_options=reward.options,
+    key, reward = _eval_reward(recipe)
+    with contextlib.ExitStack() as stack:
+        if pool is None:
+            pool = stack.enter_context(eval_pool(recipe))
+        r = greedy_accuracy(model, rows, pool=pool,
                             prompt_template=recipe.rollout.prompt_template,
                             max_new_tokens=ev.max_new_tokens, batch_size=ev.batch_size,
-                            threshold=ev.threshold,
-                            reward_pool={"timeout_s": reward.timeout_s,
-                                         "memory_limit_bytes": reward.memory_limit_bytes,
-                                         "startup_timeout_s": reward.startup_timeout_s})
-    except RewardLoadError as e:
-        raise RunFailed(f"eval: {key}.fn: {e}") from None
+                            threshold=ev.threshold)
     if r.n and r.errors == r.n:
         raise RunFailed(f"eval: {key}.fn {reward.fn!r} failed on every one of the {r.n} eval "
                         f"rows; the first: {r.first_error}")
@@ -155,19 +188,21 @@ def train(recipe: Recipe, *, say: Callable[[str], None] = print,
             which stage and why, then the latest metrics of every stage.
         RunTimeout: ``timeout_s`` passed (the same report).
         relax.infra.recipe.RecipeError: before anything starts, when a name in the recipe
-            does not resolve (:func:`relax.infra.preflight.preflight`) or ``eval.source``
-            has fewer than ``eval.size`` prompts outside the training data.
+            does not resolve (:func:`relax.infra.preflight.preflight`), ``eval.source``
+            has fewer than ``eval.size`` prompts outside the training data, or the eval
+            reward fails to load or warm up (with ``eval.before``).
     """
     preflight(recipe)
     t_start = time.time()
     held_out = held_out_rows(recipe)  # first: a short eval source is a recipe error
-    run_dir = _run_folder(recipe, say)
-    summary: dict = {"run": recipe.run, "mode": recipe.mode, "run_dir": str(run_dir)}
     with contextlib.ExitStack() as stack:
+        pool = _warm_eval_pool(recipe, held_out, stack)  # a reward that cannot work: likewise
+        run_dir = _run_folder(recipe, say)
+        summary: dict = {"run": recipe.run, "mode": recipe.mode, "run_dir": str(run_dir)}
         broker: dict[str, int] = {}
         bus = _bus(recipe, run_dir, stack, say, broker)  # set up: broker, topics, prompts
         stack.callback(remove_run_files, SHM_ROOT, recipe.run)  # after the stages stop
-        eval_rows = _eval_before(recipe, held_out, summary, say)
+        eval_rows = _eval_before(recipe, held_out, pool, summary, say)
         follower = stack.enter_context(contextlib.closing(MetricsFollower(bus, recipe.run)))
         controller = Controller(stage_specs(recipe, bus, run_dir), bus, run_dir,
                                 address=recipe.ray_address, max_restarts=recipe.max_restarts,
@@ -266,12 +301,14 @@ def held_out_rows(recipe: Recipe) -> list[dict] | None:
                           "out of eval; lower eval.size or give more prompts)") from None
 
 
-def _eval_before(recipe: Recipe, rows: list[dict] | None, summary: dict,
+def _eval_before(recipe: Recipe, rows: list[dict] | None, pool, summary: dict,
                  say: Callable[[str], None]) -> list[dict] | None:
     """``rows`` (the held-out rows, None without ``eval``); the initial model's accuracy
-    on them when ``eval.before``."""
-    if rows is not None and recipe.eval.before:
-        r = evaluate_held_out(recipe, recipe.model, rows)
+    on them when ``eval.before``, scored through ``pool``, which is then closed (its
+    worker would idle through the run)."""
+    if pool is not None:
+        with pool:
+            r = evaluate_held_out(recipe, recipe.model, rows, pool)
         summary["eval_before"] = _eval_summary(r)
         say(eval_line("before", r))
     return rows
@@ -316,7 +353,7 @@ def _finish(recipe: Recipe, bus: BusConfig, run_dir: Path, follower: MetricsFoll
         save_tokenizer(recipe.model, final)
         try:
             r = evaluate_held_out(recipe, str(final), eval_rows)
-        except RunFailed as e:  # the run itself is done: report it, keep its folder whole
+        except (RunFailed, RecipeError) as e:  # the run is done: report it, keep its folder
             summary["eval_after_error"] = str(e)
             say(f"eval after: {e}")
         else:

@@ -118,6 +118,11 @@ def _check_reward_fn(key: str, spec: RewardSpec) -> None:
     except (TypeError, ValueError):  # no signature to check against (a C callable)
         return
     try:
+        signature.bind([], [], [])
+    except TypeError as e:
+        raise _fail(f"{key}.fn", f"reward {spec.fn!r} must take (responses, labels, metadata, "
+                    f"**options), three lists and the options as keywords ({e})") from None
+    try:
         signature.bind([], [], [], **spec.options)
     except TypeError as e:
         takes = [p.name for p in list(signature.parameters.values())[3:]

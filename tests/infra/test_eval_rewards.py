@@ -40,20 +40,31 @@ def test_a_reward_failing_on_some_rows_costs_those_rows_only():
     r = greedy_accuracy("tiny-llama", rows, reward_fn=f"{__name__}:fails_on_odd_labels",
                         reward_options={}, max_new_tokens=2, batch_size=4)
     assert (r.n, r.errors, r.correct) == (8, odd, 8 - odd)
-    assert r.first_error.startswith(rows[[int(x["label"]) % 2 for x in rows].index(1)]
-                                    ["prompt_id"] + ": ValueError: odd label")
+    first = rows[[int(x["label"]) % 2 for x in rows].index(1)]  # a generated source: no line
+    assert r.first_error.startswith(f"prompt {first['prompt'][:60]!r}: ValueError: odd label")
     assert "failed on" in launch.eval_line("before", r)
 
 
-def test_a_reward_that_cannot_warm_up_fails_the_eval_with_one_line_naming_its_key(tmp_path):
+def test_a_reward_that_cannot_warm_up_is_a_recipe_error_before_anything_is_made(tmp_path):
     recipe = tiny_recipe("127.0.0.1:9", tmp_path, "ev",
                          f'eval={{source: "{SOURCE}", size: 4, max_new_tokens: 2, '
                          f'reward: {{name: e, fn: "{__name__}:one_float_per_call"}}}}')
-    with pytest.raises(RunFailed) as e:
-        launch.evaluate_held_out(recipe, "tiny-llama", _rows(4))
+    with pytest.raises(RecipeError) as e:
+        launch.train(recipe)  # the broker at :9 is never asked
     msg = str(e.value)
-    assert msg.startswith("eval: eval.reward.fn: reward ") and "\n" not in msg
+    assert msg.startswith("eval.reward.fn: reward ") and "\n" not in msg
     assert "returned 1.0 for an empty batch; expected []" in msg
+    assert not (tmp_path / "ev").exists()
+
+
+def test_a_reward_failing_on_every_eval_row_fails_the_eval_naming_its_key():
+    rows = [r for r in _rows(12) if int(r["label"]) % 2][:3]
+    recipe = tiny_recipe("127.0.0.1:9", "/tmp", "ev2",
+                         f'eval={{source: "{SOURCE}", size: 3, max_new_tokens: 2, '
+                         f'reward: {{name: e, fn: "{__name__}:fails_on_odd_labels"}}}}')
+    with pytest.raises(RunFailed, match=r"^eval: eval\.reward\.fn '.*' failed on every one of "
+                                        r"the 3 eval rows; the first: prompt '.*': ValueError"):
+        launch.evaluate_held_out(recipe, "tiny-llama", rows)
 
 
 def test_an_eval_source_short_of_eval_size_is_a_recipe_error_before_anything_is_made(tmp_path):

@@ -55,6 +55,16 @@ def test_reward_option_the_function_does_not_take():
     assert msg.startswith("rewards.0.options: ") and "'mod'" in msg and "mode" in msg
 
 
+def per_response(response, label):
+    """The usual first guess at a reward's signature: one response and its label."""
+    return 1.0
+
+
+def test_a_reward_that_does_not_take_three_lists_is_named_by_its_fn_key():
+    msg = _error(f'rewards=[{{name: correct, fn: "{__name__}:per_response"}}]')
+    assert msg.startswith("rewards.0.fn: ") and "must take (responses, labels, metadata" in msg
+
+
 def test_eval_reward_fn():
     msg = _error("eval={source: 'reasoning_gym:basic_arithmetic?size=10', "
                  "reward: {name: e, fn: 'nosuch_module:fn'}}")
