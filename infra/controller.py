@@ -36,6 +36,7 @@ from relax.infra.allocator import retain_freed_memory
 from relax.infra.stages import StageSpec
 from relax.infra.watch import StageWatch, input_group, input_stalled, loop_stalled
 from relax.streams.client import BusConfig
+from relax.streams.stage import StageConfigError
 
 log = logging.getLogger(__name__)
 
@@ -254,6 +255,13 @@ class Controller:
                 why = f"raised {str(e).strip().splitlines()[-1][:300]}"
                 with open(self.run_dir / "logs" / f"{name}.log", "a") as f:
                     f.write(f"stage {name} raised (restart {r.restarts}):\n{e}\n")
+                if isinstance(e.cause, StageConfigError):  # a restart would fail the same way
+                    ray.kill(r.actor, no_restart=True)
+                    r.finished = True  # ended: its history says how
+                    r.history.append(f"{time.strftime('%H:%M:%S')} cannot run: {e.cause}")
+                    self._write_state()
+                    raise StageFailed(f"stage {name} cannot run as configured (not restarted): "
+                                      f"{e.cause}") from None
             except ray.exceptions.RayError as e:  # died, killed, lost: any other Ray fault
                 why = f"process died ({type(e).__name__})"
             self._restart(name, why)

@@ -69,6 +69,12 @@ class RecordError(ValueError):
         super().__init__(message)
 
 
+class StageConfigError(RuntimeError):
+    """A stage cannot run as configured, and a restart would fail the same way (a reward
+    function that fails its warm-up call, say): the controller fails the run at once
+    instead of spending its restarts."""
+
+
 @dataclass
 class StageStats:
     """Counters of one stage loop: polls, input messages and rows, output rows,

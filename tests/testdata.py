@@ -315,6 +315,11 @@ def parity_reward(responses, labels, metadata, **options):
     return [1.0 if len(r) % 2 == 0 else 0.0 for r in responses]
 
 
+def per_row_reward(responses, labels, metadata, **options):
+    """The usual mistake: one value for the call, not a list (fails its warm-up call)."""
+    return 1.0
+
+
 def bonus_reward(responses, labels, metadata, **options):
     """A test reward of 1.0 on every response (attached live by tests: a group that counts
     it with weight w has every reward raised by exactly w). Loaded as

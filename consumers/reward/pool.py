@@ -38,6 +38,7 @@ from multiprocessing.connection import wait
 from typing import Self
 
 from relax.consumers.reward.base import Score
+from relax.streams.stage import StageConfigError
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +48,11 @@ DEFAULT_MEMORY_LIMIT_BYTES = 4 << 30
 
 class RewardLoadError(RuntimeError):
     """A worker could not load the reward function, warm it up, or start in time."""
+
+
+class RewardFunctionError(RewardLoadError, StageConfigError):
+    """The reward function failed to load or failed its warm-up call on an empty batch:
+    every worker, and every restart, would fail the same way."""
 
 
 @dataclass
@@ -248,11 +254,11 @@ class RewardPool:
         if w.conn.poll():
             try:
                 msg = json.loads(w.conn.recv_bytes())
-            except (EOFError, OSError):
-                msg = {"ready": False, "error": f"worker exited with code {w.proc.exitcode} "
-                                                f"while starting"}
-            if not msg.get("ready"):
-                raise RewardLoadError(msg.get("error", "worker failed to start"))
+            except (EOFError, OSError):  # died while starting: perhaps not the function's fault
+                raise RewardLoadError(f"reward {self.spec!r}: worker exited with code "
+                                      f"{w.proc.exitcode} while starting") from None
+            if not msg.get("ready"):  # the function itself failed to load or warm up
+                raise RewardFunctionError(msg.get("error", "worker failed to start"))
             w.ready = True
         elif not w.proc.is_alive():
             raise RewardLoadError(f"reward {self.spec!r}: worker exited with code "

@@ -465,3 +465,26 @@ def test_a_live_run_routes_every_bad_message_and_every_failed_score(broker, tmp_
     table.append((what, f"summary: {summary}", f"balanced={s['balanced']}"))
     print(f"\nlive run {run}: {run_s:.0f} s (waited {waited['seconds']} s at step 2 for every "
           f"bad message and score to land); {summary}")
+
+
+def test_a_reward_that_fails_its_warm_up_fails_the_run_at_once_without_restarts(
+        broker, local_ray, tmp_path):
+    """It would fail the same way every time: the run ends at the first failure, naming the
+    reward and what it must return, instead of after max_restarts restarts."""
+    import time
+
+    from relax.infra.launch import RunFailed, train
+    from testdata import tiny_recipe
+
+    run = "warm" + uuid.uuid4().hex[:6]
+    recipe = tiny_recipe(broker, tmp_path, run,
+                         'rewards=[{name: parity, fn: "testdata:per_row_reward"}]')
+    t0 = time.monotonic()
+    with pytest.raises(RunFailed) as e:
+        train(recipe, say=lambda _: None, timeout_s=300)
+    msg = str(e.value)
+    assert "stage reward.parity cannot run as configured (not restarted)" in msg, msg
+    assert "returned 1.0 for an empty batch; expected []" in msg, msg
+    state = json.loads((tmp_path / run / "stages.json").read_text())["reward.parity"]
+    assert state["restarts"] == 0 and "cannot run" in state["history"][-1], state
+    assert time.monotonic() - t0 < 120
