@@ -16,9 +16,8 @@ import json
 import time
 from dataclasses import dataclass, field
 
-from relax.producers.media import MediaError, MediaOptions, media_digest
-from relax.producers.publish import RowError, prompt_row
-from relax.producers.sources import read_source
+from relax.producers.media import MediaOptions, media_digest
+from relax.producers.publish import usable_rows
 
 
 class TooFewEvalRows(ValueError):
@@ -49,17 +48,9 @@ def prompt_key(row: dict) -> tuple[str, tuple[str, ...]]:
 def source_keys(source: str, *, prompt_field: str, label_field: str | None,
                 media: MediaOptions = MediaOptions(), limit: int | None = None) -> set[tuple]:
     """:func:`prompt_key` of every usable row of ``source`` (the training prompts)."""
-    out = set()
-    for src in read_source(source, limit):
-        if src.record is None:
-            continue
-        try:
-            out.add(prompt_key(prompt_row(src.record, dataset="train", prompt_field=prompt_field,
-                                          label_field=label_field, source=source, line=src.line,
-                                          created_at_ms=0, media=media)))
-        except (RowError, MediaError):
-            continue
-    return out
+    return {prompt_key(r) for r in usable_rows(source, prompt_field=prompt_field,
+                                               label_field=label_field, media=media, limit=limit)
+            if r is not None}
 
 
 def eval_rows(source: str, size: int, *, prompt_field: str, label_field: str,
@@ -72,25 +63,23 @@ def eval_rows(source: str, size: int, *, prompt_field: str, label_field: str,
     Raises:
         TooFewEvalRows: fewer than ``size`` usable rows in the source.
     """
-    rows, seen = [], set()
-    for src in read_source(source):
-        if src.record is None:
-            continue
-        try:
-            row = prompt_row(src.record, dataset=dataset, prompt_field=prompt_field,
-                             label_field=label_field, source=source, line=src.line,
-                             created_at_ms=0, media=media)
-        except (RowError, MediaError):
+    rows, seen, bad, training = [], set(), 0, 0
+    for row in usable_rows(source, prompt_field=prompt_field, label_field=label_field,
+                           media=media, dataset=dataset):
+        if row is None:
+            bad += 1
             continue
         key = prompt_key(row)
+        training += key in exclude
         if key in exclude or key in seen:
             continue
         seen.add(key)
         rows.append(row)
         if len(rows) == size:
             return rows
-    raise TooFewEvalRows(f"eval source {source!r} has only {len(rows)} prompts not in the "
-                         f"training data; {size} wanted")
+    raise TooFewEvalRows(f"eval source {source!r} has only {len(rows)} usable prompts not in "
+                         f"the training data ({training} rows are training prompts, {bad} rows "
+                         f"have no usable prompt or label); {size} wanted")
 
 
 def greedy_accuracy(model: str, rows: list[dict], *, reward_fn: str | None = None,

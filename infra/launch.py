@@ -71,9 +71,10 @@ def _publish_data(recipe: Recipe, bus: BusConfig, say: Callable[[str], None]) ->
 
     topic = topics.prompts_topic(recipe.data.dataset)
     ensure_topics(bus, {topic: recipe.data.partitions})
-    n = len(existing_prompt_ids(bus, topic))
-    if n:
-        say(f"prompts: {topic} already holds {n} prompts")
+    existing = existing_prompt_ids(bus, topic)
+    if existing:
+        say(f"prompts: {topic} already holds {len(existing)} prompts")
+        _warn_if_the_source_differs(recipe, existing, topic, say)
         return
     if recipe.data.source is None:
         raise ValueError(f"{topic} is empty and data.source is not set: publish prompts first "
@@ -87,6 +88,25 @@ def _publish_data(recipe: Recipe, bus: BusConfig, say: Callable[[str], None]) ->
         notes.append(f"first error: {res.first_error}; see `relax errors {topic}`")
     say(f"prompts: published={res.published} errors={res.errors} topic={topic}"
         + "".join(f" ({n})" for n in notes))
+
+
+def _warn_if_the_source_differs(recipe: Recipe, existing: set[str], topic: str,
+                                say: Callable[[str], None]) -> None:
+    """A ``warning:`` line when ``data.source`` holds prompts the topic does not: the run
+    trains on the topic's, which the source no longer describes."""
+    from relax.producers.publish import usable_rows
+
+    d = recipe.data
+    if d.source is None:
+        return
+    ids = {r["prompt_id"] for r in usable_rows(
+        d.source, prompt_field=d.prompt_field, label_field=d.label_field,
+        media=_media_options(d.image_field, d.audio_field), limit=d.limit) if r is not None}
+    if ids - existing:
+        say(f"warning: {len(ids - existing)} of data.source's {len(ids)} prompts are not in "
+            f"{topic}; the run trains on the {len(existing)} published there. To train on "
+            f"the source: another data.dataset, or `relax publish {d.source} --topic {topic} "
+            "--force` first")
 
 
 def _media_options(image_field: str | None, audio_field: str | None):
@@ -297,8 +317,8 @@ def held_out_rows(recipe: Recipe) -> list[dict] | None:
                               label_field=ev.label_field, exclude=_training_keys(recipe),
                               media=_media_options(ev.image_field, ev.audio_field))
     except TooFewEvalRows as e:
-        raise RecipeError(f"eval.size: {e} (prompts that are also in data.source are left "
-                          "out of eval; lower eval.size or give more prompts)") from None
+        raise RecipeError(f"eval.size: {e}; lower eval.size or give more held-out prompts") \
+            from None
 
 
 def _eval_before(recipe: Recipe, rows: list[dict] | None, pool, summary: dict,

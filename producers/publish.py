@@ -37,6 +37,7 @@ import hashlib
 import json
 import math
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import pyarrow as pa
@@ -234,6 +235,27 @@ def prompt_row(record: dict, *, dataset: str, prompt_field: str, label_field: st
         "media": items or None,
         "created_at": created_at_ms,
     }
+
+
+def usable_rows(source: str, *, prompt_field: str, label_field: str | None,
+                media: MediaOptions = MediaOptions(), limit: int | None = None,
+                dataset: str = "train") -> Iterator[dict | None]:
+    """Each record of ``source`` (the first ``limit``) as a ``prompts`` row dict, or None
+    for a record :func:`prompt_row` rejects (blank lines are skipped): what publishing it
+    would send, without a bus.
+
+    Raises:
+        relax.producers.sources.SourceError: the source cannot be read.
+    """
+    for src in read_source(source, limit):
+        if src.record is None:
+            continue
+        try:
+            yield prompt_row(src.record, dataset=dataset, prompt_field=prompt_field,
+                             label_field=label_field, source=source, line=src.line,
+                             created_at_ms=0, media=media)
+        except (RowError, MediaError):
+            yield None
 
 
 def _check_size(row: dict, max_message_bytes: int) -> None:

@@ -70,7 +70,8 @@ def test_a_reward_failing_on_every_eval_row_fails_the_eval_naming_its_key():
 def test_an_eval_source_short_of_eval_size_is_a_recipe_error_before_anything_is_made(tmp_path):
     recipe = tiny_recipe("127.0.0.1:9", tmp_path, "short",
                          f'eval={{source: "{SOURCE}", size: 500}}')
-    with pytest.raises(RecipeError, match=r"^eval\.size: eval source .* has only \d+ prompts"):
+    with pytest.raises(RecipeError,
+                       match=r"^eval\.size: eval source .* has only \d+ usable prompts"):
         launch.train(recipe)
     assert not (tmp_path / "short").exists()  # no run folder, no topics (the broker is :9)
 
@@ -108,3 +109,13 @@ def test_relax_train_says_what_publishing_its_data_skipped_and_where_the_bad_row
                     "repeating an earlier prompt) (first error: line 3: field 'answer' (the "
                     "label field) is null; give the row a label, or publish without a label "
                     f"field for rewards that need none; see `relax errors prompts.{unique}`)"]
+    # the same data.dataset with another source: the run would train on the old prompts
+    other = tmp_path / "d2.jsonl"
+    other.write_text('{"question": "2*3?", "answer": 6}\n{"question": "7*7?", "answer": 49}\n')
+    said.clear()
+    launch._publish_data(tiny_recipe(bus.bootstrap_servers, tmp_path, unique,
+                                     f"data.source={other}", f"data.dataset={unique}",
+                                     "data.limit=null"), bus, said.append)
+    assert said[0] == f"prompts: prompts.{unique} already holds 2 prompts"
+    assert said[1].startswith(f"warning: 1 of data.source's 2 prompts are not in prompts.{unique}")
+    assert len(said) == 2

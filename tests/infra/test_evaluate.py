@@ -25,7 +25,8 @@ def test_spoken_eval_rows_are_kept_apart_by_their_audio():
     keys = source_keys(train, prompt_field="question", label_field="answer", media=AUDIO)
     assert 1 < len(keys) <= 6 and len({k[0] for k in keys}) == 1  # one text, several clips
     # the same questions: every one is a training clip, so too few are left
-    with pytest.raises(ValueError, match="has only 0 prompts not in the training data"):
+    with pytest.raises(ValueError, match="has only 0 usable prompts not in the training "
+                                         "data .6 rows are training prompts"):
         eval_rows(train, 1, prompt_field="question", label_field="answer", exclude=keys,
                   media=AUDIO)
     # the same questions in another voice: new clips, all of them held out
