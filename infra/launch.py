@@ -380,11 +380,13 @@ def _finish(recipe: Recipe, bus: BusConfig, run_dir: Path, follower: MetricsFoll
             summary["eval_after"] = _eval_summary(r)
             say(eval_line("after", r))
     write_metrics_jsonl(run_dir / "metrics.jsonl", follower.rows)
-    n = write_run_errors(bus, list(run_topics(recipe)), run_dir / ERRORS_FILE)
-    summary["error_records"] = n
-    if n:
-        say(f"errors: {n} failed records in {run_dir / ERRORS_FILE} (`relax errors "
-            f"{recipe.run}.rewards` and the like while the broker runs)")
+    own = [t for t in run_topics(recipe) if t.startswith(f"{recipe.run}.")]  # not the prompts'
+    counts = write_run_errors(bus, own, run_dir / ERRORS_FILE)
+    summary["error_records"] = counts
+    if counts:
+        say(f"errors: {sum(counts.values())} failed records in {run_dir / ERRORS_FILE} ("
+            + ", ".join(f"{t}: {n}" for t, n in counts.items())
+            + "; `relax errors TOPIC` while the broker runs)")
     ends = [ts_ms(r["ts"]) / 1000 for r in follower.rows
             if r["component"] == "trainer" and r["name"] == M.STEP_S]
     plot_timeline(read_timeline(run_dir / "cpu_timeline.jsonl"), run_dir / "timeline.png", ends)

@@ -17,7 +17,7 @@ from relax.streams.read import read_reward_errors, read_table
 ERRORS_FILE = "errors.jsonl"
 
 
-def write_run_errors(cfg: BusConfig, run_topics: list[str], path: Path) -> int:
+def write_run_errors(cfg: BusConfig, run_topics: list[str], path: Path) -> dict[str, int]:
     """Write one JSON object per failed record of the topics ``run_topics`` (error topics
     and ``rewards`` topics among them; the others are skipped) to ``path``, oldest first
     within each topic; no file when there are none.
@@ -28,7 +28,7 @@ def write_run_errors(cfg: BusConfig, run_topics: list[str], path: Path) -> int:
     bytes (``value``) stay on the bus.
 
     Returns:
-        The number of records written.
+        ``{topic: records written}`` for the topics with any.
     """
     out: list[dict] = []
     for t in run_topics:
@@ -43,7 +43,10 @@ def write_run_errors(cfg: BusConfig, run_topics: list[str], path: Path) -> int:
         with open(path, "w") as f:
             for r in out:
                 f.write(json.dumps(r, default=str) + "\n")
-    return len(out)
+    counts: dict[str, int] = {}
+    for r in out:
+        counts[r["topic"]] = counts.get(r["topic"], 0) + 1
+    return counts
 
 
 def _is_rewards(topic: str) -> bool:

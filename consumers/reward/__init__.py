@@ -55,7 +55,8 @@ def load_reward_fn(spec: str) -> RewardFn:
     try:
         obj = importlib.import_module(module)
     except ImportError as e:
-        raise ValueError(f"reward {spec!r}: cannot import module {module!r}: {e}") from e
+        raise ValueError(f"reward {spec!r}: cannot import module {module!r}: {e} (is its "
+                         "folder on PYTHONPATH? the reward processes import it too)") from e
     try:
         fn = functools.reduce(getattr, attr.split("."), obj)
     except AttributeError:

@@ -108,11 +108,11 @@ def test_a_runs_failed_records_are_kept_in_its_folder(bus, unique, tmp_path):
     rewards = _reward_run(bus, unique)
     names = [rewards, topics.errors_topic(rewards), topics.run_topic(unique, topics.ROLLOUTS)]
     path = tmp_path / "errors.jsonl"
-    assert write_run_errors(bus, names, path) == 3
+    assert write_run_errors(bus, names, path) == {rewards: 2, topics.errors_topic(rewards): 1}
     recs = [json.loads(x) for x in path.read_text().splitlines()]
     assert sorted((r["topic"], r.get("rollout_id"), r["error"]) for r in recs) == sorted([
         (rewards, "g0000/1", TIMEOUT), (rewards, "g0001/2", NAN),
         (topics.errors_topic(rewards), None, "undecodable bytes")])
     assert all("value" not in r and r["source_topic"] == rewards for r in recs)
-    assert write_run_errors(bus, names[2:], tmp_path / "none.jsonl") == 0
+    assert write_run_errors(bus, names[2:], tmp_path / "none.jsonl") == {}
     assert not (tmp_path / "none.jsonl").exists()
