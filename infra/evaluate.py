@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass, field
 
 from relax.producers.media import MediaOptions, media_digest
-from relax.producers.publish import usable_rows
+from relax.producers.prompt_rows import usable_rows
 
 
 class TooFewEvalRows(ValueError):

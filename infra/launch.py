@@ -94,7 +94,7 @@ def _warn_if_the_source_differs(recipe: Recipe, existing: set[str], topic: str,
                                 say: Callable[[str], None]) -> None:
     """A ``warning:`` line when ``data.source`` holds prompts the topic does not: the run
     trains on the topic's, which the source no longer describes."""
-    from relax.producers.publish import usable_rows
+    from relax.producers.prompt_rows import usable_rows
 
     d = recipe.data
     if d.source is None:
