@@ -55,7 +55,7 @@ EXPECTED = {
     "invalid_utf8.jsonl": ([1, 6], {
         2: "invalid UTF-8 at byte 15", 3: "invalid UTF-8 at byte 40",
         4: "not valid JSON: Unexpected UTF-8 BOM", 5: "invalid UTF-8 at byte 16"}, 0),
-    "wrong_types.jsonl": ([10, 11], {
+    "wrong_types.jsonl": ([10], {
         1: "field 'prompt': expected text or a list of chat messages, got int",
         2: "field 'prompt': expected text or a list of chat messages, got float",
         3: "field 'prompt' item 0: expected {role: str, content: str or a list of parts}, got \"What\"",
@@ -64,7 +64,8 @@ EXPECTED = {
         6: "field 'prompt': expected text or a list of chat messages, got NoneType",
         7: "field 'prompt' item 0: expected {role: str, content: str or a list of parts}",
         8: "field 'answer': expected text or a number, got dict",
-        9: "field 'answer': expected text or a number, got list"}, 0),
+        9: "field 'answer': expected text or a number, got list",
+        11: "field 'answer' (the label field) is null"}, 0),
     "empty_prompt.jsonl": ([1], {
         2: "field 'prompt': expected non-empty text, got an empty string",
         3: "field 'prompt': expected non-empty text, got an empty string",
