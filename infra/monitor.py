@@ -228,7 +228,7 @@ def render(snap: dict):
                     time.strftime("%H:%M:%S", time.localtime(snap["ts"]))], padding=(0, 3))
     topics = Table(Column("topic", overflow="fold"), "partitions", "records", "records/s",
                    "rows/s", "MB/s", "errors", title=f"topics ({run}.*)", title_justify="left")
-    failed_rewards = sum(snap.get("reward_errors", {}).values())
+    failed_rewards = sum(snap["reward_errors"].values())
     for t, v in snap["topics"].items():
         errors = snap["errors"].get(topic_names.errors_topic(t), 0)
         if t == topic_names.run_topic(run, topic_names.REWARDS):
