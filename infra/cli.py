@@ -221,7 +221,8 @@ def publish_cmd(
     Images and audio (--image-field, --audio-field, or media parts of chat messages) are
     decoded first: a truncated, oversized or undecodable one fails its row only.
 
-    Exit code 1 and one line on stderr when nothing is published (every row failed, ...).
+    Exit code 1 and one line on stderr when nothing is published (every row failed, the
+    source held no rows, ...).
 
     A --prompt-field or --label-field that no record has fails before sending, naming the fields.
 
@@ -261,8 +262,13 @@ def archive_cmd(run: str = typer.Option(..., "--run", help="run whose topics to 
                 follow: bool = typer.Option(False, help="keep archiving until Ctrl-C/SIGTERM"),
                 interval: float = typer.Option(2.0, help="seconds between --follow passes"),
                 bootstrap: Optional[str] = BootstrapOpt) -> None:
-    """Archive every topic of a run to Parquet (incremental: a rerun appends what is new)."""
-    from relax.producers.archive import archive_run, run_topic_names, stop_on_signals
+    """Archive every topic of a run to Parquet (incremental: a rerun appends what is new).
+
+    A message that does not decode, or whose rows Parquet refuses (a null in a non-nullable
+    column), goes to OUT/errors.jsonl with its topic, partition, offset, reason and bytes
+    (base64); the rest is archived and errors=N counts them (exit code 0).
+    """
+    from relax.producers.archive import ERRORS_FILE, archive_run, run_topic_names, stop_on_signals
 
     cfg = bus_config(bootstrap)
     if not follow:  # --follow may start before the run makes its topics
@@ -275,6 +281,9 @@ def archive_cmd(run: str = typer.Option(..., "--run", help="run whose topics to 
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(1) from None
     typer.echo(f"{r.rows_per_s:.0f} rows/s", err=True)
+    if r.errors:
+        typer.echo(f"{r.errors} message{'s' if r.errors > 1 else ''} could not be archived: "
+                   f"see {Path(out) / ERRORS_FILE}", err=True)
     typer.echo(r.summary())
 
 
@@ -287,9 +296,16 @@ def replay_cmd(archive_dir: str = typer.Argument(..., help="folder written by re
                run_dir: Optional[str] = typer.Option(None, "--run-dir",
                                                      help="the archived run's folder"),
                rtol: float = typer.Option(1e-3, help="relative tolerance of --recompute-loss"),
+               append: bool = typer.Option(False, "--append", help="replay into a run whose "
+                                           "topics already hold rows (adds to them)"),
                bootstrap: Optional[str] = BootstrapOpt) -> None:
     """Replay an archive into a new run's topics (same rows, keys, partitions, order), or
-    with --recompute-loss report the first step whose loss differs beyond a tolerance."""
+    with --recompute-loss report the first step whose loss differs beyond a tolerance.
+
+    Exit code 2 and one line on stderr, nothing sent, when a topic of --run already holds
+    rows (replayed there before?) unless --append. Messages the archive could not hold
+    (its errors.jsonl) are left out and counted (left_out=N).
+    """
     if recompute_loss:
         from relax.infra.offline import recompute_losses
 
@@ -305,19 +321,25 @@ def replay_cmd(archive_dir: str = typer.Argument(..., help="folder written by re
         raise typer.Exit(1 if rep.first_divergent is not None else 0)
     if not run:
         raise typer.BadParameter("give --run NEW (or --recompute-loss)", param_hint="--run")
-    from relax.producers.archive import MANIFEST
-    from relax.producers.replay import replay
+    from relax.producers.archive import ERRORS_FILE, MANIFEST
+    from relax.producers.replay import TargetNotEmpty, replay
 
     if not (Path(archive_dir) / MANIFEST).is_file():
         typer.echo(f"error: {archive_dir} is not a run archive (no {MANIFEST} there; "
                    "`relax archive --run RUN --out DIR` writes one)", err=True)
         raise typer.Exit(1)
     try:
-        r = replay(bus_config(bootstrap), archive_dir, run)
+        r = replay(bus_config(bootstrap), archive_dir, run, append=append)
+    except TargetNotEmpty as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2) from None
     except ValueError as e:  # not a run archive, same run, partition mismatch
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(1) from None
     typer.echo(f"{r.rows_per_s:.0f} rows/s", err=True)
+    if r.left_out:
+        typer.echo(f"left out {r.left_out} message{'s' if r.left_out > 1 else ''} the archive "
+                   f"could not hold: see {Path(archive_dir) / ERRORS_FILE}", err=True)
     typer.echo(r.summary())
 
 

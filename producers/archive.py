@@ -6,6 +6,7 @@ where a run's data lives after it. Layout of an archive folder ``DIR``::
     DIR/manifest.json                 what was archived and up to where
     DIR/<topic>/part-000000.parquet   rows of <topic>, in offset order per partition
     DIR/<topic>/part-000001.parquet   (one file per pass and per ~flush_bytes)
+    DIR/errors.jsonl                  the messages that could not be archived (if any)
 
 Each Parquet file has the columns of the topic's v1 schema (field docs kept)
 plus ``_topic`` (string), ``_partition`` (int32), ``_offset`` (int64, the Kafka
@@ -18,14 +19,21 @@ archive; it is rewritten atomically (temp file + rename) after every Parquet
 file, and files the manifest does not list (left by a crash between the two) are
 deleted on the next pass. A pass reads each partition from its position up to
 the high watermark seen when the pass started, so a second pass appends only
-what is new. Reads are group-less (no consumer group, no commits). A message
-whose bytes do not decode is skipped and counted (``skipped`` in the manifest;
-whoever consumed it routed its bytes to ``<topic>.errors``, which is archived too).
-One archiver per folder at a time (nothing locks the folder).
+what is new. Reads are group-less (no consumer group, no commits).
+
+Bad messages: one whose bytes do not decode as the topic's schema, or whose rows
+Parquet refuses (a null in a non-nullable column), is not archived; it is a line
+of ``DIR/errors.jsonl`` (see :func:`error_record`), counted as ``errors`` per topic
+in the manifest and in :class:`ArchiveResult`, and the pass goes on. The file's
+length is in the manifest (``errors_bytes``) and a line written after it (a crash
+before the manifest) is cut on the next pass, so each bad message is listed once.
+(Whoever consumed such a message routed it to ``<topic>.errors`` too, which is
+archived like any topic.) One archiver per folder at a time (nothing locks the folder).
 """
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import signal
@@ -43,6 +51,7 @@ from relax.schemas.v1 import TS, get_schema
 from relax.streams.client import BusConfig
 
 MANIFEST = "manifest.json"
+ERRORS_FILE = "errors.jsonl"
 FORMAT = "relax-archive"
 FORMAT_VERSION = 1
 DEFAULT_FLUSH_BYTES = 64 << 20
@@ -106,13 +115,18 @@ def save_manifest(out: Path | str, manifest: dict) -> None:
 def _topic_entry(manifest: dict, topic: str, partitions: int) -> dict:
     entry = manifest["topics"].setdefault(topic, {
         "schema": topic_names.schema_for_topic(topic), "partitions": partitions,
-        "positions": {}, "rows": 0, "messages": 0, "skipped": 0, "files": []})
+        "positions": {}, "rows": 0, "messages": 0, "errors": 0, "files": []})
+    entry.setdefault("errors", 0)  # an archive written before errors.jsonl
     entry["partitions"] = max(entry["partitions"], partitions)
     return entry
 
 
 def _remove_unlisted(out: Path, manifest: dict) -> None:
-    """Delete Parquet/temp files a crashed pass left without a manifest entry."""
+    """Delete Parquet/temp files a crashed pass left without a manifest entry, and cut
+    ``errors.jsonl`` back to the length the manifest records."""
+    errors = out / ERRORS_FILE
+    if errors.exists() and errors.stat().st_size > manifest.get("errors_bytes", 0):
+        os.truncate(errors, manifest.get("errors_bytes", 0))
     for topic, entry in manifest["topics"].items():
         d = out / topic
         if not d.is_dir():
@@ -126,16 +140,38 @@ def _remove_unlisted(out: Path, manifest: dict) -> None:
 # --- archiving ---------------------------------------------------------------------
 
 
+def error_record(m, reason: str) -> dict:
+    """The ``errors.jsonl`` line of a message that was not archived: ``topic``,
+    ``partition``, ``offset``, ``timestamp`` (ms since epoch), ``reason``, ``key`` and
+    ``value`` (its bytes, base64; None for a null one) and ``value_bytes`` (their size)."""
+    def b64(b: bytes | None) -> str | None:
+        return None if b is None else base64.b64encode(b).decode()
+
+    return {"topic": m.topic, "partition": m.partition, "offset": m.offset,
+            "timestamp": m.timestamp, "reason": reason, "key": b64(m.key),
+            "value": b64(m.value), "value_bytes": len(m.value or b"")}
+
+
+def read_errors(out: Path | str) -> list[dict]:
+    """The lines of the archive's ``errors.jsonl`` (see :func:`error_record`), in the order
+    written; [] when it has none."""
+    path = Path(out) / ERRORS_FILE
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line]
+
+
 @dataclass
 class ArchiveResult:
-    """What one or more passes wrote: ``rows``, ``messages``, value ``bytes``, Parquet
-    ``files``, undecodable messages ``skipped``, wall ``seconds``, rows per topic."""
+    """What one or more passes did: ``rows`` and ``messages`` archived, value ``bytes``
+    read, Parquet ``files``, ``errors`` (messages not archived: lines added to
+    ``errors.jsonl``), wall ``seconds``, rows per topic."""
 
     rows: int = 0
     messages: int = 0
     bytes: int = 0
     files: int = 0
-    skipped: int = 0
+    errors: int = 0
     seconds: float = 0.0
     per_topic: dict[str, int] = field(default_factory=dict)
 
@@ -147,7 +183,7 @@ class ArchiveResult:
     def summary(self) -> str:
         """One line for the CLI."""
         return (f"archived rows={self.rows} messages={self.messages} files={self.files} "
-                f"skipped={self.skipped} topics={len(self.per_topic)} "
+                f"errors={self.errors} topics={len(self.per_topic)} "
                 f"seconds={self.seconds:.2f}")
 
 
@@ -161,23 +197,50 @@ class _Writer:
         self.schema = archive_schema(entry["schema"])
         self.tables: list[pa.Table] = []
         self.meta: list[tuple] = []  # (partition, offset, timestamp ms, key, rows) per message
+        self.kept: list = []  # the message of each table (for errors.jsonl if Parquet refuses it)
+        self.errors: list[dict] = []  # error_record of each message not archived
         self.nbytes = 0
         self.positions: dict[int, int] = {}
-        self.messages = self.skipped = 0
+        self.messages = 0
 
-    def add(self, m, table: pa.Table | None) -> None:
-        """Add the rows of one message (``table`` None: undecodable, skipped)."""
+    def add(self, m, table: pa.Table | None, why: str | None = None) -> None:
+        """Add the rows of one message (``table`` None: it did not decode, ``why``)."""
         self.positions[m.partition] = m.offset + 1
+        self.nbytes += len(m.value or b"")
         if table is None:
-            self.skipped += 1
-            return
-        self.messages += 1
-        self.nbytes += len(m.value)
-        if table.num_rows:
-            self.tables.append(table)
-            self.meta.append((m.partition, m.offset, m.timestamp, m.key, table.num_rows))
+            self.errors.append(error_record(m, f"does not decode: {why}"))
+        else:
+            self.messages += 1
+            if table.num_rows:
+                self.tables.append(table)
+                self.meta.append((m.partition, m.offset, m.timestamp, m.key, table.num_rows))
+                self.kept.append(m)
         if self.nbytes >= self.flush_bytes:
             self.flush()
+
+    def _drop_unwritable(self, error: pa.ArrowInvalid) -> None:
+        """Parquet refused the buffered rows (``error``): move each message whose rows it
+        refuses alone to ``self.errors``.
+
+        Raises:
+            pyarrow.ArrowInvalid: ``error`` again when no single message is at fault.
+        """
+        import pyarrow.parquet as pq
+
+        keep = []
+        for i, table in enumerate(self.tables):
+            try:
+                pq.write_table(table, pa.BufferOutputStream())
+                keep.append(i)
+            except pa.ArrowInvalid as e:
+                self.errors.append(error_record(
+                    self.kept[i], f"its rows cannot be stored as {self.entry['schema']!r}: {e}"))
+                self.messages -= 1
+        if len(keep) == len(self.tables):
+            raise error
+        self.tables = [self.tables[i] for i in keep]
+        self.meta = [self.meta[i] for i in keep]
+        self.kept = [self.kept[i] for i in keep]
 
     def _with_meta(self) -> pa.Table:
         """The buffered rows with the meta columns (one value per message, repeated)."""
@@ -192,35 +255,61 @@ class _Writer:
         return pa.Table.from_arrays(list(data.columns) + [a.take(idx) for a in meta],
                                     schema=self.schema)
 
-    def flush(self) -> None:
-        """Write buffered rows (if any) to a new Parquet file, then the manifest."""
+    def _write_parquet(self, path: Path) -> None:
+        """The buffered rows to ``path``; messages Parquet refuses go to ``self.errors``."""
         import pyarrow.parquet as pq
 
+        try:
+            pq.write_table(self._with_meta(), path, compression="zstd")
+        except pa.ArrowInvalid as e:  # e.g. a null in a non-nullable column
+            self._drop_unwritable(e)
+            if self.tables:
+                pq.write_table(self._with_meta(), path, compression="zstd")
+            else:
+                path.unlink(missing_ok=True)
+
+    def _write_errors(self) -> None:
+        """Append ``self.errors`` to errors.jsonl in offset order per partition (fsynced;
+        its new length into the manifest)."""
+        path = self.out / ERRORS_FILE
+        self.errors.sort(key=lambda e: (e["partition"], e["offset"]))
+        with open(path, "a") as f:
+            f.writelines(json.dumps(e) + "\n" for e in self.errors)
+            f.flush()
+            os.fsync(f.fileno())
+        self.manifest["errors_bytes"] = path.stat().st_size
+
+    def flush(self) -> None:
+        """Write buffered rows (if any) to a new Parquet file, bad messages to
+        errors.jsonl, then the manifest."""
         if not self.positions:
             return
-        rows = sum(n for *_, n in self.meta)
-        if rows:
+        if self.tables:
             d = self.out / self.topic
             d.mkdir(parents=True, exist_ok=True)
             name = f"part-{len(self.entry['files']):06d}.parquet"
             tmp = d / f".{name}.tmp"
-            pq.write_table(self._with_meta(), tmp, compression="zstd")
-            os.replace(tmp, d / name)
-            self.entry["files"].append(name)
-            self.result.files += 1
+            self._write_parquet(tmp)
+            if self.tables:
+                os.replace(tmp, d / name)
+                self.entry["files"].append(name)
+                self.result.files += 1
+        if self.errors:
+            self._write_errors()
+        rows = sum(n for *_, n in self.meta)
         for p, pos in self.positions.items():
             self.entry["positions"][str(p)] = pos
         self.entry["rows"] += rows
         self.entry["messages"] += self.messages
-        self.entry["skipped"] += self.skipped
+        self.entry["errors"] += len(self.errors)
         save_manifest(self.out, self.manifest)
         self.result.rows += rows
         self.result.messages += self.messages
         self.result.bytes += self.nbytes
-        self.result.skipped += self.skipped
+        self.result.errors += len(self.errors)
         self.result.per_topic[self.topic] = self.result.per_topic.get(self.topic, 0) + rows
-        self.tables, self.meta, self.nbytes, self.positions = [], [], 0, {}
-        self.messages = self.skipped = 0
+        self.tables, self.meta, self.kept, self.errors = [], [], [], []
+        self.nbytes, self.positions, self.messages = 0, {}, 0
 
 
 def archive_topics(cfg: BusConfig, topics: list[str], out: Path | str, *, run: str | None = None,
@@ -284,12 +373,12 @@ def archive_topics(cfg: BusConfig, topics: list[str], out: Path | str, *, run: s
 def _read_into(cfg: BusConfig, topic: str, schema: str, todo: dict[int, tuple[int, int]],
                writer: _Writer, timeout_s: float) -> None:
     """Read ``{partition: (start, end)}`` of ``topic`` into ``writer`` in offset order."""
-    from relax.streams.read import TopicReader, decoded
+    from relax.streams.read import TopicReader, decode_or_reason
 
     reader = TopicReader(cfg, "archive")
     try:
         for m in reader.read_range({(topic, p): r for p, r in todo.items()}, timeout_s):
-            writer.add(m, decoded(m, schema))
+            writer.add(m, *decode_or_reason(m, schema))
     finally:
         reader.close()
 

@@ -20,8 +20,9 @@ number, ``value`` = the raw line bytes, truncated to half a message if larger);
 the good rows still go. A ``prompt_field`` or ``label_field`` that none of the
 first :data:`FIELD_CHECK_RECORDS` readable records has is taken as misspelled: the
 publish stops before sending anything (:class:`FieldNotFound`, naming the fields
-the records have). Re-publishing prompt_ids the topic already holds is refused
-(:class:`AlreadyPublished`) unless ``force``.
+the records have). A source with no records at all (an empty file) is refused
+before anything is sent or made (:class:`EmptySource`). Re-publishing prompt_ids
+the topic already holds is refused (:class:`AlreadyPublished`) unless ``force``.
 
 Delivery: every row is sent keyed by prompt_id and the call returns only after
 the broker acknowledged all of them (:meth:`BatchProducer.flush` raises
@@ -62,8 +63,8 @@ FIELD_CHECK_RECORDS = 100
 """Readable records whose fields :func:`publish` looks at before it calls a
 ``prompt_field`` / ``label_field`` that none of them has absent from the source."""
 
-__all__ = ["AlreadyPublished", "FieldNotFound", "PublishResult", "RowError", "SourceError",
-           "prompt_id", "prompt_row", "publish", "usable_rows"]
+__all__ = ["AlreadyPublished", "EmptySource", "FieldNotFound", "PublishResult", "RowError",
+           "SourceError", "prompt_id", "prompt_row", "publish", "usable_rows"]
 
 
 class FieldNotFound(SourceError):
@@ -84,6 +85,21 @@ class FieldNotFound(SourceError):
         have = ", ".join(repr(f) for f in available) or "none"
         super().__init__(f"{option} {field!r} is not a field of {source} (none of its first "
                          f"{checked} records has it); its fields are {have}. Nothing was sent.")
+
+
+class EmptySource(SourceError):
+    """The source held no records (an empty file or data set, or ``limit`` 0); nothing
+    was sent and no topic was made.
+
+    Attributes:
+        source: the SOURCE string.
+    """
+
+    def __init__(self, source: str, limit: int | None = None):
+        self.source = source
+        what = (f"gave no rows within limit={limit}" if limit is not None and limit < 1
+                else "held no rows (an empty file or data set)")
+        super().__init__(f"{source} {what}; nothing was published")
 
 
 class AlreadyPublished(RuntimeError):
@@ -270,6 +286,7 @@ def publish(cfg: BusConfig, source: str, topic: str, *, prompt_field: str = "pro
 
     Raises:
         SourceError: the source cannot be opened.
+        EmptySource: the source held no records (nothing was sent).
         FieldNotFound: ``prompt_field`` or ``label_field`` is in none of the first
             :data:`FIELD_CHECK_RECORDS` readable records (nothing was sent).
         ValueError: bad topic name, or an existing topic with another partition count.
@@ -294,6 +311,8 @@ def publish(cfg: BusConfig, source: str, topic: str, *, prompt_field: str = "pro
                                  on_row=bar.advance)
         batches, repeated = _first_occurrences(batches)
         n_good = sum(b.num_rows for b in batches)
+        if not n_good and not errors:  # every record is good or an error
+            raise EmptySource(source, limit)
         etopic = topic_names.errors_topic(topic)
         counts = topic_partitions(cfg, [topic, etopic])
         existing = counts.get(topic)

@@ -9,7 +9,12 @@ match too when the target topics are new and the archive holds the topics from
 offset 0. Message timestamps are new (replaying old timestamps into a cluster
 with time retention would expire them at once). Rows are kept as archived:
 ``rollout_id`` / ``group_id`` and the ``source_topic`` of error rows still name
-the original run's data.
+the original run's data. Messages the archive could not hold (its ``errors.jsonl``)
+are not replayed; :attr:`ReplayResult.left_out` counts them.
+
+A target topic that already holds messages (the archive replayed there before, or
+another run of that name) makes the replay refuse before sending anything
+(:class:`TargetNotEmpty`) unless ``append``: the rows would be there twice.
 
 Delivery: each topic is flushed before the next; any failed send raises
 :class:`~relax.streams.producer.DeliveryError`.
@@ -31,11 +36,30 @@ from relax.schemas.v1 import SCHEMA_VERSION
 from relax.streams.client import BusConfig
 
 
+class TargetNotEmpty(ValueError):
+    """A topic of the target run already holds messages; nothing was sent (pass
+    ``append`` to add the archive to it anyway).
+
+    Attributes:
+        topic: the first such topic (in the archive's topic order).
+        rows: the rows it holds (messages that do not decode count none).
+        others: how many more of the target topics hold messages.
+    """
+
+    def __init__(self, topic: str, rows: int, others: int):
+        self.topic, self.rows, self.others = topic, rows, others
+        more = f" (and {others} more of the run's topics hold rows)" if others else ""
+        super().__init__(f"topic {topic} already holds {rows} rows{more}; replaying would add "
+                         "the archive's rows to them a second time. Nothing was sent: pass "
+                         "--append to add them anyway, or choose another --run")
+
+
 @dataclass
 class ReplayResult:
     """What a replay sent: ``rows``, ``messages``, value ``bytes``, wall ``seconds``,
-    ``{archived topic: new topic}`` (every archived topic is made, empty ones too) and
-    ``{archived topic: rows sent}`` (those with rows)."""
+    ``{archived topic: new topic}`` (every archived topic is made, empty ones too),
+    ``{archived topic: rows sent}`` (those with rows) and ``left_out``: messages of
+    the chosen topics the archive could not hold (listed in its ``errors.jsonl``)."""
 
     rows: int = 0
     messages: int = 0
@@ -43,6 +67,7 @@ class ReplayResult:
     seconds: float = 0.0
     topics: dict[str, str] = field(default_factory=dict)
     per_topic: dict[str, int] = field(default_factory=dict)
+    left_out: int = 0
 
     @property
     def rows_per_s(self) -> float:
@@ -53,7 +78,8 @@ class ReplayResult:
         """One line for the CLI."""
         empty = len(self.topics) - len(self.per_topic)
         return (f"replayed rows={self.rows} messages={self.messages} "
-                f"topics={len(self.per_topic)} empty_topics={empty} seconds={self.seconds:.2f}")
+                f"topics={len(self.per_topic)} empty_topics={empty} left_out={self.left_out} "
+                f"seconds={self.seconds:.2f}")
 
 
 def renamed(topic: str, old_run: str, new_run: str) -> str:
@@ -82,8 +108,21 @@ def _messages(table: pa.Table) -> list[tuple[int, bytes | None, int, int]]:
     return [(int(part[s]), keys[int(s)].as_py(), int(s), int(e)) for s, e in zip(starts, ends)]
 
 
+def _refuse_if_not_empty(cfg: BusConfig, targets: list[str]) -> None:
+    """Raise :class:`TargetNotEmpty` if a topic of ``targets`` holds messages."""
+    from relax.streams.lag import high_watermarks
+    from relax.streams.read import read_table
+
+    hw = high_watermarks(cfg, targets)
+    holding = {topic for (topic, _), end in hw.items() if end}
+    full = [t for t in targets if t in holding]
+    if full:
+        raise TargetNotEmpty(full[0], read_table(cfg, full[0]).num_rows, len(full) - 1)
+
+
 def replay(cfg: BusConfig, archive_dir: Path | str, new_run: str, *,
-           topics: list[str] | None = None, timeout_s: float = 120.0) -> ReplayResult:
+           topics: list[str] | None = None, append: bool = False,
+           timeout_s: float = 120.0) -> ReplayResult:
     """Send the archive in ``archive_dir`` to the topics of run ``new_run``.
 
     Args:
@@ -91,9 +130,11 @@ def replay(cfg: BusConfig, archive_dir: Path | str, new_run: str, *,
         archive_dir: a folder written by :mod:`relax.producers.archive`.
         new_run: the new run name (must differ from the archived one).
         topics: archived topic names to replay (default: all).
+        append: replay even into target topics that already hold messages.
         timeout_s: longest wait for the broker to acknowledge one topic (seconds).
 
     Raises:
+        TargetNotEmpty: a target topic holds messages and not ``append`` (nothing sent).
         ValueError: no run in the manifest, ``new_run`` equals it, or a target topic
             exists with another partition count.
         relax.streams.producer.DeliveryError: a message was not acknowledged.
@@ -115,6 +156,9 @@ def replay(cfg: BusConfig, archive_dir: Path | str, new_run: str, *,
     chosen = topics or sorted(manifest["topics"])
     result = ReplayResult()
     result.topics = {t: renamed(t, old, new_run) for t in chosen}
+    result.left_out = sum(manifest["topics"][t].get("errors", 0) for t in chosen)
+    if not append:
+        _refuse_if_not_empty(cfg, [result.topics[t] for t in chosen])
     ensure_topics(cfg, {result.topics[t]: manifest["topics"][t]["partitions"] for t in chosen})
     producer_id = f"replay-{new_run}"
     blobs = BlobStore(cfg.blob_store) if cfg.blob_store else None

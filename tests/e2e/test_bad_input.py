@@ -489,3 +489,134 @@ def test_a_reward_that_fails_its_warm_up_fails_the_run_at_once_without_restarts(
     state = json.loads((tmp_path / run / "stages.json").read_text())["reward.parity"]
     assert state["restarts"] == 0 and "cannot run" in state["history"][-1], state
     assert time.monotonic() - t0 < 120
+
+
+# ------------------------------------------------------------------ archive, replay, publish
+# (relax archive / replay / publish on bad input, through the CLI: the exit code is the point)
+
+
+def _cli(*args: str):
+    from typer.testing import CliRunner
+
+    from relax.infra.cli import app
+
+    return CliRunner().invoke(app, list(args))
+
+
+def _rollout_message(group: str, null_rollout_id: bool = False) -> bytes:
+    """One ``rollouts`` message value: the 2 rows of ``group`` (the second one's
+    rollout_id null, a non-nullable column, if ``null_rollout_id``)."""
+    rows = rollout_rows(2, group_size=2, tokens=4)
+    for r in rows:
+        r["group_id"], r["rollout_id"] = group, f"{group}/{r['sample_index']}"
+    if null_rollout_id:
+        rows[1]["rollout_id"] = None
+    return encode(pa.RecordBatch.from_pylist(rows, schema=SCHEMAS["rollouts"]))
+
+
+def test_archive_routes_a_malformed_message_to_its_error_file_and_replay_says_so(
+        broker, unique, tmp_path, table):
+    import base64
+
+    from relax.producers.archive import ERRORS_FILE, iter_archive, read_errors
+
+    cfg = BusConfig(bootstrap_servers=broker)
+    topic = topics.run_topic(unique, topics.ROLLOUTS)
+    ensure_topics(cfg, {topic: 1})
+    own = [("relax-schema", b"rollouts")]
+    sent = [("g0", _rollout_message("g0"), own),
+            ("a null rollout_id", _rollout_message("bad", null_rollout_id=True), own),
+            ("g1", _rollout_message("g1"), own),
+            ("non-Arrow bytes", b"\x00\x01 not Arrow", own),
+            ("g2", _rollout_message("g2"), own)]
+    offsets = _produce(cfg, topic, sent)
+    out = tmp_path / "archive"
+    res = _cli("archive", "--run", unique, "--out", str(out), "--bootstrap", broker)
+    assert res.exit_code == 0, res.output
+    last = res.stdout.strip().splitlines()[-1]
+    assert last.startswith("archived rows=6 messages=3 files=1 errors=2 "), last
+    assert f"2 messages could not be archived: see {out / ERRORS_FILE}" in res.stderr
+
+    archived = pa.concat_tables(list(iter_archive(out, topic)))
+    assert archived.column("rollout_id").to_pylist() == [
+        f"{g}/{i}" for g in ("g0", "g1", "g2") for i in (0, 1)]
+    assert set(archived.column("_offset").to_pylist()) == {offsets[0], offsets[2], offsets[4]}
+    errs = read_errors(out)
+    assert [(e["topic"], e["partition"], e["offset"]) for e in errs] == \
+        [(topic, 0, offsets[1]), (topic, 0, offsets[3])]
+    assert "cannot be stored as 'rollouts'" in errs[0]["reason"] and \
+        "Column 'rollout_id' is declared non-nullable but contains nulls" in errs[0]["reason"]
+    assert errs[1]["reason"].startswith("does not decode: DecodeError: not an Arrow IPC stream")
+    for e, (_, value, _) in zip(errs, [sent[1], sent[3]]):
+        assert base64.b64decode(e["value"]) == value and e["value_bytes"] == len(value)
+        assert base64.b64decode(e["key"]) == b"bad-%d" % offsets.index(e["offset"])
+    what = f"{topic}@{offsets[1]}: a null rollout_id (non-nullable), among 4 other messages"
+    table.append((what, f"archive's {ERRORS_FILE}: {_short(errs[0]['reason'])}",
+                  f"relax archive exit 0: {last.rsplit(' seconds=', 1)[0]}"))
+
+    with open(out / ERRORS_FILE, "a") as f:  # a pass that died before its manifest
+        f.write(json.dumps({**errs[0], "offset": 99}) + "\n")
+    again = _cli("archive", "--run", unique, "--out", str(out), "--bootstrap", broker)
+    assert again.exit_code == 0 and " errors=0 " in again.stdout, again.output
+    assert read_errors(out) == errs  # each bad message listed once
+
+    new = unique + "r"
+    rep = _cli("replay", str(out), "--run", new, "--bootstrap", broker)
+    assert rep.exit_code == 0, rep.output
+    assert "left out 2 messages the archive could not hold" in rep.stderr, rep.stderr
+    assert " left_out=2 " in rep.stdout and rep.stdout.startswith("replayed rows=6 messages=3 ")
+    assert read_table(cfg, topics.run_topic(new, topics.ROLLOUTS)).num_rows == 6
+    table.append(("relax replay of that archive", f"{new}.rollouts: the 6 good rows",
+                  _short(rep.stderr.strip().splitlines()[-1])))
+
+
+def test_replay_twice_into_one_run_refuses_unless_append(broker, unique, tmp_path, table):
+    from testdata import produce_run
+
+    from relax.producers.archive import archive_run
+
+    cfg = BusConfig(bootstrap_servers=broker)
+    written = produce_run(cfg, unique, steps=1)
+    out = tmp_path / "archive"
+    archive_run(cfg, unique, out)
+    new = unique + "r"
+    rollouts = topics.run_topic(new, topics.ROLLOUTS)
+    first = _cli("replay", str(out), "--run", new, "--bootstrap", broker)
+    assert first.exit_code == 0, first.output
+    n = written[topics.run_topic(unique, topics.ROLLOUTS)]
+    assert read_table(cfg, rollouts).num_rows == n
+
+    second = _cli("replay", str(out), "--run", new, "--bootstrap", broker)
+    assert second.exit_code == 2, second.output
+    assert not second.stdout and second.stderr.count("\n") == 1, second.output
+    holding = sorted(t for t, rows in written.items() if rows)
+    first_topic = new + holding[0][len(unique):]
+    rows = written[holding[0]]
+    assert second.stderr.startswith(
+        f"error: topic {first_topic} already holds {rows} rows (and {len(holding) - 1} more of "
+        "the run's topics hold rows)"), second.stderr
+    assert "pass --append to add them anyway" in second.stderr
+    assert read_table(cfg, rollouts).num_rows == n  # nothing sent
+    table.append((f"relax replay of one archive into {new} a second time",
+                  "refused before sending: exit 2", _short(second.stderr.strip(), 160)))
+
+    third = _cli("replay", str(out), "--run", new, "--append", "--bootstrap", broker)
+    assert third.exit_code == 0, third.output
+    assert read_table(cfg, rollouts).num_rows == 2 * n
+    table.append(("... with --append", f"{rollouts}: {2 * n} rows (twice {n})", "exit 0"))
+
+
+@pytest.mark.parametrize("content", [b"", b"\n\n  \n"], ids=["empty", "blank-lines"])
+def test_publish_of_a_source_with_no_rows_exits_1(broker, unique, tmp_path, table, content):
+    src = tmp_path / "empty.jsonl"
+    src.write_bytes(content)
+    topic = f"prompts.{unique}"
+    res = _cli("publish", str(src), "--topic", topic, "--bootstrap", broker)
+    assert res.exit_code == 1, res.output
+    assert not res.stdout.strip(), res.output
+    last = res.stderr.strip().splitlines()[-1]
+    assert last == f"error: {src} held no rows (an empty file or data set); nothing was published"
+    cfg = BusConfig(bootstrap_servers=broker)
+    assert topic_partitions(cfg, [topic, topics.errors_topic(topic)]) == {}  # nothing made
+    table.append((f"relax publish of a file holding {content!r}", "nowhere, no topic made",
+                  f"exit 1: {_short(last.replace(str(tmp_path), '<tmp>'))}"))
