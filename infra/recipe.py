@@ -48,6 +48,7 @@ from relax.infra.sections import (
     TeacherSection,
     TrainerSection,
 )
+from relax.infra.stuck import StuckConfig
 from relax.trainer.config import TrainerConfig
 from relax.trainer.telemetry import TelemetryConfig
 
@@ -152,6 +153,8 @@ class Recipe(StrictModel):
             ``max_restarts`` (``relax.infra.watch``).
         step_timeout_s: the run fails with a report of every stage when no optimizer
             step happened for this long (seconds; None = never).
+        stuck: when a run whose counted reward fails every row, or scores none, fails
+            with one line naming it (:class:`~relax.infra.stuck.StuckConfig`).
     """
 
     run: str | None = None
@@ -181,6 +184,7 @@ class Recipe(StrictModel):
     max_restarts: int = Field(3, ge=0)
     stall_timeout_s: float = Field(300.0, gt=0)
     step_timeout_s: float | None = Field(1800.0, gt=0)
+    stuck: StuckConfig = Field(default_factory=StuckConfig)
 
     @model_validator(mode="after")
     def _check(self):

@@ -1,6 +1,8 @@
 """Follow a running run until its trainer's last step: print a line per optimizer step,
 restart stalled stages, and fail with a report when a stage fails past its restarts,
-no step comes for ``step_timeout_s``, the broker stops answering or loses its state.
+no step comes for ``step_timeout_s``, the broker stops answering or loses its state;
+fail with one line when a counted reward keeps the run from training (every row of its
+last groups failed, or it scored none for a while: :mod:`relax.infra.stuck`).
 
 Used by :func:`relax.infra.launch.train` between starting the stages and finishing.
 """
@@ -15,11 +17,13 @@ from pathlib import Path
 from relax.infra.controller import Controller, StageFailed
 from relax.infra.recipe import Recipe
 from relax.infra.report import stall_report, step_rows
+from relax.infra.stuck import ProgressCheck, Stuck
 from relax.infra.watch import broker_state_lost
 from relax.schemas import metric_names as M
 from relax.schemas import topics
 from relax.streams.client import BusConfig
 from relax.streams.lag import LagProbe
+from relax.streams.read import read_reward_errors
 
 WATCH_EVERY_S = 5.0
 """Seconds between the controller's stall checks (heartbeats, consumer-group offsets)
@@ -137,6 +141,10 @@ class RunWatch:
         self.snapshot: dict = {"status": {}, "engines": []}  # what the API reads
         self._snapshot_at = 0.0
         self.probe = LagProbe(bus)  # the broker and stall checks' one admin client
+        env = recipe.environment_reward()  # written by the rollout stage: no reward stage
+        self.progress = ProgressCheck([r for r in recipe.advantage.rewards if r != env],
+                                      recipe.rollout.group_size, recipe.stuck,
+                                      int(time.time() * 1000))
 
     def failed(self, cls: type[RunFailed], why: str) -> RunFailed:
         """``cls`` with ``why``, the step reached, every stage and the latest metrics."""
@@ -156,7 +164,8 @@ class RunWatch:
         Raises:
             RunTimeout: ``time.time()`` passed ``deadline``.
             RunFailed: a stage failed past its restarts, no step for ``step_timeout_s``,
-                or the broker is gone or lost its state.
+                the broker is gone or lost its state, or a counted reward keeps the run
+                from training (``recipe.stuck``; the message is one line naming it).
         """
         try:
             self._until_done(stopping, deadline)
@@ -183,12 +192,31 @@ class RunWatch:
                 raise self.failed(RunFailed, f"failed: {e}") from None
             rows = self.follower.poll(0.5)
             self._print_steps()
+            self._check_progress(rows)
             self.control()
             done = "trainer" in finished or any(
                 r["component"] == "trainer" and r["name"] == "done" for r in rows)
         if done:
             self.follower.read_to_end()
             self._print_steps()
+
+    def _check_progress(self, rows: list[dict]) -> None:
+        """Fold the new metrics ``rows`` into the progress check.
+
+        Raises:
+            RunFailed: one line: the counted reward that keeps the run from training, the
+                share of its rows that failed and the first failed row's error.
+        """
+        self.progress.add(rows)
+        stuck = self.progress.stuck(int(time.time() * 1000))
+        if stuck is None:
+            return
+        topic = topics.run_topic(self.recipe.run, topics.REWARDS)
+        first = first_reward_error(self.bus, topic, stuck) if stuck.rows else None
+        timeout_s = next((r.timeout_s for r in self.recipe.rewards if r.name == stuck.reward), None)
+        raise RunFailed(f"run {self.recipe.run}: {stuck.line(first, timeout_s)} (at step "
+                        f"{len(self.printed)} of {self.recipe.trainer.steps}; `relax errors "
+                        f"{topic}` lists the failed rows)")
 
     def control(self) -> None:
         """Move the scaling operation on and refresh the API's snapshot: at every turn
@@ -253,6 +281,22 @@ class RunWatch:
             raise err
         self.seen_records = max(self.seen_records or 0, records or 0)
         return True
+
+
+def first_reward_error(bus: BusConfig, topic: str, stuck: Stuck, tries: int = 3) -> str | None:
+    """The error of the first failed row of ``stuck.reward`` on ``topic`` (a
+    ``<run>.rewards``) written since ``stuck.since_ms``, else of its newest failed row;
+    None when there is none after ``tries`` reads a second apart (a poll's counts are
+    queued before its rows, so the watcher may see them first). Reads the whole topic."""
+    for i in range(tries):
+        rows = [r for r in read_reward_errors(bus, topic)[0] if r["reward_name"] == stuck.reward]
+        if rows:
+            since = [r for r in rows if r["ts"].timestamp() * 1000 >= stuck.since_ms]
+            return (min(since, key=lambda r: r["ts"]) if since
+                    else max(rows, key=lambda r: r["ts"]))["error"]
+        if i + 1 < tries:
+            time.sleep(1.0)
+    return None
 
 
 def _metrics_records(probe: LagProbe, topic: str) -> int | None:

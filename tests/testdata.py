@@ -357,6 +357,34 @@ def misbehaving_reward(responses, labels, metadata, **options):
     return out
 
 
+FAILING_WAYS = ("raise", "yes", "hang", "some")
+"""The ways :func:`failing_reward` fails rows."""
+
+
+def failing_reward(responses, labels, metadata, how: str = "raise", **options):
+    """A test reward that fails rows one way (option ``how``): ``raise`` raises a
+    ValueError, ``yes`` returns the string "yes" for each row (not a number), ``hang``
+    sleeps 600 s (past any ``timeout_s``: the pool kills the worker): every row fails.
+    ``some`` returns "yes" for about 30 % of the rows (by a CRC of the response) and
+    scores the others like :func:`parity_reward`. An empty batch (the pool's warm-up
+    call) gets ``[]``, so the stage starts. Loaded as ``testdata:failing_reward``."""
+    import time
+    import zlib
+
+    if how not in FAILING_WAYS:
+        raise ValueError(f"failing_reward: how must be one of {FAILING_WAYS}, got {how!r}")
+    if not responses:
+        return []
+    if how == "raise":
+        raise ValueError(f"failing_reward raises on purpose ({len(responses)} rows)")
+    if how == "hang":
+        time.sleep(600)
+    if how == "some":
+        return ["yes" if zlib.crc32(r.encode()) % 10 < 3 else float(len(r) % 2 == 0)
+                for r in responses]
+    return ["yes" for _ in responses]
+
+
 # --- README.md's metrics table --------------------------------------------------------
 
 README = Path(__file__).resolve().parent.parent / "README.md"
