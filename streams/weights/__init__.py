@@ -16,6 +16,7 @@ Modules, lowest first: ``layout`` (flat tensor layout, checksum), ``files`` (saf
 from relax.streams.weights.announce import (
     AnnouncementReader,
     ensure_weights_topic,
+    newest_rows,
     weights_topic,
 )
 from relax.streams.weights.files import read_safetensors_flat, write_safetensors
@@ -68,6 +69,7 @@ __all__ = [
     "local_ip_towards",
     "manifest_from_rows",
     "manifest_rows",
+    "newest_rows",
     "parse_rendezvous",
     "plan_buckets",
     "read_safetensors_flat",

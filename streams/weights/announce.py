@@ -31,18 +31,25 @@ def ensure_weights_topic(cfg: BusConfig, run: str) -> str:
     return t
 
 
-def _newest_live(rows: list[dict]) -> list[dict]:
-    """``rows`` with only the last broadcast announcement and the last same-host
-    (``shm``) one among them, checkpoints kept: the publisher announces v+1 only after v's
+def newest_rows(rows: list[dict]) -> list[dict]:
+    """``rows`` (announcements, oldest first) with only the newest of each transport: the
+    last broadcast announcement, the last same-host (``shm``) one and the newest
+    ``checkpoint`` one, in their order. The publisher announces v+1 only after v's
     broadcast ended and keeps only the newest same-host file, and a restarted trainer
-    announces from a new rendezvous, so every earlier one is history (joining a dead
-    publisher's store would only time out)."""
-    last = {}
+    announces from a new rendezvous, so every earlier live one is history (joining a dead
+    publisher's store would only time out); an older checkpoint is superseded by the
+    newer one, and the snapshot store's retention may already have deleted it (a late
+    joiner that loaded one would only load the next after it)."""
+    last: dict[str, int] = {}
+    newest_ckpt: tuple[int, int] | None = None  # (policy_version, index)
     for i, r in enumerate(rows):
         if r["transport"] != "checkpoint":
-            last[r["transport"] == "shm"] = i
-    keep = set(last.values())
-    return [r for i, r in enumerate(rows) if r["transport"] == "checkpoint" or i in keep]
+            last["shm" if r["transport"] == "shm" else "live"] = i
+        elif r["checkpoint_uri"] and (newest_ckpt is None
+                                      or r["policy_version"] >= newest_ckpt[0]):
+            newest_ckpt = (r["policy_version"], i)
+    keep = set(last.values()) | ({newest_ckpt[1]} if newest_ckpt else set())
+    return [r for i, r in enumerate(rows) if i in keep]
 
 
 class AnnouncementReader:
@@ -84,6 +91,17 @@ class AnnouncementReader:
             if self.latest_version is None or v > self.latest_version:
                 self.latest_version = v
         return rows
+
+    def poll_backlog(self, timeout_s: float = 2.0, quiet_s: float = 0.3) -> list[dict]:
+        """Every announcement up to the end of the topic (a late joiner's whole history,
+        which one fetch may not hold: a long run has hundreds): polls until a poll of
+        ``quiet_s`` seconds returns nothing, after a first one of up to ``timeout_s``."""
+        rows = self.poll(timeout_s)
+        while True:
+            more = self.poll(quiet_s)
+            if not more:
+                return rows
+            rows += more
 
     def close(self) -> None:
         """Stop reading (and close the Kafka client unless it is a shared follower's)."""

@@ -106,6 +106,19 @@ class SnapshotStore:
             self._fs.delete_dir(f"{self._base}/v{v:08d}")
 
 
+def snapshot_exists(uri: str) -> bool:
+    """Whether the snapshot announced as ``uri`` is still in the store (retention deletes
+    all but the newest :attr:`SnapshotStore.keep`).
+
+    Raises:
+        OSError: the store cannot be reached (pyarrow's error).
+    """
+    import pyarrow.fs as pafs
+
+    fs, path = open_uri(uri)
+    return fs.get_file_info(f"{path}/{SNAPSHOT_FILE}").type == pafs.FileType.File
+
+
 def read_snapshot(uri: str) -> tuple[torch.Tensor, list[TensorEntry]]:
     """Read the snapshot announced as ``uri`` (:meth:`SnapshotStore.snapshot_uri`; a local
     path, ``file://...`` or a ``pyarrow.fs`` URI) as ``(flat, manifest)``: ``flat`` uint8

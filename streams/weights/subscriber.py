@@ -28,12 +28,12 @@ import torch
 
 from relax.streams.client import BusConfig
 from relax.streams.follow import Follower
-from relax.streams.weights.announce import AnnouncementReader, _newest_live
+from relax.streams.weights.announce import AnnouncementReader, newest_rows
 from relax.streams.weights.shm import SHM_KEY, ShmFiles, member_key, sees_offer
 from relax.streams.weights.install import install_weights
 from relax.streams.weights.layout import (ChecksumError, TensorEntry, checksum,
                                           manifest_from_rows, plan_buckets, views)
-from relax.streams.weights.store import read_snapshot
+from relax.streams.weights.store import read_snapshot, snapshot_exists
 from relax.streams.weights.rendezvous import (CONNECT_S, MEMBERSHIP_KEY, _broadcast,
                                               _make_group, _members, local_ip_towards,
                                               parse_rendezvous)
@@ -256,7 +256,7 @@ class WeightSubscriber:
     def _run(self) -> None:
         if self._initial_rendezvous is not None:
             self._connect(self._initial_rendezvous)
-        rows = self._reader.poll(2.0)
+        rows = self._reader.poll_backlog(2.0)  # all of a long run's history, not one fetch
         while not rows and not self._stop.is_set() and self._reader.latest_version is None:
             # nothing published yet: register at the first announcement's rendezvous
             rows = self._reader.poll(0.5)
@@ -266,7 +266,7 @@ class WeightSubscriber:
         if self.catch_up:
             self._catch_up(rows)
         while True:
-            for r in _newest_live(rows):
+            for r in newest_rows(rows):
                 if self._stop.is_set():
                     return
                 try:
@@ -297,7 +297,26 @@ class WeightSubscriber:
         shm = [r["policy_version"] for r in rows if r["transport"] == "shm"]
         if self._same_host and shm and max(shm) >= newest["policy_version"]:
             return  # the same-host file of a version as new is read next, from RAM
-        self.load_checkpoint(newest)
+        self._load_kept(newest)
+
+    def _load_kept(self, row: dict) -> int | None:
+        """:meth:`load_checkpoint` of ``row`` unless the snapshot store's retention has
+        deleted its snapshot (only ever for a newer one, whose announcement follows:
+        then nothing changes, and the newer one is loaded when it is read). Returns the
+        version loaded, or None."""
+        if not snapshot_exists(row["checkpoint_uri"]):
+            self.stats.skipped += 1
+            log.warning("%s: the snapshot of v%d (%s) was deleted by the store's retention; "
+                        "waiting for a newer one", self.member_id, row["policy_version"],
+                        row["checkpoint_uri"])
+            return None
+        try:
+            return self.load_checkpoint(row)
+        except FileNotFoundError:  # deleted between the look and the read
+            self.stats.skipped += 1
+            log.warning("%s: the snapshot of v%d was deleted while it was read; waiting "
+                        "for a newer one", self.member_id, row["policy_version"])
+            return None
 
     def load_checkpoint(self, row: dict) -> int:
         """Load the safetensors of a ``checkpoint`` announcement into the receive buffer,
@@ -381,7 +400,7 @@ class WeightSubscriber:
         if row["transport"] == "checkpoint":
             newer = self.version is None or row["policy_version"] > self.version
             if self.catch_up and newer and self._group is None and row["checkpoint_uri"]:
-                self.load_checkpoint(row)
+                self._load_kept(row)
             return
         self._connect(row["rendezvous"])
         version, group = row["policy_version"], row["group_name"]

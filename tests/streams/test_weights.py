@@ -26,6 +26,7 @@ from relax.streams.weights import (
     flatten_into,
     install_weights,
     manifest_rows,
+    newest_rows,
     plan_buckets,
     read_safetensors_flat,
     replay_membership,
@@ -176,6 +177,56 @@ def test_checkpoint_catch_up_and_checksum_failure(bus, unique, tmp_path):
                 sub.poll(0.2)
         assert "checksum" in str(err.value.__cause__)
         assert sub.stats.checksum_failures == 1
+
+
+def test_newest_rows_keeps_the_newest_of_each_transport_in_order():
+    def row(v, transport, uri="x"):
+        return {"policy_version": v, "transport": transport,
+                "checkpoint_uri": uri if transport != "gloo" else None}
+
+    rows = [row(0, "checkpoint"), row(1, "gloo"), row(1, "shm"), row(2, "gloo"),
+            row(10, "checkpoint"), row(2, "shm"), row(3, "gloo"), row(5, "checkpoint", None)]
+    assert newest_rows(rows) == [rows[4], rows[5], rows[6]]
+    assert newest_rows([]) == []
+
+
+@pytest.mark.parametrize("same_host", [False, True], ids=["remote", "same-host"])
+def test_a_late_joiner_past_the_snapshot_window_loads_the_newest_kept_snapshot(
+        any_bus, unique, tmp_path, same_host):
+    """A subscriber that starts after the store's retention deleted the early snapshots
+    (issue 52: a rollout instance restarted at step 45 went through the history's
+    checkpoint announcements in order, loaded v0's deleted snapshot, and the run died)
+    reads the whole announcement history, loads the newest kept snapshot or the
+    same-host file, and never touches a deleted one. Run past the window: 40 versions,
+    3 kept."""
+    model = torch.nn.Linear(4, 3)
+    store = tmp_path / "ckpt"
+    (tmp_path / "shm").mkdir()
+    pub = WeightPublisher(any_bus, unique, checkpoint_dir=store, checkpoint_every=1,
+                          keep_checkpoints=3, shm_root=tmp_path / "shm" if same_host else None)
+    target = torch.nn.Linear(4, 3)
+    # an engine there from the start: same-host files announced for it (in the run of
+    # the issue, that made the late joiner skip its catch-up and walk the history)
+    early = WeightSubscriber(any_bus, unique, member_id="early",
+                             rendezvous=pub.rendezvous).start()
+    try:
+        for v in range(1, 41):
+            with torch.no_grad():
+                model.weight.add_(1.0)
+            pub.publish(dict(model.named_parameters()), v).result()
+        assert early.wait_for(40, 30) == 40
+        assert sorted(p.name for p in store.iterdir()) == [
+            "v00000038", "v00000039", "v00000040"]
+        with WeightSubscriber(any_bus, unique, member_id="late") as sub:
+            assert sub.wait_for(40, 60) == 40
+            assert sub.apply(target) == 40 and sub.error is None
+            loaded = [v for v, how in sub.stats.history if how == "checkpoint"]
+            assert all(v >= 38 for v in loaded), sub.stats.history
+            assert same_host or loaded, sub.stats.history
+    finally:
+        early.close()
+        pub.close()
+    assert torch.equal(target.weight, model.weight)
 
 
 def test_a_late_joiner_gets_the_current_version_while_the_trainer_waits(bus, unique, tmp_path):
