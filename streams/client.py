@@ -54,6 +54,17 @@ relax sync run on Kafka at 1000 ms was still no faster than on Tansu at 200 ms (
 cores came out of training; ``benchmarks/RESULTS.md``, "2026-12-06 (morning)"). A reader
 polled only on demand takes a short wait of its own (``TopicReader(fetch_wait_ms=...)``)."""
 
+RECONNECT_BACKOFF_MAX_MS = 1000
+"""Longest wait between a client's attempts to reach a broker it lost (ms; every relax
+client's ``reconnect_backoff_max_ms``; the Java client's default). kafka-python's own
+default, 30000, doubles the wait from 50 ms after each refused attempt, so a client tries
+at about 25.5 s, 51 s and 81 s after losing the broker (each wait +-20 %): a Kafka that
+took 28 s to come back on a busy 2-core machine was found by the stages only 48-51 s
+after it died, against the 60 s a stage rides through an outage for
+(``streams/consumer.py::OUTAGE_S``, ``BatchProducer.flush``); a restart a little later,
+or a late draw of the jitter, failed a stage (issue 59). At 1 s a client finds the broker
+within about 1.2 s of its return, for one refused connection a second while it is away."""
+
 
 class BusConfig(BaseModel):
     """How to reach the bus and how large its messages may be.
@@ -124,6 +135,7 @@ def producer_kwargs(cfg: BusConfig, client_id: str | None = None) -> dict:
         linger_ms=cfg.linger_ms,
         batch_size=min(cfg.request_bytes, 1 << 20),
         acks="all",
+        reconnect_backoff_max_ms=RECONNECT_BACKOFF_MAX_MS,
         # the broker drops a retried batch it already wrote (on Tansu too); explicit, so a
         # setting that conflicts (acks, retries, in-flight requests) raises instead of
         # silently turning it off
@@ -151,6 +163,7 @@ def consumer_kwargs(cfg: BusConfig, group_id: str | None, client_id: str | None 
         fetch_max_bytes=max(cfg.request_bytes, 52428800),
         max_poll_interval_ms=600_000,
         fetch_max_wait_ms=cfg.fetch_wait_ms,
+        reconnect_backoff_max_ms=RECONNECT_BACKOFF_MAX_MS,
     )
 
 
@@ -159,7 +172,8 @@ def admin(cfg: BusConfig):
     from kafka import KafkaAdminClient
 
     return KafkaAdminClient(bootstrap_servers=cfg.bootstrap_servers.split(","),
-                            client_id=f"relax-admin-{uuid.uuid4().hex[:6]}")
+                            client_id=f"relax-admin-{uuid.uuid4().hex[:6]}",
+                            reconnect_backoff_max_ms=RECONNECT_BACKOFF_MAX_MS)
 
 
 def topic_settings(cfg: BusConfig, topic: str, brokers: int) -> tuple[int, dict[str, str]]:

@@ -13,7 +13,13 @@ from __future__ import annotations
 import time
 import uuid
 
-from relax.streams.client import BusConfig, admin, list_topics, topic_partitions
+from relax.streams.client import (
+    RECONNECT_BACKOFF_MAX_MS,
+    BusConfig,
+    admin,
+    list_topics,
+    topic_partitions,
+)
 
 
 def high_watermarks(cfg: BusConfig, topics: list[str], timeout_s: float = 10.0,
@@ -33,7 +39,8 @@ def high_watermarks(cfg: BusConfig, topics: list[str], timeout_s: float = 10.0,
     c = KafkaConsumer(bootstrap_servers=cfg.bootstrap_servers.split(","), group_id=None,
                       enable_auto_commit=False, max_partition_fetch_bytes=1, fetch_max_bytes=1,
                       fetch_max_wait_ms=10,  # 0 makes Tansu omit empty partitions
-                      client_id=f"relax-lag-{uuid.uuid4().hex[:6]}")
+                      client_id=f"relax-lag-{uuid.uuid4().hex[:6]}",
+                      reconnect_backoff_max_ms=RECONNECT_BACKOFF_MAX_MS)
     try:
         c.assign(tps)
         for tp in tps:
