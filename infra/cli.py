@@ -316,7 +316,7 @@ def replay_cmd(archive_dir: str = typer.Argument(..., help="folder written by re
             typer.echo(f"step {step}: recorded loss {rec:.6f} recomputed {new:.6f} "
                        f"diff {abs(rec - new):.2e}")
         if rep.skipped:
-            typer.echo(f"skipped steps (no weights or rows): {rep.skipped}")
+            typer.echo(rep.skipped_line())
         typer.echo(f"steps={len(rep.steps)} first_divergent_step={rep.first_divergent}")
         raise typer.Exit(1 if rep.first_divergent is not None else 0)
     if not run:

@@ -164,12 +164,38 @@ def train_from_archive(recipe: Recipe, archive_dir: str, *, batches_from: str | 
 @dataclass
 class RecomputeReport:
     """Per-step ``(step, recorded loss, recomputed loss)``, the first step whose relative
-    difference exceeds the tolerance (None if none), and steps skipped for lack of
-    weights."""
+    difference exceeds the tolerance (None if none), and the steps that could not be
+    checked, each ``(step, why)``: its weights (the checkpoint of the version before)
+    deleted by the trainer's retention, or no trained rows of it in the archive."""
 
     steps: list[tuple[int, float, float]] = field(default_factory=list)
     first_divergent: int | None = None
-    skipped: list[int] = field(default_factory=list)
+    skipped: list[tuple[int, str]] = field(default_factory=list)
+
+    def skipped_line(self) -> str | None:
+        """One line saying how many recorded steps were checked and, per reason, which
+        were not (steps as ranges); None when every step was checked."""
+        if not self.skipped:
+            return None
+        by_reason: dict[str, list[int]] = {}
+        for step, why in self.skipped:
+            by_reason.setdefault(why, []).append(step)
+        parts = [f"{_ranges(steps)}: {why}" for why, steps in by_reason.items()]
+        total = len(self.steps) + len(self.skipped)
+        return (f"checked {len(self.steps)} of {total} recorded steps; not checked: "
+                + "; ".join(parts))
+
+
+def _ranges(steps: list[int]) -> str:
+    """``[1, 2, 3, 7]`` -> ``steps 1-3, 7``."""
+    out, start = [], None
+    for i, s in enumerate(steps):
+        if start is None:
+            start = s
+        if i + 1 == len(steps) or steps[i + 1] != s + 1:
+            out.append(str(s) if s == start else f"{start}-{s}")
+            start = None
+    return ("step " if len(steps) == 1 else "steps ") + ", ".join(out)
 
 
 def recompute_losses(archive_dir: str, run_dir: str, *, rtol: float = 1e-3,
@@ -206,8 +232,14 @@ def recompute_losses(archive_dir: str, run_dir: str, *, rtol: float = 1e-3,
     for step in sorted(recorded):
         groups = batches.get(step - 1)
         weights = run_dir_p / "checkpoints" / f"step_{step - 1:06d}"
-        if not groups or (step > 1 and not weights.exists()):
-            report.skipped.append(step)
+        if not groups:
+            report.skipped.append((step, "no rows it trained in the archive"))
+            continue
+        if step > 1 and not weights.exists():
+            report.skipped.append((step, f"the checkpoint of the version before is gone "
+                                  f"(the trainer keeps the newest {t.keep_checkpoints}: "
+                                  f"trainer.keep_checkpoints, checkpoint_every "
+                                  f"{t.checkpoint_every})"))
             continue
         if step > 1:
             backend.load(weights)

@@ -49,6 +49,24 @@ def test_recompute_loss_reports_the_first_divergent_step(archived, tmp_path):
     assert Path(summary["run_dir"]).exists()
 
 
+def test_recompute_loss_says_which_steps_it_could_not_check_and_why(archived, tmp_path):
+    """A long run keeps only its newest checkpoints: the steps whose weights are gone are
+    named with the reason, and the others are still checked."""
+    import shutil
+
+    recipe, summary, out = archived
+    run_dir = tmp_path / "run"
+    shutil.copytree(summary["run_dir"], run_dir)
+    shutil.rmtree(run_dir / "checkpoints" / "step_000001")
+    rep = recompute_losses(str(out), str(run_dir))
+    assert [s for s, _, _ in rep.steps] == [1, 3] and rep.first_divergent is None
+    assert [s for s, _ in rep.skipped] == [2]
+    line = rep.skipped_line()
+    assert line.startswith("checked 2 of 3 recorded steps; not checked: step 2: the "
+                           "checkpoint of the version before is gone"), line
+    assert "trainer.keep_checkpoints" in line
+
+
 def test_train_from_archive(archived, tmp_path):
     from relax.infra.recipe import load_recipe
 
