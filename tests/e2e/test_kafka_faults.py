@@ -64,7 +64,11 @@ def test_kafka_killed_and_restarted_the_run_finishes_whole(tmp_path):
         for pid in h.pids:
             os.kill(pid, signal.SIGKILL)
         time.sleep(3.0)
-        handles.append(start_kafka(tmp_path / "kafka"))  # same log dirs, same ports
+        try:
+            handles.append(start_kafka(tmp_path / "kafka"))  # same log dirs, same ports
+        except (OSError, TimeoutError) as e:  # kept for the assertion: a thread's is lost
+            outage["restart_error"] = repr(e)[:2000]
+            raise
         outage["s"] = time.monotonic() - t0
 
     restarter = threading.Thread(target=kill_and_restart, daemon=True)
@@ -83,8 +87,10 @@ def test_kafka_killed_and_restarted_the_run_finishes_whole(tmp_path):
         for x in handles:
             stop_broker(x)
     assert "s" in outage and len(handles) == 2, (outage, r.error)
+    # the broker was away outage["s"] seconds (~25 s on a busy 2-core machine); a stage
+    # rides through 60 s of it (issue 59: clients that retried every 30 s came back late)
     stages = _assert_whole(r, run_root)
-    assert all(st["restarts"] == 0 for st in stages.values()), stages
+    assert all(st["restarts"] == 0 for st in stages.values()), (outage, stages)
 
 
 def test_kafka_cluster_loses_a_broker_the_run_only_pauses(tmp_path):
