@@ -13,7 +13,7 @@ KAFKA_STAMP := $(KAFKA)/.installed
 
 install: $(STAMP) $(KAFKA_STAMP)
 
-$(STAMP): pyproject.toml Makefile
+$(STAMP): pyproject.toml setup.py Makefile
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	# torch first and pinned: an unpinned torch (or one pulled in by another package)

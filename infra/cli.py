@@ -21,6 +21,21 @@ app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="relax: RL post-training for LLMs over Arrow record batches on Kafka topics.")
 app.add_typer(broker_app, name="broker")
 
+
+def _print_version(value: bool) -> None:
+    if value:
+        from relax import __version__
+
+        typer.echo(f"relax {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _options(version: bool = typer.Option(False, "--version", callback=_print_version,
+                                          is_eager=True, help="print relax's version and exit")
+             ) -> None:
+    """relax: RL post-training for LLMs over Arrow record batches on Kafka topics."""
+
 BootstrapOpt = typer.Option(None, "--bootstrap", "-b", envvar="RELAX_BOOTSTRAP",
                             help="Kafka bootstrap servers host:port[,host:port]; default: the "
                                  "broker started by `relax broker start`.")
