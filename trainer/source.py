@@ -305,11 +305,14 @@ class SampleSource:
 
     def trained(self, batch: Batch, policy_version: int) -> None:
         """Record the batch's rows as trained (at ``policy_version``, before the step's
-        increment) and finish their deliveries; a sync run's reading thread goes on."""
+        increment, with the staleness admission measured for each) and finish their
+        deliveries; a sync run's reading thread goes on."""
+        stale = iter(batch.staleness)  # one per admitted row, in the groups' row order
         with self._lock:
             for g, d in zip(batch.groups, batch.deliveries):
                 for rid, names in zip(g.column("rollout_id").to_pylist(), reward_names(g)):
-                    self.ledger.record(rid, "trained", policy_version, rewards=names)
+                    self.ledger.record(rid, "trained", policy_version, next(stale),
+                                       rewards=names)
                 self.groups_trained += 1
                 self._decided(d, self._finished)
         self._may_read.set()
