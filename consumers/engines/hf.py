@@ -25,9 +25,10 @@ at the next safe point the live parameters and the buffers trade storage (a poin
 swap, no copy), so generation waits microseconds, not a copy. Safe points: the
 start of every :meth:`HFEngine.generate` call, and with ``partial_rollout=True`` also
 every ``chunk_tokens`` generated tokens. Without partial rollout no sequence mixes
-two policy versions. With it, the KV cache is dropped at a swap and the prefix
-(prompt + tokens so far) is re-encoded with the new weights, and every token
-records the policy_version that produced it (``token_policy_versions``).
+two policy versions. With it, the KV cache is kept from chunk to chunk while no swap
+happens; at a swap it is dropped and the prefix (prompt + tokens so far) is re-encoded
+with the new weights, and every token records the policy_version that produced it
+(``token_policy_versions``).
 :meth:`HFEngine.hold` defers swaps over several generate calls (a multi-turn episode).
 """
 
@@ -337,16 +338,11 @@ class HFEngine:
             gen = torch.Generator(device=self.device)
             gen.manual_seed(params.seed)
         rows = [_Row(list(map(int, p)), m) for p, m in zip(prompts, media or [None] * len(prompts))]
-        if self.partial_rollout:
-            while True:
-                active = [r for r in rows if r.finish_reason is None]
-                if not active:
-                    break
-                self._run(active, params, self.chunk_tokens, gen)
-                if any(r.finish_reason is None for r in rows):
-                    self.apply_pending()
-        else:
-            self._run(rows, params, params.max_new_tokens, gen)
+        active = rows
+        while active:  # more than once only when a swap lands between chunks
+            self._run(active, params, params.max_new_tokens, gen,
+                      self.chunk_tokens if self.partial_rollout else None)
+            active = [r for r in rows if r.finish_reason is None]
         out = [self._to_generation(r) for r in rows]
         self.stats.generate_calls += 1
         self.stats.tokens += sum(len(r.tokens) for r in rows)
@@ -378,9 +374,13 @@ class HFEngine:
         return out.logits[:, -1, :], kv_cache(out)
 
     @torch.no_grad()
-    def _run(self, rows: list[_Row], params: SamplingParams, budget: int, gen) -> None:
+    def _run(self, rows: list[_Row], params: SamplingParams, budget: int, gen,
+             chunk: int | None = None) -> None:
         """Generate up to ``budget`` more tokens for ``rows`` (fresh KV cache; the prefix
-        is prompt + tokens so far), setting ``finish_reason`` of rows that end."""
+        is prompt + tokens so far), setting ``finish_reason`` of rows that end. With
+        ``chunk``, every ``chunk`` tokens is a safe point: a swap there ends the call (rows
+        go on in a new one, whose prefill re-encodes them with the new weights); without
+        one the KV cache is kept."""
         from transformers import DynamicCache
 
         from relax.trainer.multimodal import stack_media
@@ -414,7 +414,7 @@ class HFEngine:
         next_pos = lengths.clone()
         max_stop = max((len(s) for s in params.stop), default=0)
         done = [False] * len(rows)
-        for _ in range(budget):
+        for step in range(1, budget + 1):
             remaining = [params.max_new_tokens - len(r.tokens) for r in rows]
             scaled = logits.float() / params.temperature
             probs = filter_logits(scaled, params.top_k, params.top_p).softmax(dim=-1)
@@ -438,7 +438,7 @@ class HFEngine:
                     r.finish_reason = "length"
                 if r.finish_reason is not None:
                     done[i] = True
-            if all(done):
+            if all(done) or chunk and step % chunk == 0 and self.apply_pending():
                 break
             attn = torch.cat([attn, torch.ones_like(attn[:, :1])], dim=1)
             logits, cache = self._forward(tok, attn, next_pos[:, None], cache)

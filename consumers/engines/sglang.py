@@ -38,6 +38,16 @@ Endpoints used:
   (partial rollout: in-flight requests keep their KV cache with ``mode="in_place"`` or
   are retracted; ``abort`` cancels them).
 
+Requests a weight update aborts are continued, never dropped: when a pause for an update
+came during a ``/generate`` call, every answer item that ends with ``abort`` is sent again
+once the update is over, as its prompt plus the tokens it had (``max_new_tokens`` less
+those), and the two parts are joined (:func:`continued`): its tokens keep the version that
+produced them (``token_policy_versions``). An abort with no pause during the call (the
+server refused the request) stays an ``abort`` (the aggregator drops it as
+``error_rollout``). A retracted request goes on inside the server: its tokens span both
+versions with no boundary in the answer, so it records ``policy_version_start`` = the
+version before the call (its staleness is counted from there).
+
 Weights: a rollout instance's :class:`relax.streams.weights.ServerSubscriber` registers
 the server in the publisher's group (one member id per TP rank),
 asks it to join with ``/init_weights_update_group`` (relax forms its groups on the store
@@ -53,6 +63,9 @@ it started with until the next broadcast.
 """
 
 from __future__ import annotations
+
+import threading
+from dataclasses import replace
 
 from relax.consumers.engines.base import Generation, SamplingParams
 
@@ -78,12 +91,17 @@ def sampling_params_json(params: SamplingParams) -> dict:
 
 
 def generate_request(prompts: list[list[int]], params: SamplingParams,
-                     media: list[list[dict] | None] | None = None) -> dict:
+                     media: list[list[dict] | None] | None = None,
+                     max_new_tokens: list[int] | None = None) -> dict:
     """The ``/generate`` JSON body for a batch of token-id prompts; with ``media`` (per
-    prompt its media items, see :func:`media_fields`) the multimodal fields too."""
+    prompt its media items, see :func:`media_fields`) the multimodal fields too; with
+    ``max_new_tokens`` (per prompt, tokens) each prompt's own budget instead of
+    ``params.max_new_tokens`` (continued requests)."""
+    budgets = max_new_tokens or [params.max_new_tokens] * len(prompts)
     body = {
         "input_ids": [list(map(int, p)) for p in prompts],
-        "sampling_params": [sampling_params_json(params) for _ in prompts],
+        "sampling_params": [sampling_params_json(replace(params, max_new_tokens=n))
+                            for n in budgets],
         "return_logprob": True,
         "logprob_start_len": -1,
         "top_logprobs_num": 0,
@@ -180,6 +198,32 @@ def parse_generate_response(body, n: int, default_version: int) -> list[Generati
     return out
 
 
+def token_versions(g: Generation) -> list[int]:
+    """``[len(g.token_ids)]`` the policy_version of each token: ``token_policy_versions``
+    when known, else ``policy_version_start`` for all (the oldest the tokens can have)."""
+    if g.token_policy_versions is not None:
+        return list(g.token_policy_versions)
+    return [g.policy_version_start] * len(g.token_ids)
+
+
+def continued(first: Generation, rest: Generation) -> Generation:
+    """One generation from an aborted one (``first``) and its continuation (``rest``,
+    sampled from the prompt + ``first.token_ids``): tokens and log-probs in order, each
+    token with the version that produced it (:func:`token_versions`), the finish reason of
+    ``rest``; ``text`` is the two texts joined (callers may decode the tokens again)."""
+    versions = token_versions(first) + token_versions(rest)
+    return Generation(
+        token_ids=list(first.token_ids) + list(rest.token_ids),
+        logprobs=list(first.logprobs) + list(rest.logprobs),
+        finish_reason=rest.finish_reason,
+        policy_version_start=versions[0] if versions else rest.policy_version_start,
+        policy_version_end=versions[-1] if versions else rest.policy_version_end,
+        token_policy_versions=versions,
+        text=first.text + rest.text,
+        meta={**rest.meta, "continued": first.meta.get("continued", 0) + 1},
+    )
+
+
 class SGLangError(RuntimeError):
     """An SGLang endpoint answered with an error or ``success: false``."""
 
@@ -224,6 +268,9 @@ class SGLangEngine:
         self.tp_size = tp_size
         self._session = session or requests.Session()
         self._version = policy_version
+        self._pause = threading.Condition()  # the server paused for a weight update
+        self._paused = False
+        self._pauses = 0  # pause_generation calls so far
         eos = getattr(tokenizer, "eos_token_id", None)
         self.stop_token_ids = frozenset({eos} if eos is not None else set())
 
@@ -248,22 +295,53 @@ class SGLangEngine:
         unexpanded: see the module docstring). Each generation's policy_version_end is
         the version the server answered with; its policy_version_start is the one before
         the call when a version was received during it (the tokens span both), else the
-        same.
+        same. A request aborted by a weight update is continued after it (module
+        docstring), its tokens' versions in ``token_policy_versions``.
 
         Raises:
-            SGLangError: HTTP error; ValueError: a malformed answer.
+            SGLangError: HTTP error, or the server still paused for an update after
+                ``timeout_s``; ValueError: a malformed answer.
         """
         if not prompts:
             return []
-        before = self._version
-        body = self._post("/generate", generate_request(prompts, params, media))
+        gens, paused = self._generate_once(prompts, params, media, None)
+        todo = [i for i, g in enumerate(gens) if paused and g.finish_reason == "abort"]
+        while todo:
+            for i in [i for i in todo if len(gens[i].token_ids) >= params.max_new_tokens]:
+                gens[i].finish_reason = "length"  # aborted after its last token
+            todo = [i for i in todo if gens[i].finish_reason == "abort"]
+            if not todo:
+                break
+            more, paused = self._generate_once(
+                [list(prompts[i]) + gens[i].token_ids for i in todo], params,
+                None if media is None else [media[i] for i in todo],
+                [params.max_new_tokens - len(gens[i].token_ids) for i in todo])
+            for i, g in zip(todo, more):
+                gens[i] = continued(gens[i], g)
+                gens[i].text = self.tokenizer.decode(gens[i].token_ids, skip_special_tokens=True)
+            todo = [i for i in todo if paused and gens[i].finish_reason == "abort"]
+        return gens
+
+    def _generate_once(self, prompts, params, media, budgets) -> tuple[list[Generation], bool]:
+        """One ``/generate`` call, sent once no weight update holds the server paused;
+        returns its generations and whether a pause for an update came during it."""
+        self._wait_unpaused()
+        before, pauses = self._version, self._pauses
+        body = self._post("/generate", generate_request(prompts, params, media, budgets))
         changed = self._version != before  # a version was received during the call
-        gens = parse_generate_response(body, len(prompts), self._version)
+        # "default": the server has had no update since it started, so nor during the call
+        gens = parse_generate_response(body, len(prompts), before)
         for g in gens:
             if changed:  # retracted requests went on with the new weights
                 g.policy_version_start = min(g.policy_version_start, before)
             self._version = max(self._version, g.policy_version_end)
-        return gens
+        return gens, self._pauses != pauses
+
+    def _wait_unpaused(self) -> None:
+        with self._pause:
+            if not self._pause.wait_for(lambda: not self._paused, self.timeout_s):
+                raise SGLangError(f"the server is still paused for a weight update after "
+                                  f"{self.timeout_s:g} s")
 
     def update_weights(self, named_tensors: dict, policy_version: int) -> None:
         """Not available: the server receives weights from the broadcast group
@@ -331,20 +409,30 @@ class SGLangEngine:
             SGLangError: a request failed (the server's weights may be partly updated;
                 generation is continued either way).
         """
-        self.pause_generation(pause_mode)
         try:
+            self.pause_generation(pause_mode)
             for body in self.weight_update_requests(announcement):
                 self._post("/update_weights_from_distributed", body)
+            self._version = int(announcement["policy_version"])
         finally:
             self.continue_generation()
-        self._version = int(announcement["policy_version"])
         return self._version
 
     def pause_generation(self, mode: str = "abort") -> dict:
-        """``/pause_generation`` (``abort`` cancels in-flight requests; ``retract`` /
-        ``in_place`` keep them for :meth:`continue_generation`)."""
+        """``/pause_generation`` (``abort`` cancels in-flight requests, which
+        :meth:`generate` then continues; ``retract`` / ``in_place`` keep them for
+        :meth:`continue_generation`). No request is sent until that call."""
+        with self._pause:
+            self._pauses += 1
+            self._paused = True
         return self._post("/pause_generation", {"mode": mode})
 
     def continue_generation(self) -> dict:
-        """``/continue_generation``: resume after a pause."""
-        return self._post("/continue_generation", {})
+        """``/continue_generation``: resume after a pause (requests wait no longer, even
+        when this call fails)."""
+        try:
+            return self._post("/continue_generation", {})
+        finally:
+            with self._pause:
+                self._paused = False
+                self._pause.notify_all()

@@ -34,7 +34,10 @@ class RolloutConfig(BaseModel):
         max_new_tokens / temperature / top_p / top_k / stop / seed: sampling settings
             (``seed`` + the group counter seeds each call; None = random).
         epochs: passes over the prompt topic.
-        partial_rollout / chunk_tokens: allow weight swaps every ``chunk_tokens`` tokens.
+        partial_rollout / chunk_tokens: allow weight swaps every ``chunk_tokens`` tokens
+            of a generation (HF engine; its tokens then carry their versions in
+            ``token_policy_versions``); ``chunk_tokens`` must be below ``max_new_tokens``,
+            else no generation has a point to swap at.
         follow_weights: join the weight broadcast (HF engine), and start no group while the
             engine's weights are more than ``max_staleness`` versions behind the trainer's
             (such samples would only be dropped as stale); after ``weights_wait_s`` the
@@ -98,6 +101,11 @@ class RolloutConfig(BaseModel):
         if self.engine == "sglang" and not self.sglang_url:
             raise ValueError("engine 'sglang' needs sglang_url (http://host:port)")
         topics.check_name("run", self.run)
+        if self.partial_rollout and self.chunk_tokens >= self.max_new_tokens:
+            raise ValueError(
+                f"partial_rollout needs chunk_tokens < max_new_tokens (weights swap between "
+                f"chunks of chunk_tokens tokens), got chunk_tokens {self.chunk_tokens} >= "
+                f"max_new_tokens {self.max_new_tokens}: no generation would ever be split")
         topics.check_name("dataset", self.dataset)
         if self.environment_reward is not None and self.environment is None:
             raise ValueError(f"environment_reward {self.environment_reward!r} needs an "

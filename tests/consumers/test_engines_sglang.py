@@ -221,3 +221,96 @@ def test_request_helpers_are_pure():
     p = SamplingParams(max_new_tokens=3, top_k=5)
     assert sampling_params_json(p)["top_k"] == 5 and "stop" not in sampling_params_json(p)
     assert generate_request([[1]], p)["logprob_start_len"] == -1
+
+
+def test_continued_joins_an_aborted_generation_and_keeps_each_token_s_version():
+    from relax.consumers.engines.base import Generation
+    from relax.consumers.engines.sglang import continued, token_versions
+
+    first = Generation([5, 6], [-0.1, -0.2], "abort", 3, 3, text="ab")
+    rest = Generation([7, 2], [-0.3, -0.4], "stop", 4, 4, text="c")
+    g = continued(first, rest)
+    assert (g.token_ids, g.logprobs, g.finish_reason) == ([5, 6, 7, 2], [-0.1, -0.2, -0.3, -0.4],
+                                                         "stop")
+    assert g.token_policy_versions == [3, 3, 4, 4] and g.text == "abc"
+    assert (g.policy_version_start, g.policy_version_end) == (3, 4)
+    # aborted before its first token: all of it is the new version's
+    g = continued(Generation([], [], "abort", 3, 3), rest)
+    assert g.token_policy_versions == [4, 4] and (g.policy_version_start, g.policy_version_end) \
+        == (4, 4)
+    # a part that spanned an update inside the server (retract): its tokens count from its
+    # start, the oldest they can be; a second abort keeps the versions already known
+    spanned = Generation([8, 9], [-0.5, -0.6], "abort", 4, 5)
+    assert token_versions(spanned) == [4, 4]
+    twice = continued(continued(first, spanned), Generation([2], [-0.7], "stop", 6, 6))
+    assert twice.token_policy_versions == [3, 3, 4, 4, 6] and twice.meta["continued"] == 2
+
+
+def test_requests_aborted_by_a_weight_update_are_continued_with_their_versions():
+    """16 requests, a weight update paused in ``abort`` mode while they run (SGLang ends
+    every running request with finish_reason abort): those are sent again after the update
+    and joined, so none ends aborted; each token keeps the version that produced it (the
+    fake server's log-probs tell). A request the server refuses, with no update during
+    it, stays aborted and is sent once."""
+    from fake_sglang import REFUSE, FakeSGLang, version_of
+
+    fake = FakeSGLang(tick_s=0.01, hold_at=16 * 4)  # 4 tokens each: a pause finds them running
+    try:
+        engine = SGLangEngine(fake.url, StubTokenizer(eos=2), engine_id="sg-0")
+        # prompt lengths 3..18: stops after 13 - len % 13 tokens, some before the update
+        prompts = [[1] + [7] * (2 + i) for i in range(16)]
+        ann = {"policy_version": 1, "manifest": manifest_rows(build_manifest(
+            {"w": torch.zeros(4)})), "bucket_bytes": 1 << 20, "group_name": "g"}
+        out = {}
+        t = threading.Thread(target=lambda: out.setdefault("gens", engine.generate(
+            prompts, SamplingParams(max_new_tokens=16))))
+        t.start()
+        fake.wait_tokens(16 * 4)
+        assert engine.receive_weights(ann, pause_mode="abort") == 1
+        t.join(30)
+        gens = out["gens"]
+        assert fake.pauses == ["abort"] and fake.aborted > 0
+        assert fake.generate_calls == 2  # the batch, then its aborted requests together
+        assert [g.finish_reason for g in gens] == ["stop"] * 16
+        split = [g for g in gens if g.token_policy_versions is not None]
+        assert len(split) == fake.aborted
+        for p, g in zip(prompts, gens):
+            assert len(g.token_ids) == 13 - len(p) % 13 and g.token_ids[-1] == 2
+            truth = [version_of(lp) for lp in g.logprobs]
+            if g.token_policy_versions is None:  # done before the pause
+                assert truth == [0] * len(truth) and g.policy_version_end == 0
+            else:
+                assert g.token_policy_versions == truth and truth[0] == 0 and truth[-1] == 1
+                assert (g.policy_version_start, g.policy_version_end) == (0, 1)
+                assert g.text == StubTokenizer(eos=2).decode(g.token_ids, True)
+        # an abort the server gives on its own is not a weight update's: not sent again
+        (g,) = engine.generate([[REFUSE, 5, 6]], SamplingParams(max_new_tokens=4))
+        assert g.finish_reason == "abort" and fake.generate_calls == 3
+    finally:
+        fake.close()
+
+
+def test_requests_retracted_for_a_weight_update_span_both_versions():
+    """``retract`` (what the ServerSubscriber uses): the server holds the running requests
+    and continues them with the new weights; the answer has no boundary, so each spans
+    ``(version before, version after)`` and its staleness counts from the older."""
+    from fake_sglang import FakeSGLang
+
+    fake = FakeSGLang(tick_s=0.01, hold_at=4)
+    try:
+        engine = SGLangEngine(fake.url, StubTokenizer(eos=2))
+        out = {}
+        t = threading.Thread(target=lambda: out.setdefault("gens", engine.generate(
+            [[1] * 3, [1] * 4], SamplingParams(max_new_tokens=16))))
+        t.start()
+        fake.wait_tokens(4)
+        ann = {"policy_version": 1, "manifest": manifest_rows(build_manifest(
+            {"w": torch.zeros(4)})), "bucket_bytes": 1 << 20, "group_name": "g"}
+        engine.receive_weights(ann)
+        t.join(30)
+        assert fake.pauses == ["retract"] and fake.aborted == 0 and fake.generate_calls == 1
+        for g in out["gens"]:
+            assert g.finish_reason == "stop" and g.token_policy_versions is None
+            assert (g.policy_version_start, g.policy_version_end) == (0, 1)
+    finally:
+        fake.close()

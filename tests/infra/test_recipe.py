@@ -48,6 +48,7 @@ SPECIAL = {  # options whose other value must come with another key, or has a ru
     ("rollout", "environment_options"): ({"turns": 2}, ["rollout.environment=calculator"]),
     ("rollout", "device"): ("cpu", []),
     ("rollout", "top_p"): (0.9, []),
+    ("rollout", "partial_rollout"): (True, ["rollout.chunk_tokens=4"]),  # < max_new_tokens
     ("reference", "device"): ("cpu", []),
     ("reference", "weights_rendezvous"): ("tcp://127.0.0.1:1234", []),
     ("teacher", "device"): ("cpu", []),

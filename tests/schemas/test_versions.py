@@ -45,6 +45,15 @@ def test_partial_rollout_oldest_token_version_counts():
     assert not admit(8, 6, 7, 3, [4, 6, 7]).admitted
 
 
+def test_a_generation_split_by_a_swap_counts_from_its_first_chunk():
+    """The rows partial rollout makes (tests/e2e/test_partial_rollout.py): chunks of v5 then
+    v6, consumed by the trainer at v6: staleness 1, though its last token is current, so
+    sync mode never admits it and max_staleness 1 does."""
+    split = [5, 5, 5, 6, 6]
+    assert staleness(6, 5, split) == 1 and staleness(7, 5, split) == 2
+    assert not admit(6, 5, 6, 0, split).admitted and admit(6, 5, 6, 1, split).admitted
+
+
 @settings(max_examples=200, deadline=None)
 @given(start=st.integers(0, 50), span=st.integers(0, 5), wait=st.integers(0, 5),
        max_staleness=st.integers(0, 6))
