@@ -149,9 +149,15 @@ def chaos_run(recipe: Recipe, kills: list[Kill], timeout_s: float = 600.0,
     result.finished = s.get("steps") == recipe.trainer.steps
     for k in ("sampled", "trained", "stale", "filtered", "errors"):
         setattr(result, k, int(s.get(k, 0)))
-    result.lost = int(s.get("unaccounted", 0))
-    result.trained_twice = max(0, _rows_trained(Path(s["run_dir"])) - result.trained)
+    result.lost, result.trained_twice = lost_and_trained_twice(s)
     return result
+
+
+def lost_and_trained_twice(summary: dict) -> tuple[int, int]:
+    """``(lost, trained_twice)`` of a finished run (module docstring) from its summary
+    (:func:`relax.infra.launch.train`'s) and its folder's ``metrics.jsonl``."""
+    twice = _rows_trained(Path(summary["run_dir"])) - int(summary.get("trained", 0))
+    return int(summary.get("unaccounted", 0)), max(0, twice)
 
 
 def _rows_trained(run_dir: Path) -> int:

@@ -10,6 +10,11 @@
 6. when the trainer has made its last step: stop everything, evaluate the final
    model, write the run folder (metrics.jsonl, curves.png, summary.json) and print
    ``steps=S sampled=N trained=T stale=A filtered=B errors=E``.
+
+A run whose driver died goes on with ``relax train --resume RUN``
+(:mod:`relax.infra.resume`): the same steps on the same folder and topics, given a
+:class:`~relax.infra.resume.Resumed` (the local broker that outlived the driver, the eval
+before it measured).
 """
 
 from __future__ import annotations
@@ -21,16 +26,18 @@ import os
 import signal
 import time
 from collections.abc import Callable
+from dataclasses import asdict
 from pathlib import Path
 
 import yaml
 
-from relax.infra.broker import LocalBroker
+from relax.infra.broker import BrokerHandle, LocalBroker, stop_broker
 from relax.infra.controller import Controller
 from relax.infra.cpu_timeline import CpuTimeline, run_processes
 from relax.infra.preflight import preflight
 from relax.infra.recipe import ENVIRONMENT_REWARD, Recipe, RecipeError, RewardSpec
 from relax.infra.report import step_rows
+from relax.infra.resume import DRIVER_FILE, EVAL_BEFORE_FILE, Resumed
 from relax.infra.run_watch import (
     MetricsFollower,
     RunFailed,
@@ -39,32 +46,13 @@ from relax.infra.run_watch import (
     save_tokenizer,
     step_line,
 )
-from relax.infra.stages import disk_warnings, run_bus, stage_specs
+from relax.infra.stages import disk_warnings, run_bus, run_topics, stage_specs
 from relax.schemas import metric_names as M
 from relax.schemas import topics
 from relax.streams.client import BusConfig, ensure_topics
 from relax.streams.weights.shm import SHM_ROOT, remove_run_files
 
 log = logging.getLogger(__name__)
-
-def run_topics(recipe: Recipe) -> dict[str, int]:
-    """Every topic of the run with its partition count (errors topics: 1)."""
-    p = recipe.partitions
-    parts = {topics.run_topic(recipe.run, n): p for n in
-             (topics.ROLLOUTS, topics.REWARDS, topics.REF_LOGPROBS, topics.TRAIN_SAMPLES)}
-    parts[topics.run_topic(recipe.run, topics.WEIGHTS)] = 1
-    parts[topics.run_topic(recipe.run, topics.METRICS)] = 1
-    parts[topics.run_topic(recipe.run, topics.PROGRESS)] = 1
-    parts[topics.run_topic(recipe.run, topics.REWARD_CHANGES)] = 1
-    parts[topics.changelog_topic(recipe.run)] = p
-    parts[topics.rollout_state_topic(recipe.run)] = 1
-    parts[topics.rollout_claims_topic(recipe.run)] = 1
-    for t in list(parts):
-        parts[topics.errors_topic(t)] = 1
-    prompts = topics.prompts_topic(recipe.data.dataset)
-    parts[topics.errors_topic(prompts)] = 1
-    return parts
-
 
 def _publish_data(recipe: Recipe, bus: BusConfig, say: Callable[[str], None]) -> None:
     from relax.producers.publish import existing_prompt_ids, publish
@@ -193,7 +181,7 @@ def evaluate_held_out(recipe: Recipe, model: str, rows: list[dict], pool=None):
 
 def train(recipe: Recipe, *, say: Callable[[str], None] = print,
           on_step: Callable[[dict, Path], None] | None = None,
-          timeout_s: float | None = None) -> dict:
+          timeout_s: float | None = None, resumed: Resumed | None = None) -> dict:
     """Run ``recipe`` to its end; returns the summary (also in ``summary.json``).
 
     Args:
@@ -201,6 +189,8 @@ def train(recipe: Recipe, *, say: Callable[[str], None] = print,
         on_step: called with each step's metrics and the run folder (tests use it to
             kill stages mid-run).
         timeout_s: give up after this many seconds (the stages are stopped either way).
+        resumed: the run goes on after its driver died (:func:`relax.infra.resume.
+            prepare_resume` made this and checked the run folder and topics).
 
     Raises:
         RunFailed: a stage failed (died, raised or stalled) more than ``max_restarts``
@@ -215,14 +205,18 @@ def train(recipe: Recipe, *, say: Callable[[str], None] = print,
     preflight(recipe)
     t_start = time.time()
     held_out = held_out_rows(recipe)  # first: a short eval source is a recipe error
+    summary: dict = {"run": recipe.run, "mode": recipe.mode, "resumed": resumed is not None}
+    resumed = resumed or Resumed()
     with contextlib.ExitStack() as stack:
-        pool = _warm_eval_pool(recipe, held_out, stack)  # a reward that cannot work: likewise
+        pool = (None if resumed.eval_before  # a reward that cannot work: a recipe error too
+                else _warm_eval_pool(recipe, held_out, stack))
         run_dir = _run_folder(recipe, say)
-        summary: dict = {"run": recipe.run, "mode": recipe.mode, "run_dir": str(run_dir)}
+        summary["run_dir"] = str(run_dir)
         broker: dict[str, int] = {}
-        bus = _bus(recipe, run_dir, stack, say, broker)  # set up: broker, topics, prompts
+        bus = _bus(recipe, run_dir, stack, say, broker, resumed.broker)  # broker, topics, prompts
         stack.callback(remove_run_files, SHM_ROOT, recipe.run)  # after the stages stop
-        eval_rows = _eval_before(recipe, held_out, pool, summary, say)
+        eval_rows = _eval_before(recipe, held_out, pool, summary, say, run_dir,
+                                 resumed.eval_before)
         follower = stack.enter_context(contextlib.closing(MetricsFollower(bus, recipe.run)))
         controller = Controller(stage_specs(recipe, bus, run_dir), bus, run_dir,
                                 address=recipe.ray_address, max_restarts=recipe.max_restarts,
@@ -268,16 +262,29 @@ def _run_folder(recipe: Recipe, say: Callable[[str], None]) -> Path:
 
 
 def _bus(recipe: Recipe, run_dir: Path, stack: contextlib.ExitStack,
-         say: Callable[[str], None], broker: dict[str, int]) -> BusConfig:
-    """The run's bus (a local broker when the recipe names none, stopped with ``stack``;
-    its pid put in ``broker``), its topics created and the training prompts published."""
+         say: Callable[[str], None], broker: dict[str, int],
+         adopted: BrokerHandle | None = None) -> BusConfig:
+    """The run's bus (a local broker when the recipe names none: ``adopted``, the one a
+    dead driver of the run started, else a new one; stopped with ``stack``, its pid put in
+    ``broker``), :data:`DRIVER_FILE` written, the topics created and the training prompts
+    published (unless the topic holds them)."""
+    handle = None
     if recipe.bootstrap_servers:
         bootstrap = recipe.bootstrap_servers
+    elif adopted is not None:
+        handle = adopted
+        stack.callback(stop_broker, handle)
+        say(f"broker: the run's local broker at {handle.bootstrap} (pid {handle.pid}), "
+            "still running after its driver died")
     else:
         (run_dir / "logs").mkdir(parents=True, exist_ok=True)
         handle = stack.enter_context(LocalBroker(log_path=run_dir / "logs" / "broker.log"))
+        say(f"broker: started a local broker at {handle.bootstrap}")
+    if handle is not None:
         bootstrap, broker["broker"] = handle.bootstrap, handle.pid
-        say(f"broker: started a local broker at {bootstrap}")
+    (run_dir / DRIVER_FILE).write_text(json.dumps(
+        {"pid": os.getpid(), "started_at": time.time(),
+         "broker": asdict(handle) if handle is not None else None}))
     bus = run_bus(recipe, bootstrap, run_dir)
     ensure_topics(bus, run_topics(recipe))
     _publish_data(recipe, bus, say)
@@ -322,14 +329,22 @@ def held_out_rows(recipe: Recipe) -> list[dict] | None:
 
 
 def _eval_before(recipe: Recipe, rows: list[dict] | None, pool, summary: dict,
-                 say: Callable[[str], None]) -> list[dict] | None:
+                 say: Callable[[str], None], run_dir: Path,
+                 known: dict | None = None) -> list[dict] | None:
     """``rows`` (the held-out rows, None without ``eval``); the initial model's accuracy
-    on them when ``eval.before``, scored through ``pool``, which is then closed (its
-    worker would idle through the run)."""
-    if pool is not None:
+    on them when ``eval.before``: ``known`` (a dead driver of the run measured it), else
+    scored through ``pool``, which is then closed (its worker would idle through the run),
+    and saved to :data:`EVAL_BEFORE_FILE`."""
+    if known is not None:
+        summary["eval_before"] = known
+        say(f"eval before: greedy held-out accuracy {known['correct']}/{known['n']} = "
+            f"{known['accuracy']:.3f} (measured before the driver died: "
+            f"{run_dir / EVAL_BEFORE_FILE})")
+    elif pool is not None:
         with pool:
             r = evaluate_held_out(recipe, recipe.model, rows, pool)
         summary["eval_before"] = _eval_summary(r)
+        (run_dir / EVAL_BEFORE_FILE).write_text(json.dumps(summary["eval_before"]))
         say(eval_line("before", r))
     return rows
 

@@ -194,8 +194,9 @@ class RunWatch:
             self._print_steps()
             self._check_progress(rows)
             self.control()
-            done = "trainer" in finished or any(
-                r["component"] == "trainer" and r["name"] == "done" for r in rows)
+            done = "trainer" in finished or any(  # not the done of a part before --resume
+                r["component"] == "trainer" and r["name"] == "done"
+                and (r["policy_version"] or 0) >= self.recipe.trainer.steps for r in rows)
         if done:
             self.follower.read_to_end()
             self._print_steps()

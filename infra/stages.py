@@ -21,6 +21,7 @@ from pydantic import BaseModel, ValidationError
 
 from relax.infra.recipe import ENVIRONMENT_REWARD, Recipe, RecipeError, Resources
 from relax.infra.sections import TRAINER_STAGE_KEYS
+from relax.schemas import topics
 from relax.streams.client import BusConfig
 from relax.streams.fsuri import is_local
 
@@ -111,6 +112,25 @@ def stage_specs(recipe: Recipe, bus: BusConfig, run_dir: Path) -> list[StageSpec
         telemetry=recipe.telemetry.model_dump()))
     specs.append(StageSpec("trainer", "trainer", config, recipe.resources_of("trainer")))
     return specs
+
+
+def run_topics(recipe: Recipe) -> dict[str, int]:
+    """Every topic of the run with its partition count (errors topics: 1)."""
+    p = recipe.partitions
+    parts = {topics.run_topic(recipe.run, n): p for n in
+             (topics.ROLLOUTS, topics.REWARDS, topics.REF_LOGPROBS, topics.TRAIN_SAMPLES)}
+    parts[topics.run_topic(recipe.run, topics.WEIGHTS)] = 1
+    parts[topics.run_topic(recipe.run, topics.METRICS)] = 1
+    parts[topics.run_topic(recipe.run, topics.PROGRESS)] = 1
+    parts[topics.run_topic(recipe.run, topics.REWARD_CHANGES)] = 1
+    parts[topics.changelog_topic(recipe.run)] = p
+    parts[topics.rollout_state_topic(recipe.run)] = 1
+    parts[topics.rollout_claims_topic(recipe.run)] = 1
+    for t in list(parts):
+        parts[topics.errors_topic(t)] = 1
+    prompts = topics.prompts_topic(recipe.data.dataset)
+    parts[topics.errors_topic(prompts)] = 1
+    return parts
 
 
 def run_bus(recipe: Recipe, bootstrap: str, run_dir: Path) -> BusConfig:

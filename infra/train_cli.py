@@ -9,6 +9,7 @@ from typing import Optional
 import typer
 
 _RecipeArg = typer.Argument(..., help="recipe YAML (see recipes/)")
+_TrainRecipeArg = typer.Argument(None, help="recipe YAML (see recipes/); none with --resume")
 _OverridesArg = typer.Argument(None, help="dotted overrides key=value, e.g. trainer.steps=3")
 
 
@@ -27,7 +28,8 @@ def load_checked_recipe(recipe: str, overrides: list[str] | None):
     return rec
 
 
-def train_cmd(recipe: str = _RecipeArg, overrides: Optional[list[str]] = _OverridesArg,
+def train_cmd(recipe: Optional[str] = _TrainRecipeArg,
+              overrides: Optional[list[str]] = _OverridesArg,
               bootstrap: Optional[str] = typer.Option(
                   None, "--bootstrap", "-b", envvar="RELAX_BOOTSTRAP",
                   help="Kafka cluster host:port (default: the recipe's, else a local broker)"),
@@ -37,12 +39,20 @@ def train_cmd(recipe: str = _RecipeArg, overrides: Optional[list[str]] = _Overri
                   None, "--batches-from", help="with --from-archive: the archived run's folder; "
                   "train its trainer's batches in its order (reproduces its steps)"),
               timeout_s: Optional[float] = typer.Option(
-                  None, help="give up after this many seconds (stages are stopped)")) -> None:
+                  None, help="give up after this many seconds (stages are stopped)"),
+              resume: Optional[str] = typer.Option(
+                  None, "--resume", help="go on with run RUN (its folder, or its name under "
+                  "runs/) whose driver died, with its folder's recipe; key=value arguments "
+                  "may change trainer.steps and timeouts, not the model or group_size")) -> None:
     """Run GRPO end to end: rollout, rewards, aggregation, trainer, each its own process.
 
     Run name (topics <run>.*, folder runs/<run>/): recipe key `run`, default <recipe>-<time>.
 
     Override any recipe key (infra/recipe.py) with key=value, e.g. run=NAME.
+
+    `relax train --resume RUN key=value...` goes on with a run whose driver died, from
+    each stage's committed offsets and the trainer's newest checkpoint (exit 2 with one
+    line when it cannot: infra/resume.py).
     """
     import logging
 
@@ -53,7 +63,15 @@ def train_cmd(recipe: str = _RecipeArg, overrides: Optional[list[str]] = _Overri
     extra = list(overrides or [])
     if bootstrap:
         extra.append(f"bootstrap_servers={bootstrap}")
-    rec = load_checked_recipe(recipe, extra)
+    resumed = None
+    if resume:
+        rec, resumed = _prepare_resume(resume, [*([recipe] if recipe else []), *extra],
+                                       from_archive)
+    elif recipe is None:
+        typer.echo("error: give a recipe (relax train RECIPE), or --resume RUN", err=True)
+        raise typer.Exit(2)
+    else:
+        rec = load_checked_recipe(recipe, extra)
     if from_archive:
         from relax.infra.offline import train_from_archive
 
@@ -67,7 +85,7 @@ def train_cmd(recipe: str = _RecipeArg, overrides: Optional[list[str]] = _Overri
         from relax.infra.launch import RunFailed, train
 
         try:
-            summary = train(rec, say=typer.echo, timeout_s=timeout_s)
+            summary = train(rec, say=typer.echo, timeout_s=timeout_s, resumed=resumed)
         except RecipeError as e:  # found before anything started (the eval set)
             typer.echo(f"error: {e}", err=True)
             raise typer.Exit(2) from None
@@ -88,6 +106,28 @@ def train_cmd(recipe: str = _RecipeArg, overrides: Optional[list[str]] = _Overri
         typer.echo(f"greedy held-out accuracy: before {before['accuracy']:.3f} after "
                    f"{after['accuracy']:.3f} ({gain:+.1f} points, n={after['n']})")
     typer.echo(final_line(summary))
+
+
+def _prepare_resume(run: str, overrides: list[str], from_archive: str | None):
+    """The recipe and :class:`~relax.infra.resume.Resumed` of run ``run``
+    (:func:`relax.infra.resume.prepare_resume`); exits 2 with one line when it cannot
+    go on, or when an argument is not ``key=value`` (the recipe is the run's)."""
+    from relax.infra.recipe import RecipeError
+    from relax.infra.resume import ResumeRefused, prepare_resume
+
+    try:
+        if from_archive:
+            raise ResumeRefused("--resume continues a run on its bus; --from-archive "
+                                "trains offline: give one of them")
+        odd = [o for o in overrides if "=" not in o]
+        if odd:
+            raise ResumeRefused(f"with --resume the recipe is the run's own (recipe.yaml in "
+                                f"its folder): give only key=value overrides, got {odd[0]!r}")
+        rec, resumed = prepare_resume(run, overrides, say=typer.echo)
+    except (ResumeRefused, RecipeError, FileNotFoundError, ValueError) as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2) from None
+    return rec, resumed
 
 
 def eval_cmd(recipe: str = _RecipeArg, overrides: Optional[list[str]] = _OverridesArg,
