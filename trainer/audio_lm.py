@@ -34,10 +34,10 @@ def tiny_audio_config(vocab_size: int, audio_token_id: int):
     """``Qwen2AudioConfig`` of ``tiny-audio`` (see the module docstring)."""
     from transformers import Qwen2AudioConfig
 
-    from relax.trainer.models import _TINY_CONFIG
+    from relax.trainer.model_store import TINY_CONFIG
 
     text = dict(model_type="llama", vocab_size=vocab_size, bos_token_id=1, eos_token_id=2,
-                pad_token_id=2, **_TINY_CONFIG)
+                pad_token_id=2, **TINY_CONFIG)
     text["tie_word_embeddings"] = False  # Qwen2-Audio keeps its own lm_head
     audio = dict(model_type="qwen2_audio_encoder", d_model=32, encoder_layers=2,
                  encoder_attention_heads=2, encoder_ffn_dim=64, num_mel_bins=80,
@@ -73,7 +73,7 @@ def _audio_processor(tmp: Path):
     in ``tmp``. Returns the tokenizer."""
     from transformers import AutoTokenizer, Qwen2AudioProcessor, WhisperFeatureExtractor
 
-    from relax.trainer.models import smollm2_tokenizer_dir
+    from relax.trainer.model_store import smollm2_tokenizer_dir
     from relax.trainer.vlm import smollm2_template
 
     tok = AutoTokenizer.from_pretrained(smollm2_tokenizer_dir())
@@ -96,7 +96,7 @@ def _save(model, tmp: Path) -> None:
 def tiny_audio_dir() -> Path:
     """The ``tiny-audio`` folder (model, tokenizer, processor), built into the model cache
     once."""
-    from relax.trainer.models import _publish, cache_dir
+    from relax.trainer.model_store import cache_dir, publish_folder
 
     def build(tmp: Path) -> None:
         from transformers import Qwen2AudioForConditionalGeneration
@@ -108,7 +108,7 @@ def tiny_audio_dir() -> Path:
                 tiny_audio_config(len(tok), tok.convert_tokens_to_ids("<|AUDIO|>"))).float()
         _save(model, tmp)
 
-    return _publish(build, cache_dir() / "models" / "tiny-audio")
+    return publish_folder(build, cache_dir() / "models" / "tiny-audio")
 
 
 def whisper_smollm2_dir() -> Path:
@@ -130,7 +130,7 @@ def whisper_smollm2_dir() -> Path:
     from safetensors.torch import load_file
 
     from relax.trainer.ct2_whisper import whisper_base_encoder
-    from relax.trainer.models import _publish, cache_dir, smollm2_dir
+    from relax.trainer.model_store import cache_dir, publish_folder, smollm2_dir
 
     def build(tmp: Path) -> None:
         from transformers import Qwen2AudioForConditionalGeneration
@@ -159,7 +159,7 @@ def whisper_smollm2_dir() -> Path:
             model.lm_head.weight[:rows] = embed
         _save(model, tmp)
 
-    return _publish(build, cache_dir() / "models" / "whisper-smollm2")
+    return publish_folder(build, cache_dir() / "models" / "whisper-smollm2")
 
 
 __all__ = ["AUDIO_TOKENS", "CLIP_SECONDS", "tiny_audio_config", "tiny_audio_dir",

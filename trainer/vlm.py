@@ -50,10 +50,10 @@ def tiny_vlm_config(vocab_size: int, image_token_id: int):
     """``Idefics3Config`` of ``tiny-vlm`` (see the module docstring)."""
     from transformers import Idefics3Config
 
-    from relax.trainer.models import _TINY_CONFIG
+    from relax.trainer.model_store import TINY_CONFIG
 
     text = dict(model_type="llama", vocab_size=vocab_size, bos_token_id=1, eos_token_id=2,
-                pad_token_id=2, **_TINY_CONFIG)
+                pad_token_id=2, **TINY_CONFIG)
     text["tie_word_embeddings"] = False  # Idefics3 keeps its own lm_head
     vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                   num_attention_heads=2, image_size=IMAGE_SIZE, patch_size=8)
@@ -63,7 +63,7 @@ def tiny_vlm_config(vocab_size: int, image_token_id: int):
 
 def tiny_vlm_dir() -> Path:
     """The ``tiny-vlm`` folder (model, tokenizer, processor), built into the model cache once."""
-    from relax.trainer.models import _publish, cache_dir, smollm2_tokenizer_dir
+    from relax.trainer.model_store import cache_dir, publish_folder, smollm2_tokenizer_dir
 
     def build(tmp: Path) -> None:
         from transformers import (
@@ -91,7 +91,7 @@ def tiny_vlm_dir() -> Path:
         model.save_pretrained(tmp, safe_serialization=True)
         proc.save_pretrained(tmp)
 
-    return _publish(build, cache_dir() / "models" / "tiny-vlm")
+    return publish_folder(build, cache_dir() / "models" / "tiny-vlm")
 
 
 def is_multimodal(folder: str | Path) -> bool:

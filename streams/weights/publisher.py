@@ -61,8 +61,8 @@ from relax.streams.weights.shm import SHM_KEY, ShmOffer, member_key, shm_root_us
 from relax.streams.weights.store import SnapshotStore
 from relax.streams.weights.rendezvous import (
     MEMBERSHIP_KEY,
-    _broadcast,
-    _make_group,
+    broadcast,
+    make_group,
     replay_membership,
 )
 
@@ -317,7 +317,7 @@ class WeightPublisher:
         """Create the process group of the broadcast's members (rank 0 = this publisher)."""
         if self._pg is not None or not self._gloo:
             return
-        self._pg = _make_group(
+        self._pg = make_group(
             self.store,
             self._group_name,
             0,
@@ -355,7 +355,7 @@ class WeightPublisher:
             try:
                 self._form()
                 for a, b, _ in plan_buckets(self._manifest, self.bucket_bytes):
-                    _broadcast(self._pg, self._flat[a:b])
+                    broadcast(self._pg, self._flat[a:b])
                 stats.members += self._gloo
             except RuntimeError as e:  # a member never came or died mid-broadcast
                 stats.error = f"broadcast of v{stats.policy_version} failed: {e}"

@@ -58,11 +58,17 @@ def group_store(store, group: str, device: torch.device):
     return dist.PrefixStore(f"{kind}/", dist.PrefixStore(f"{group}/", sglang))
 
 
-def _make_group(
+def make_group(
     store, group: str, rank: int, size: int, device: torch.device, host: str, timeout_s: float
 ):
-    """A standalone process group (not the default one) on :func:`group_store`, its
-    sequence number set as torch's ``_new_process_group_helper`` sets it."""
+    """A standalone process group (not the default one) on :func:`group_store`: NCCL on a
+    CUDA ``device``, else gloo on ``host``'s interface; rank 0 is the publisher, ``size``
+    counts it. Its sequence number is set as torch's ``_new_process_group_helper`` sets it.
+
+    Raises:
+        RuntimeError / torch.distributed.DistError: the group did not form within
+            ``timeout_s`` seconds (a member never came).
+    """
     import torch.distributed as dist
 
     prefixed = group_store(store, group, device)
@@ -80,7 +86,13 @@ def _make_group(
     return pg
 
 
-def _broadcast(pg, tensor: torch.Tensor) -> None:
+def broadcast(pg, tensor: torch.Tensor) -> None:
+    """Broadcast ``tensor`` (any shape and dtype, on the group's device) from rank 0 of
+    ``pg`` in place, waiting for it to finish.
+
+    Raises:
+        RuntimeError: a member died or timed out mid-broadcast.
+    """
     import torch.distributed as dist
 
     opts = dist.BroadcastOptions()
@@ -88,14 +100,15 @@ def _broadcast(pg, tensor: torch.Tensor) -> None:
     pg.broadcast([tensor], opts).wait()
 
 
-def _members(raw: bytes) -> list[str]:
+def member_lines(raw: bytes) -> list[str]:
+    """The non-empty lines of a store value (a group's member list, the membership log)."""
     return [m for m in raw.decode().split("\n") if m]
 
 
 def replay_membership(log_bytes: bytes) -> list[str]:
     """Members after replaying a join/leave log (``+id`` / ``-id`` lines), in join order."""
     out: list[str] = []
-    for line in _members(log_bytes):
+    for line in member_lines(log_bytes):
         op, mid = line[0], line[1:]
         if op == "+" and mid not in out:
             out.append(mid)

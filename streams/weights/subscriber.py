@@ -34,8 +34,8 @@ from relax.streams.weights.install import install_weights
 from relax.streams.weights.layout import (ChecksumError, TensorEntry, checksum,
                                           manifest_from_rows, plan_buckets, views)
 from relax.streams.weights.store import read_snapshot, snapshot_exists
-from relax.streams.weights.rendezvous import (CONNECT_S, MEMBERSHIP_KEY, _broadcast,
-                                              _make_group, _members, local_ip_towards,
+from relax.streams.weights.rendezvous import (CONNECT_S, MEMBERSHIP_KEY, broadcast,
+                                              local_ip_towards, make_group, member_lines,
                                               parse_rendezvous)
 
 log = logging.getLogger(__name__)
@@ -407,7 +407,7 @@ class WeightSubscriber:
         key = f"{group}/members"
         if not self._store.check([key]):
             self._store.wait([key], timedelta(seconds=self.join_timeout_s))
-        members = _members(self._store.get(key))
+        members = member_lines(self._store.get(key))
         over = self._store.check([f"{group}/done/{version}"])  # history, or a failed group
         if self.member_id not in members or (over and group != self._group):
             self._group, self._pg = None, None
@@ -427,7 +427,7 @@ class WeightSubscriber:
             self._manifest = manifest
             if group != self._group:
                 self._store.set(f"{group}/ready/{self.member_id}", "1")
-                self._pg = _make_group(
+                self._pg = make_group(
                     self._store,
                     group,
                     members.index(self.member_id) + 1,
@@ -439,7 +439,7 @@ class WeightSubscriber:
                 self._group = group
             try:
                 for a, b, _ in plan_buckets(manifest, row["bucket_bytes"]):
-                    _broadcast(self._pg, self._flat[a:b])
+                    broadcast(self._pg, self._flat[a:b])
             except RuntimeError:
                 self._group, self._pg = None, None  # the publisher forms a new group
                 self.stats.skipped += 1

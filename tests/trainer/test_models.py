@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from relax.trainer import models
+from relax.trainer import model_store, models
 
 
 def test_cache_dir_follows_relax_cache(monkeypatch, tmp_path):
@@ -33,7 +33,7 @@ def test_publish_is_safe_when_two_builders_race(tmp_path):
 
     results = []
     threads = [
-        threading.Thread(target=lambda: results.append(models._publish(build, target)))
+        threading.Thread(target=lambda: results.append(model_store.publish_folder(build, target)))
         for _ in range(2)
     ]
     for t in threads:
@@ -42,9 +42,9 @@ def test_publish_is_safe_when_two_builders_race(tmp_path):
         t.join()
     assert results == [target, target] and len(built) == 2
     assert (target / "weights.bin").read_bytes() == b"x" * 1000
-    assert (target / models._COMPLETE).is_file()
+    assert (target / model_store.COMPLETE).is_file()
     assert [p.name for p in target.parent.iterdir()] == ["thing"]
-    assert models._publish(lambda tmp: pytest.fail("must not rebuild"), target) == target
+    assert model_store.publish_folder(lambda tmp: pytest.fail("must not rebuild"), target) == target
 
 
 def test_publish_cleans_up_after_a_failed_build(tmp_path):
@@ -54,7 +54,7 @@ def test_publish_cleans_up_after_a_failed_build(tmp_path):
         raise RuntimeError("conversion failed")
 
     with pytest.raises(RuntimeError, match="conversion failed"):
-        models._publish(build, target)
+        model_store.publish_folder(build, target)
     assert list(tmp_path.iterdir()) == []
 
 
