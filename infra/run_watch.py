@@ -34,6 +34,11 @@ BROKER_LOST_STOP_S = 5.0
 """Seconds the stages of a run whose broker is gone or lost its state get to stop before
 they are killed: their producers retry against a broker that no longer knows them, and
 there is no offset left to commit (a clean stop waits 60 s)."""
+STUCK_STOP_S = 15.0
+"""Seconds the stages of a run that cannot train (:mod:`relax.infra.stuck`) get to stop
+before they are killed: the reward that keeps it from training may be inside one poll
+for minutes (a call of up to its ``timeout_s``, then each row alone as long), where a
+clean stop waits 60 s; the others wait for data and stop at once."""
 METRICS_FETCH_WAIT_MS = 1000
 """The driver's metrics reader's longest empty fetch (``fetch_max_wait_ms``). It only
 prints steps and sees the trainer's ``done``, so a record may wait up to ~0.5 s (Tansu
@@ -215,9 +220,11 @@ class RunWatch:
         topic = topics.run_topic(self.recipe.run, topics.REWARDS)
         first = first_reward_error(self.bus, topic, stuck) if stuck.rows else None
         timeout_s = next((r.timeout_s for r in self.recipe.rewards if r.name == stuck.reward), None)
-        raise RunFailed(f"run {self.recipe.run}: {stuck.line(first, timeout_s)} (at step "
+        err = RunFailed(f"run {self.recipe.run}: {stuck.line(first, timeout_s)} (at step "
                         f"{len(self.printed)} of {self.recipe.trainer.steps}; `relax errors "
                         f"{topic}` lists the failed rows)")
+        self.controller.stop(timeout_s=STUCK_STOP_S)
+        raise err
 
     def control(self) -> None:
         """Move the scaling operation on and refresh the API's snapshot: at every turn
