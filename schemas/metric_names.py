@@ -12,6 +12,10 @@ BUSY_FRAC = "busy_frac"                # fraction of the window since the stage'
 # spent working: a stage loop's turns that did work, every BUSY_WINDOW_S; the trainer's
 # step minus its data wait, every step
 
+LOST_TO_RETENTION = "lost_to_retention"  # records of an input partition deleted by retention
+# (or DeleteRecords) before the stage's consumer read them: one row per loss found, the
+# count of that loss (streams/retention.py); the run's total is the sum of the rows
+
 # trainer (component "trainer"), one row each per optimizer step
 STEP_S = "step_s"                      # wall time of one optimizer step incl. waiting for data
 TRAIN_S = "train_s"                    # forward/backward/optimizer time of the step

@@ -24,16 +24,25 @@ Contract (at-least-once):
 * On a rebalance the state of revoked partitions is forgotten; a stage commits
   after every poll, so only unfinished records are redelivered to the new owner
   (downstream is idempotent by rollout_id).
+* Losses are never silent: records deleted by retention before they were read (the
+  consumer group's committed offset below the partition's log start when the partition
+  is handed to this consumer, or a jump past deleted records while it reads) are
+  counted (:attr:`BatchConsumer.lost_to_retention`), logged as a WARNING naming topic,
+  partition, committed offset, log start and count, and written as the metric
+  ``lost_to_retention`` (:mod:`relax.streams.retention`). The consumer goes on from
+  the log start.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from dataclasses import dataclass
 
 import pyarrow as pa
 
+from relax.schemas import metric_names as M
 from relax.schemas import topics as topic_names
 from relax.schemas.v1 import SCHEMAS, schema_name
 from relax.schemas.validate import SchemaError, validate
@@ -42,6 +51,7 @@ from relax.streams.codec import DecodeError, decode
 from relax.streams.errors import error_row
 from relax.streams.offsets import OffsetTracker
 from relax.streams.producer import BatchProducer
+from relax.streams.retention import RetentionLoss, lost_to_retention
 
 log = logging.getLogger(__name__)
 
@@ -124,15 +134,25 @@ class BatchConsumer:
             :meth:`poll`, on the client's I/O thread, when the group hands partitions to
             / takes them from this instance; they must not block (record the change and
             act on it after ``poll`` returns).
+        metrics: the stage's :class:`~relax.streams.metrics.MetricsWriter`: a loss to
+            retention becomes a ``lost_to_retention`` row (queued on its producer, sent
+            with the stage's next flush); None writes none (the WARNING and
+            :attr:`lost_to_retention` stay).
+
+    Attributes:
+        routed_errors: messages routed to ``<topic>.errors`` so far.
+        lost_to_retention: records deleted by retention before this consumer read them
+            (Kafka offsets, summed over partitions; module docstring).
     """
 
     def __init__(self, cfg: BusConfig, group_id: str | None, topics: list[str] | None = None, *,
                  stage: str, from_beginning: bool = True, validate_rows: bool = True,
                  error_producer: BatchProducer | None = None, client_id: str | None = None,
-                 on_assign=None, on_revoke=None):
+                 on_assign=None, on_revoke=None, metrics=None):
         from kafka import KafkaConsumer
 
         self.cfg, self.stage, self.validate_rows = cfg, stage, validate_rows
+        self.group_id, self._metrics = group_id, metrics
         self._kc = KafkaConsumer(**consumer_kwargs(cfg, group_id, client_id, from_beginning))
         self._tracker = OffsetTracker()
         self._errors = error_producer
@@ -142,6 +162,10 @@ class BatchConsumer:
         self.on_assign, self.on_revoke = on_assign, on_revoke
         self._revocations: dict = {}  # TopicPartition -> times revoked from this consumer
         self._away_since: float | None = None  # monotonic time of the first failed poll
+        self.lost_to_retention = 0
+        self._next: dict = {}  # TopicPartition -> next offset to read, where known
+        self._handed: set = set()  # partitions handed over, committed offset not yet checked
+        self._handed_lock = threading.Lock()  # the listener adds on the client's I/O thread
         if topics:
             self._kc.subscribe(topics, listener=_Listener(self))
 
@@ -181,6 +205,11 @@ class BatchConsumer:
             time.sleep(min(timeout_s, 1.0))  # what the poll would have waited
             return []
         self._away_since = None
+        self._check_handed()
+        for tp, msgs in records.items():
+            if msgs:
+                self._check_gap(tp, msgs[0].offset)
+                self._next[tp] = msgs[-1].offset + 1
         decoded: list[tuple] = []
         for tp, msgs in records.items():
             for m in msgs:
@@ -197,6 +226,68 @@ class BatchConsumer:
         return [Delivery(m.topic, m.partition, m.offset, m.key, table, headers, m.timestamp,
                          self._revocations.get(tp, 0))
                 for tp, m, name, headers, table in decoded]
+
+    def _check_handed(self) -> None:
+        """For partitions handed to this consumer since the last poll: compare the
+        group's committed offset with the log start (records below it were deleted by
+        retention before the group read them). A retriable error (the broker away) leaves
+        them for the next poll."""
+        from kafka.errors import KafkaError
+
+        with self._handed_lock:
+            handed, self._handed = self._handed, set()
+        tps = sorted(handed & self._kc.assignment())
+        if not tps:
+            return
+        try:
+            committed = {tp: self._kc.committed(tp) for tp in tps}
+            starts = self._kc.beginning_offsets(tps)
+        except KafkaError as e:
+            if not e.retriable:
+                raise
+            log.warning("could not compare committed offsets with log starts (%s); "
+                        "trying again at the next poll", e)
+            with self._handed_lock:
+                self._handed |= handed
+            return
+        for tp in tps:
+            c, start = committed[tp], starts[tp]
+            self._report(tp, c, start)
+            if c is not None:
+                self._next[tp] = max(c, start)
+
+    def _check_gap(self, tp, first: int) -> None:
+        """Records of ``tp`` start at ``first``, past the next offset this consumer was to
+        read: if the log start moved past that offset, retention deleted the records in
+        between (kafka-python reset the position to the log start). A gap of a compacted
+        topic, or a seek, leaves the log start where it was: nothing is counted."""
+        from kafka.errors import KafkaError
+
+        expected = self._next.get(tp)
+        if expected is None or first <= expected:
+            return
+        try:
+            start = self._kc.beginning_offsets([tp])[tp]
+        except KafkaError as e:
+            if not e.retriable:
+                raise
+            log.warning("could not read the log start of %s[%d] after a jump from offset %d "
+                        "to %d (%s): not counted", tp.topic, tp.partition, expected, first, e)
+            return
+        self._report(tp, expected, min(start, first))
+
+    def _report(self, tp, next_offset: int | None, log_start: int) -> None:
+        """Count, log and write (as a metric) the records of ``tp`` between
+        ``next_offset`` and ``log_start``, if any."""
+        lost = lost_to_retention(next_offset, log_start)
+        if not lost:
+            return
+        loss = RetentionLoss(tp.topic, tp.partition, next_offset, log_start, lost)
+        self.lost_to_retention += lost
+        log.warning("%s", loss.message(self.stage, self.group_id))
+        if self._metrics is not None:
+            self._metrics.add(M.LOST_TO_RETENTION, lost)
+            self._metrics.flush()
 
     def _schema_of(self, m, headers: dict[str, bytes]) -> str:
         """The schema a message must have: the ``relax-schema`` header if it names one the
@@ -403,12 +494,19 @@ def _Listener(owner: BatchConsumer):
         def on_partitions_revoked(self, revoked):
             if revoked:
                 owner._tracker.forget(revoked)
+                with owner._handed_lock:
+                    owner._handed -= set(revoked)
+                    for tp in revoked:
+                        owner._next.pop(tp, None)
                 for tp in revoked:
                     owner._revocations[tp] = owner._revocations.get(tp, 0) + 1
                 if owner.on_revoke is not None:
                     owner.on_revoke(list(revoked))
 
         def on_partitions_assigned(self, assigned):
+            if assigned:
+                with owner._handed_lock:  # checked after the poll (it must not block here)
+                    owner._handed |= set(assigned)
             if assigned and owner.on_assign is not None:
                 owner.on_assign(list(assigned))
 
