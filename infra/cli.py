@@ -16,6 +16,12 @@ from typing import Optional
 import typer
 
 from relax.infra.broker_cli import broker_app
+from relax.infra.cli_bus import (  # noqa: F401  (resolve_bootstrap: re-exported)
+    BootstrapOpt,
+    bus_config,
+    exit_unless_a_topic,
+    resolve_bootstrap,
+)
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="relax: RL post-training for LLMs over Arrow record batches on Kafka topics.")
@@ -36,52 +42,6 @@ def _options(version: bool = typer.Option(False, "--version", callback=_print_ve
              ) -> None:
     """relax: RL post-training for LLMs over Arrow record batches on Kafka topics."""
 
-BootstrapOpt = typer.Option(None, "--bootstrap", "-b", envvar="RELAX_BOOTSTRAP",
-                            help="Kafka bootstrap servers host:port[,host:port]; default: the "
-                                 "broker started by `relax broker start`.")
-
-
-def resolve_bootstrap(bootstrap: Optional[str]) -> str:
-    """The bootstrap servers to use: the option, else the running local broker recorded
-    last (named on stderr when several are running).
-
-    Raises:
-        typer.BadParameter: when neither is available.
-    """
-    if bootstrap:
-        return bootstrap
-    from relax.infra.broker import load_states, running
-
-    live = [h for h in load_states() if running(h)]
-    if len(live) > 1:
-        typer.echo(f"using the {live[-1].kind} broker on {live[-1].bootstrap}, the last of "
-                   f"{len(live)} running ({', '.join(f'{h.kind} on {h.bootstrap}' for h in live)}"
-                   "); --bootstrap picks another", err=True)
-    if live:
-        return live[-1].bootstrap
-    raise typer.BadParameter("no broker: pass --bootstrap host:port (or set RELAX_BOOTSTRAP), "
-                             "or run `relax broker start`", param_hint="--bootstrap")
-
-
-def bus_config(bootstrap: Optional[str], **kw):
-    """A :class:`relax.streams.client.BusConfig` for a command."""
-    from relax.streams.client import BusConfig
-
-    return BusConfig(bootstrap_servers=resolve_bootstrap(bootstrap), **kw)
-
-
-def exit_unless_a_topic(cfg, *names: str) -> None:
-    """Exit 1 with one line unless one of the topics ``names`` is on the cluster: a
-    misspelled topic or run name, or a run whose own broker has stopped, would otherwise
-    print zero rows as if the topic were empty."""
-    from relax.streams.client import list_topics
-
-    if set(names) & set(list_topics(cfg)):
-        return
-    typer.echo(f"error: no topic {names[0]!r} on {cfg.bootstrap_servers} (`relax topics` lists "
-               "them; a run started without --bootstrap had its own broker, gone with it)",
-               err=True)
-    raise typer.Exit(1)
 
 
 @app.command("topics")

@@ -13,7 +13,7 @@ import uuid
 from dataclasses import asdict
 from pathlib import Path
 
-from relax.infra.broker import BrokerHandle, KafkaNode, pid_alive, stop_pids
+from relax.infra.broker_handle import BrokerHandle, KafkaNode, pid_alive, stop_pids
 from relax.streams.ports import free_port, port_open
 
 KAFKA_VERSION = "4.4.0"

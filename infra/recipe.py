@@ -37,11 +37,14 @@ from pydantic import BaseModel, Field, ValidationError, model_validator
 
 from relax.consumers.samples import AdvantageConfig
 from relax.infra.overrides import parse_override, set_dotted
-from relax.infra.sections import (
+from relax.infra.sections import (  # ENVIRONMENT_REWARD, RecipeError, Resources: re-exported
+    ENVIRONMENT_REWARD,
     AggregateSection,
     BusSection,
     KLSection,
+    RecipeError,
     ReferenceSection,
+    Resources,
     RewardSpec,
     RolloutSection,
     StrictModel,
@@ -53,8 +56,6 @@ from relax.trainer.config import TrainerConfig
 from relax.trainer.telemetry import TelemetryConfig
 
 STAGES = ("rollout", "reward", "reference", "teacher", "aggregate", "trainer")
-ENVIRONMENT_REWARD = "environment"
-"""``rewards[].fn`` of the reward the rollout environment gives (no reward stage)."""
 """Stage names of a run (each one or more processes)."""
 
 
@@ -95,26 +96,6 @@ class EvalConfig(StrictModel):
     threshold: float = 0.5
     before: bool = True
     after: bool = True
-
-
-class Resources(StrictModel):
-    """What one process of a stage asks Ray for, and its torch threads."""
-
-    num_cpus: float = Field(1.0, ge=0)
-    num_gpus: float = Field(0.0, ge=0)
-    torch_threads: int | None = Field(None, ge=1)
-    host: str | None = Field(
-        None, pattern=r"^[A-Za-z0-9_.-]+$",
-        description="run on the Ray node that offers the custom resource 'host:<host>' "
-        "(`ray start --resources '{\"host:<host>\": 1000}'`); None = wherever Ray places it")
-    processes: int = Field(
-        1, ge=1, description="trainer only: trainer ranks (trainer/ranks.py; gloo on CPU, "
-        "nccl on GPU): data-parallel with backend torch, tp x pp with backend megatron; more "
-        "rollout processes come from rollout.instances")
-    rank_hosts: list[str] | None = Field(
-        None, description="trainer only: the host of each rank 1..processes-1 (Ray nodes "
-        "offering 'host:<name>'; each rank asks for num_cpus there); None = child processes "
-        "on the trainer's host")
 
 
 class ApiSection(StrictModel):
@@ -263,10 +244,6 @@ class Recipe(StrictModel):
     def resources_of(self, stage: str) -> Resources:
         """Resources of ``stage`` (defaults when the recipe gives none)."""
         return self.resources.get(stage, Resources())
-
-
-class RecipeError(ValueError):
-    """A recipe that does not validate; the message lists each bad key with its path."""
 
 
 def _unwrap(t) -> type[BaseModel] | None:

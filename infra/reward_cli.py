@@ -11,12 +11,11 @@ from typing import Optional
 
 import typer
 
+from relax.infra.cli_bus import BootstrapOpt, bus_config
+
 reward_app = typer.Typer(no_args_is_help=True,
                          help="Reward functions: attach one to a run, or score a file offline.")
 
-_BootstrapOpt = typer.Option(None, "--bootstrap", "-b", envvar="RELAX_BOOTSTRAP",
-                             help="Kafka bootstrap servers host:port[,host:port]; default: the "
-                                  "broker started by `relax broker start`.")
 _OptionOpt = typer.Option(None, "--option", "-o",
                           help="reward option key=value (value read as JSON when it parses, "
                                "else as text); repeatable")
@@ -77,7 +76,7 @@ def attach_cmd(reward: str = typer.Argument(..., help="reward name or module:fun
                                           "<run>.reward_changes); without it the scores are "
                                           "only recorded"),
                from_version: Optional[int] = _FromVersionOpt,
-               bootstrap: Optional[str] = _BootstrapOpt) -> None:
+               bootstrap: Optional[str] = BootstrapOpt) -> None:
     """Start one more reward consumer on RUN: its values appear in <run>.rewards under its
     name, and with --weight they count two policy_versions on (the next may be sampled
     already). Runs until Ctrl-C / SIGTERM (or --exit-when-idle)."""
@@ -85,7 +84,6 @@ def attach_cmd(reward: str = typer.Argument(..., help="reward name or module:fun
 
     from relax.consumers.reward.pool import RewardLoadError
     from relax.consumers.reward.stage import RewardStage, RewardStageConfig
-    from relax.infra.cli import bus_config
     from relax.schemas.topics import reward_group
 
     if start not in ("earliest", "latest"):
@@ -157,12 +155,11 @@ def _announce_attach(bus, run: str, name: str, weight: float, from_version: Opti
 def detach_cmd(name: str = typer.Argument(..., help="reward_name to stop counting"),
                run: str = typer.Option(..., "--run", help="the live run"),
                from_version: Optional[int] = _FromVersionOpt,
-               bootstrap: Optional[str] = _BootstrapOpt) -> None:
+               bootstrap: Optional[str] = BootstrapOpt) -> None:
     """Stop counting reward NAME in RUN's final reward for groups sampled after now
     (announced on <run>.reward_changes; groups in flight keep it). Stop its consumer
     (Ctrl-C on its `relax reward attach`) once the run no longer waits for it."""
     from relax.consumers.reward.changes import announce
-    from relax.infra.cli import bus_config
 
     try:
         c = announce(bus_config(bootstrap), run, "detach", name, 0.0, from_version)

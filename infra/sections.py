@@ -29,6 +29,34 @@ class StrictModel(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+class RecipeError(ValueError):
+    """A recipe that does not validate; the message lists each bad key with its path."""
+
+
+ENVIRONMENT_REWARD = "environment"
+"""``rewards[].fn`` of the reward the rollout environment gives (no reward stage)."""
+
+
+class Resources(StrictModel):
+    """What one process of a stage asks Ray for, and its torch threads."""
+
+    num_cpus: float = Field(1.0, ge=0)
+    num_gpus: float = Field(0.0, ge=0)
+    torch_threads: int | None = Field(None, ge=1)
+    host: str | None = Field(
+        None, pattern=r"^[A-Za-z0-9_.-]+$",
+        description="run on the Ray node that offers the custom resource 'host:<host>' "
+        "(`ray start --resources '{\"host:<host>\": 1000}'`); None = wherever Ray places it")
+    processes: int = Field(
+        1, ge=1, description="trainer only: trainer ranks (trainer/ranks.py; gloo on CPU, "
+        "nccl on GPU): data-parallel with backend torch, tp x pp with backend megatron; more "
+        "rollout processes come from rollout.instances")
+    rank_hosts: list[str] | None = Field(
+        None, description="trainer only: the host of each rank 1..processes-1 (Ray nodes "
+        "offering 'host:<name>'; each rank asks for num_cpus there); None = child processes "
+        "on the trainer's host")
+
+
 def section_of(config: type[BaseModel], title: str, wiring: frozenset[str], doc: str,
                base: type[BaseModel] = StrictModel, /, **extra) -> type[BaseModel]:
     """A recipe section made of a stage's own config: every field of ``config`` except

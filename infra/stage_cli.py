@@ -14,14 +14,8 @@ from pathlib import Path
 
 import typer
 
-_BootstrapOpt = typer.Option(
-    None,
-    "--bootstrap",
-    "-b",
-    envvar="RELAX_BOOTSTRAP",
-    help="Kafka bootstrap servers host:port[,host:port]; default: the "
-    "broker started by `relax broker start`.",
-)
+from relax.infra.cli_bus import BootstrapOpt, bus_config
+
 _ConfigOpt = typer.Option(None, "--config", "-c", help="YAML file with the stage's settings")
 _SetOpt = typer.Option(
     None, "--set", "-s", help="override key=value (value parsed as YAML); repeatable"
@@ -80,13 +74,12 @@ def rollout_cmd(
     exit_when_exhausted: bool = typer.Option(False, help="stop after the last epoch"),
     config: Path | None = _ConfigOpt,
     sets: list[str] | None = _SetOpt,
-    bootstrap: str | None = _BootstrapOpt,
+    bootstrap: str | None = BootstrapOpt,
 ) -> None:
     """Run a rollout instance: prompts.DATASET -> RUN.rollouts (see consumers/rollout/)."""
     from pydantic import ValidationError
 
     from relax.consumers.rollout import RolloutConfig, RolloutStage
-    from relax.infra.cli import bus_config
 
     try:
         cfg = RolloutConfig(
@@ -113,13 +106,12 @@ def reference_cmd(
     ),
     config: Path | None = _ConfigOpt,
     sets: list[str] | None = _SetOpt,
-    bootstrap: str | None = _BootstrapOpt,
+    bootstrap: str | None = BootstrapOpt,
 ) -> None:
     """Run a reference instance: RUN.rollouts -> RUN.ref_logprobs (see consumers/reference.py)."""
     from pydantic import ValidationError
 
     from relax.consumers.reference import ReferenceConfig, ReferenceStage
-    from relax.infra.cli import bus_config
 
     try:
         cfg = ReferenceConfig(

@@ -16,14 +16,17 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from pydantic import BaseModel, ValidationError
 
-from relax.infra.recipe import ENVIRONMENT_REWARD, Recipe, RecipeError, Resources
-from relax.infra.sections import TRAINER_STAGE_KEYS
+from relax.infra.sections import ENVIRONMENT_REWARD, TRAINER_STAGE_KEYS, RecipeError, Resources
 from relax.schemas import topics
 from relax.streams.client import BusConfig
 from relax.streams.fsuri import is_local
+
+if TYPE_CHECKING:  # load_recipe checks its stage configs here: a runtime import is a circle
+    from relax.infra.recipe import Recipe
 
 
 @dataclass(frozen=True)

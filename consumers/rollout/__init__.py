@@ -78,7 +78,7 @@ from relax.consumers.rollout.config import RolloutConfig
 from relax.consumers.rollout.claims import ClaimLog
 from relax.consumers.rollout.credit import ClaimLedger, run_allowance
 from relax.consumers.rollout.metrics import WEIGHT_WAIT_S, RolloutStats
-from relax.consumers.rollout.prompts import _Item as _Item  # tests build queue items
+from relax.consumers.rollout.prompts import PromptItem  # tests build queue items
 from relax.consumers.environments import load_environment_factory
 from relax.consumers.rollout.sampling import build_engine, rollout_batch, sample_groups
 from relax.consumers.rollout.stage import RolloutStage
@@ -89,6 +89,7 @@ __all__ = [
     "WEIGHT_WAIT_S",
     "ClaimLedger",
     "ClaimLog",
+    "PromptItem",
     "RolloutConfig",
     "RolloutStage",
     "RolloutStats",

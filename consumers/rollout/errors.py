@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from relax.consumers.rollout.prompts import _Item
+from relax.consumers.rollout.prompts import PromptItem
 
 
-def route_prompt_error(producer, item: _Item, e: Exception, engine_id: str) -> None:
+def route_prompt_error(producer, item: PromptItem, e: Exception, engine_id: str) -> None:
     """Send the message ``item`` came in to ``<its topic>.errors`` with the reason
     (``e``), stage ``rollout/<engine_id>``; the stage goes on."""
     from relax.streams.codec import encode

@@ -17,7 +17,7 @@ log = logging.getLogger(__name__)
 
 
 @dataclass
-class _Item:
+class PromptItem:
     """One prompt row waiting to be sampled, and the delivery it came in
     (``media_inputs``: its images' / audio's model inputs once rendered, for a
     multimodal model; :func:`relax.trainer.multimodal.encode_prompt`)."""
@@ -77,7 +77,7 @@ class PromptQueue:
         self.cfg = cfg
         self.stats = stats
         self._state_topic = state_topic
-        self.items: list[_Item] = []
+        self.items: list[PromptItem] = []
         self.remaining: dict[tuple, int] = {}
         self.epoch: dict = {}
         self.revoked: set = set()  # prompt partitions taken away by a rebalance (I/O thread)
@@ -87,7 +87,7 @@ class PromptQueue:
         self.saved_epochs: dict[tuple[str, int], int] = {}
         self.producer = None
 
-    def regrants(self, granted: set[str], started: set[str]) -> list[_Item]:
+    def regrants(self, granted: set[str], started: set[str]) -> list[PromptItem]:
         """Queued prompts whose groups are in ``granted`` (the claim log granted them
         before, to an instance that died or lost the partition before producing them)
         and not in ``started`` (by this instance): they need no new credit."""
@@ -133,7 +133,7 @@ class PromptQueue:
                 consumer.done(d)
                 continue
             self.remaining[message_key(d)] = len(rows)
-            self.items.extend(_Item(d, r, epoch) for r in rows)
+            self.items.extend(PromptItem(d, r, epoch) for r in rows)
 
     def maybe_next_epoch(self, consumer) -> None:
         """Rewind partitions whose prompts were all sampled, if ``epochs`` allows."""
@@ -190,7 +190,7 @@ class PromptQueue:
             and not self.remaining
         )
 
-    def finish(self, consumer, items: list[_Item]) -> None:
+    def finish(self, consumer, items: list[PromptItem]) -> None:
         """Count ``items`` (taken from :attr:`items`) as finished; messages with no row
         left are done: the producer is flushed, then they are committed."""
         done = []

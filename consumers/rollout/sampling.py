@@ -35,7 +35,8 @@ def build_engine(cfg: RolloutConfig) -> Engine:
                         tp_size=cfg.sglang_tp_size)
 
 
-def _ms() -> int:
+def now_ms() -> int:
+    """Wall-clock now in ms since the epoch (UTC), as the rollout schema's timestamps."""
     return int(time.time() * 1000)
 
 

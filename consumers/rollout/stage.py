@@ -22,10 +22,10 @@ from relax.consumers.rollout.claims import ClaimLog
 from relax.consumers.rollout.config import RolloutConfig
 from relax.consumers.rollout.errors import route_prompt_error
 from relax.consumers.rollout.metrics import RolloutStats, emit_metrics
-from relax.consumers.rollout.prompts import PromptQueue, _Item, message_key
+from relax.consumers.rollout.prompts import PromptItem, PromptQueue, message_key
 from relax.consumers.environments import load_environment_factory
 from relax.consumers.rollout.sampling import (
-    _ms,
+    now_ms,
     build_engine,
     environment_reward_batch,
     rollout_batch,
@@ -180,7 +180,7 @@ class RolloutStage:
             return row
         return {**row, "prompt": self.cfg.prompt_template.format(prompt=row["prompt"])}
 
-    def _render(self, item: _Item) -> list[int]:
+    def _render(self, item: PromptItem) -> list[int]:
         """The prompt's token ids (a media prompt's expanded by the model's processor).
 
         Raises:
@@ -195,7 +195,7 @@ class RolloutStage:
             return ids
         return render_ids(self.tokenizer, msgs)
 
-    def _sample(self, items: list[_Item], prompt_ids: list[list[int]]) -> list[list[Episode]]:
+    def _sample(self, items: list[PromptItem], prompt_ids: list[list[int]]) -> list[list[Episode]]:
         seed = None if self.cfg.seed is None else self.cfg.seed + self.groups_started
         params = self.cfg.sampling(seed)
         if self._env_factory is None and self.processor is not None:
@@ -234,7 +234,7 @@ class RolloutStage:
             )
         return out
 
-    def _regrants(self) -> list[_Item]:
+    def _regrants(self) -> list[PromptItem]:
         """Queued prompts granted before and not started here (:meth:`PromptQueue.regrants`):
         the run's credit may be all spent on them, their claims holding it."""
         granted = set() if self._claims is None else self._claims.ledger.granted
@@ -285,7 +285,7 @@ class RolloutStage:
         take = self._regrants()[: self.cfg.groups_per_generate]
         if not take and left > 0:
             take = queue.items[: credit.groups_per_call(left, self.cfg.groups_per_generate)]
-        wanted: dict[str, tuple[_Item, list[int]]] = {}
+        wanted: dict[str, tuple[PromptItem, list[int]]] = {}
         for item in take:
             queue.items.remove(item)
             gid = item.group_id
@@ -311,13 +311,13 @@ class RolloutStage:
         return len(chosen)
 
     def _produce(self, items, prompt_ids, producer) -> None:
-        started = _ms()
+        started = now_ms()
         t0 = time.perf_counter()
         self.groups_started += len(items)
         groups = self._sample(items, prompt_ids)
         took = time.perf_counter() - t0
         self.stats.generate_s += took
-        finished = _ms()
+        finished = now_ms()
         for item, samples in zip(items, groups):
             group_id = item.group_id
             batch = rollout_batch(
@@ -389,17 +389,17 @@ class RolloutStage:
             self._started_ids.update(pending)
         self._prompts.producer = producer = BatchProducer(
             cfg.bus, producer_id=f"{cfg.run}-{cfg.engine_id}")
+        metrics = MetricsWriter(producer, cfg.run, cfg.engine_id)
         consumer = BatchConsumer(
             cfg.bus, topics.group(cfg.run, "rollout"), [self.prompts_topic],
             stage=f"rollout/{cfg.engine_id}", from_beginning=cfg.from_beginning,
-            error_producer=producer, on_revoke=self._prompts.note_revoked)
+            error_producer=producer, on_revoke=self._prompts.note_revoked, metrics=metrics)
         # the announcements (twice: here and in the subscriber's thread) and the progress
         # on one client: one fetch loop while the stage waits (streams/follow.py)
         follower = Follower(cfg.bus, f"rollout-{cfg.engine_id}")
         reader = AnnouncementReader(cfg.bus, cfg.run, follower)
         self._progress = TrainerProgress(cfg.bus, cfg.run, follower)
         self._claims = ClaimLog(cfg.bus, cfg.run, cfg.engine_id, producer)
-        metrics = MetricsWriter(producer, cfg.run, cfg.engine_id)
         if cfg.follow_weights and getattr(self.engine, "receives_broadcast", False):
             self._subscriber = ServerSubscriber(  # an SGLang server joins the group itself
                 cfg.bus, cfg.run, member_id=cfg.engine_id, target=self.engine,

@@ -477,9 +477,9 @@ def test_prompt_template_is_applied_before_the_chat_template(tokenizer):
     engine = ScriptedEngine(tokenizer, [])
     stage = RolloutStage(cfg, engine=engine)
     row = prompt_rows(1)[0]
-    from relax.consumers.rollout import _Item
+    from relax.consumers.rollout import PromptItem
 
-    ids = stage._render(_Item(None, row, 0))
+    ids = stage._render(PromptItem(None, row, 0))
     want = [{"role": "user", "content": "What is 0 + 1?\nReply with just the number."}]
     assert ids == render_ids(tokenizer, want)
     with pytest.raises(ValueError, match="prompt_template"):
@@ -498,8 +498,8 @@ def test_a_text_only_model_refuses_a_row_with_media(tokenizer):
     stage = RolloutStage(cfg, engine=ScriptedEngine(tokenizer, []))
     row = {**prompt_rows(1)[0], "media": [{"kind": "image", "uri": None, "data": b"x",
                                            "mime": "image/png", "turn": 0}]}
-    from relax.consumers.rollout import _Item
+    from relax.consumers.rollout import PromptItem
 
     with pytest.raises(ValueError, match="the row has 1 media items but tiny-llama takes no "
                                          "images or audio"):
-        stage._render(_Item(None, row, 0))
+        stage._render(PromptItem(None, row, 0))
