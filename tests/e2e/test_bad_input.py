@@ -620,3 +620,126 @@ def test_publish_of_a_source_with_no_rows_exits_1(broker, unique, tmp_path, tabl
     assert topic_partitions(cfg, [topic, topics.errors_topic(topic)]) == {}  # nothing made
     table.append((f"relax publish of a file holding {content!r}", "nowhere, no topic made",
                   f"exit 1: {_short(last.replace(str(tmp_path), '<tmp>'))}"))
+
+
+# ------------------------------------------------------------------ a reward that fails every row
+# (issue 52: a run whose counted reward fails every row ends at once, in one line, exit 1)
+
+FAIL_EVERY_ROW = {
+    "raise": ("", (), "ValueError: failing_reward raises on purpose"),
+    "yes": ("", (), "reward value 'yes' is not a number"),
+    "hang": (", max_records: 1", ("stuck.failed_groups=2",),
+             "timeout: the reward call on 1 row(s) ran past timeout_s=1.0 (worker killed"),
+}
+"""``testdata.failing_reward``'s ``how`` -> more keys of the reward, the run's extra
+overrides, and the first error the line names. A hanging row costs ``timeout_s`` and a
+new worker, alone after its call failed (~5 s on 2 busy cores), and a poll's counts come
+when all its rows are done: polls of one message, and 2 groups (8 rows) rather than the
+default 16. (A poll of many hanging rows writes nothing for minutes: the
+``stuck.unscored_s`` test below.)"""
+FAIL_WITHIN_S = 90.0
+"""Longest time from the run's first metric (its stages are up) to the exit (seconds)."""
+
+
+@pytest.mark.parametrize("how", list(FAIL_EVERY_ROW))
+def test_a_reward_that_fails_every_row_ends_the_run_in_one_line(broker, tmp_path, table, how):
+    import re
+
+    from typer.testing import CliRunner
+
+    from relax.infra.cli import app
+
+    keys, extra, first = FAIL_EVERY_ROW[how]
+    run = f"fail{how}" + uuid.uuid4().hex[:6]
+    reward = ('rewards=[{name: bad, fn: "testdata:failing_reward", timeout_s: 1, '
+              f'options: {{how: "{how}"}}{keys}}}]')  # quoted: YAML reads a bare yes as true
+    recipe = Path(__file__).resolve().parents[2] / "recipes" / "tiny_ci.yaml"
+    t0 = time.monotonic()
+    res = CliRunner().invoke(app, ["train", str(recipe), f"bootstrap_servers={broker}",
+                                   f"run_root={tmp_path}", f"run={run}", reward, *extra,
+                                   "--timeout-s", "300"])
+    took = time.monotonic() - t0
+    assert res.exit_code == 1 and isinstance(res.exception, SystemExit), (res.output,
+                                                                          res.exception)
+    err = res.stderr.strip()
+    assert err.count("\n") == 0, err  # one line
+    groups = 2 if extra else 16
+    m = re.fullmatch(rf"error: run {run}: reward 'bad' failed 100% of its rows in the last "
+                     rf"(\d+) groups \((\d+)/(\d+)\); first: (.*); the run cannot train "
+                     rf"\(at step 0 of 3; `relax errors {run}\.rewards` lists the failed "
+                     rf"rows\)", err)
+    assert m, err
+    n, failed, rows = int(m[1]), int(m[2]), int(m[3])
+    assert failed == rows >= groups * 4 and n == rows // 4 and n >= groups, err
+    assert m[4].startswith(first), err
+    metrics = read_table(BusConfig(bootstrap_servers=broker), topics.run_topic(run, topics.METRICS))
+    up_s = time.time() - min(metrics.column("ts").to_pylist()).timestamp()
+    assert up_s < FAIL_WITHIN_S, (up_s, err)
+    assert "step " not in res.stdout  # it never trained
+    table.append((f"a counted reward that fails every row ({how}), tiny run",
+                  _short(err.replace(run, "<run>"), 150),
+                  f"relax train exit 1 after {took:.0f} s ({up_s:.0f} s from its first metric)"))
+
+
+def test_a_reward_that_fails_some_rows_does_not_end_the_run(broker, tmp_path, table):
+    """About 30 % of the counted reward's rows fail ("yes"), with the check on the last 2
+    groups only: those rollouts are dropped, the others train, the run ends."""
+    from relax.infra.launch import train
+
+    run = "failsome" + uuid.uuid4().hex[:6]
+    reward = ('rewards=[{name: flaky, fn: "testdata:failing_reward", '
+              'options: {how: some}}]')
+    recipe = tiny_recipe(broker, tmp_path, run, reward, "stuck.failed_groups=2",
+                         "trainer.steps=6")  # 12 groups or more: past the window
+    s = train(recipe, say=lambda _: None, timeout_s=400)
+    assert s["steps"] == 6 and s["balanced"], s
+    rows = read_table(BusConfig(bootstrap_servers=broker),
+                      topics.run_topic(run, topics.REWARDS)).to_pylist()
+    failed = [r for r in rows if r["error"] is not None]
+    assert len(rows) >= 8 * recipe.rollout.group_size, len(rows)  # past the 2-group window
+    assert 0.1 < len(failed) / len(rows) < 0.6, (len(failed), len(rows))
+    assert all("reward value 'yes' is not a number" in r["error"] for r in failed)
+    assert s["errors"] > 0 and s["trained"] > 0, s  # dropped as error_reward; the rest trained
+    what = (f"a counted reward that fails {len(failed)} of {len(rows)} rows, tiny run "
+            "(stuck.failed_groups=2)")
+    table.append((what, "those rollouts dropped (error_reward)",
+                  f"run went on: 6/6 steps, trained={s['trained']} errors={s['errors']}"))
+
+
+def test_a_reward_that_hangs_in_its_first_poll_ends_the_run_after_unscored_s(
+        broker, tmp_path, table):
+    """A hanging reward with a long timeout_s writes no count for minutes (its first poll:
+    the call, then each row alone, each ``timeout_s``): the groups that wait for it end
+    the run after ``stuck.unscored_s``, in one line."""
+    import re
+
+    from typer.testing import CliRunner
+
+    from relax.infra.cli import app
+
+    run = "failwait" + uuid.uuid4().hex[:6]
+    reward = ('rewards=[{name: bad, fn: "testdata:failing_reward", timeout_s: 20, '
+              'options: {how: hang}}]')
+    recipe = Path(__file__).resolve().parents[2] / "recipes" / "tiny_ci.yaml"
+    t0 = time.monotonic()
+    res = CliRunner().invoke(app, ["train", str(recipe), f"bootstrap_servers={broker}",
+                                   f"run_root={tmp_path}", f"run={run}", reward,
+                                   "stuck.unscored_s=20", "stuck.failed_groups=null",
+                                   "--timeout-s", "300"])
+    took = time.monotonic() - t0
+    assert res.exit_code == 1 and isinstance(res.exception, SystemExit), (res.output,
+                                                                          res.exception)
+    err = res.stderr.strip()
+    assert err.count("\n") == 0, err
+    m = re.fullmatch(rf"error: run {run}: reward 'bad' scored no row for (\d+)s while groups "
+                     r"sampled after its last scored row waited; it wrote no row since \(a "
+                     r"call may take timeout_s=20s, then each row alone as long\); the run "
+                     rf"cannot train \(at step 0 of 3; `relax errors {run}\.rewards` lists "
+                     r"the failed rows\)", err)
+    assert m and 20 <= int(m[1]) < 40, err
+    metrics = read_table(BusConfig(bootstrap_servers=broker), topics.run_topic(run, topics.METRICS))
+    up_s = time.time() - min(metrics.column("ts").to_pylist()).timestamp()
+    assert up_s < FAIL_WITHIN_S, (up_s, err)
+    table.append(("a counted reward that hangs (timeout_s 20, stuck.unscored_s 20), tiny run",
+                  _short(err.replace(run, "<run>"), 150),
+                  f"relax train exit 1 after {took:.0f} s ({up_s:.0f} s from its first metric)"))
