@@ -152,10 +152,11 @@ def _check_source(key: str, source: str) -> None:
 
 def _check_model(key: str, name: str) -> None:
     from relax.trainer import models
+    from relax.trainer.model_store import smollm2_gguf_dir
 
     if name in models.MODELS:
         try:
-            models._smollm2_gguf_dir()  # both built-in models are built from this wheel
+            smollm2_gguf_dir()  # every built-in model is built from this wheel
         except FileNotFoundError as e:
             raise _fail(key, str(e)) from None
         return

