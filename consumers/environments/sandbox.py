@@ -25,7 +25,8 @@ library only). What the code gets:
   and the tmpfs size (``disk_bytes``), ``RLIMIT_CPU`` (the time limit rounded up), a wall
   clock (``timeout_s``) after which the whole process group and pid namespace are
   killed, and at most ``output_bytes`` read from each of stdout and stderr (more kills
-  the run: :attr:`SandboxResult.killed` ``"output"``).
+  the run: :attr:`SandboxResult.killed` ``"output"``). Memory is limited per process
+  (no cgroup): a run can hold at most ``processes * memory_bytes``.
 
 Fail closed: without ``bwrap`` (or ``setpriv`` as root), or when bubblewrap cannot set
 the sandbox up (no user namespaces here), nothing runs: :class:`SandboxError` with one
@@ -200,7 +201,7 @@ def _feed(pipe, data: bytes) -> None:
 
 
 def run_python(code: str, *, timeout_s: float = 10.0, memory_bytes: int = 1 << 30,
-               processes: int = 32, open_files: int = 64, disk_bytes: int = 16 << 20,
+               processes: int = 16, open_files: int = 64, disk_bytes: int = 16 << 20,
                output_bytes: int = 1 << 16) -> SandboxResult:
     """Run ``code`` in the sandbox (see the module docstring); the code sees
     ``__name__ == "__main__"`` and an empty writable working folder.

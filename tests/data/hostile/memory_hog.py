@@ -1,0 +1,12 @@
+# Take the host's memory: one huge allocation, then one that grows.
+try:
+    huge = bytearray(8 << 30)
+    print("ESCAPED 8 GiB allocated")
+except MemoryError:
+    print("8 GiB refused")
+chunks = []
+try:
+    while True:
+        chunks.append(bytearray(64 << 20))
+except MemoryError:
+    print("stopped at", len(chunks) * 64, "MiB")
