@@ -39,7 +39,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from relax.infra.broker import BrokerHandle
+from relax.infra.broker_handle import BrokerHandle
 from relax.infra.recipe import Recipe
 from relax.schemas import metric_names as M
 
