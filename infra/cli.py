@@ -386,13 +386,21 @@ def monitor_cmd(run: str = typer.Option(..., "--run", help="run to watch"),
 
 @app.command("dashboard")
 def dashboard_cmd(run: str = typer.Option(..., "--run", help="run to show"),
-                  port: int = typer.Option(8765, help="TCP port on 127.0.0.1 (0: a free one)"),
+                  port: int = typer.Option(8765, help="TCP port (0: a free one)"),
                   interval: float = typer.Option(2.0, help="seconds between bus reads"),
+                  host: str = typer.Option("127.0.0.1", help="address to bind; another than "
+                                           "loopback needs $RELAX_API_TOKEN"),
                   bootstrap: Optional[str] = BootstrapOpt) -> None:
-    """Serve a self-refreshing web page of the run on 127.0.0.1 (no internet needed)."""
+    """Serve a self-refreshing web page of the run (no internet needed), behind a token:
+    open the printed URL (it carries the token once, then a cookie does)."""
     from relax.infra.dashboard import serve
+    from relax.streams.http_token import WideBindError
 
-    serve(bus_config(bootstrap), run, port=port, interval_s=interval)
+    try:
+        serve(bus_config(bootstrap), run, port=port, interval_s=interval, host=host)
+    except WideBindError as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2) from None
 
 
 def main() -> None:

@@ -2,7 +2,15 @@
 
 Standard library only (``http.server``); the page (``infra/static/dashboard.html``)
 draws its charts as inline SVG with its own few lines of JavaScript, so it works
-on machines without internet access. It is served on 127.0.0.1 only.
+on machines without internet access.
+
+Behind a token, like every endpoint of relax (:mod:`relax.streams.http_token`): the token
+is ``$RELAX_API_TOKEN``, else a random one made at start; it binds 127.0.0.1 unless told
+otherwise, and another address needs ``$RELAX_API_TOKEN``. A request carries the token as
+``Authorization: Bearer <token>``, or (a browser) once as ``?token=<token>`` in the page's
+URL (:attr:`Dashboard.login_url`, which ``relax dashboard`` prints), after which the
+page's cookie (HttpOnly, SameSite=Strict) carries it. Without it: 401, empty body; with
+another one: 403, empty body.
 
 Routes:
 
@@ -19,16 +27,21 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import threading
 import time
+from http.cookies import CookieError, SimpleCookie
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from importlib import resources
+from urllib.parse import parse_qs, urlencode
 
 from relax.streams.client import BusConfig
+from relax.streams.http_token import ENV, bearer, check_bind, endpoint_token, token_status
 
 log = logging.getLogger(__name__)
 
 HOST = "127.0.0.1"
+COOKIE = "relax_token"
 
 
 def page_html() -> bytes:
@@ -41,13 +54,21 @@ class Dashboard:
 
     Args:
         cfg: bus settings. run: run name.
-        port: TCP port on 127.0.0.1 (0 = a free one; see :attr:`url`).
+        port: TCP port (0 = a free one; see :attr:`url`).
         interval_s: seconds between bus reads (and the page's refresh period).
+        host: the address to bind (another than loopback needs ``$RELAX_API_TOKEN``).
+
+    Raises:
+        WideBindError: ``host`` is beyond loopback and ``$RELAX_API_TOKEN`` is unset.
     """
 
-    def __init__(self, cfg: BusConfig, run: str, port: int = 0, interval_s: float = 2.0):
+    def __init__(self, cfg: BusConfig, run: str, port: int = 0, interval_s: float = 2.0,
+                 host: str = HOST):
         from relax.infra.monitor import Monitor
 
+        check_bind(host, "the dashboard")
+        self.host = host
+        self.token = endpoint_token()
         self.monitor = Monitor(cfg, run)
         self.interval_s = interval_s
         self._snap: dict = {"run": run, "ts": None, "pending": True}
@@ -55,14 +76,19 @@ class Dashboard:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._page = page_html()
-        self._server = ThreadingHTTPServer((HOST, port), self._handler())
+        self._server = ThreadingHTTPServer((host, port), self._handler())
         self._server.daemon_threads = True
         self._threads: list[threading.Thread] = []
 
     @property
     def url(self) -> str:
-        """``http://127.0.0.1:PORT/``."""
-        return f"http://{HOST}:{self._server.server_address[1]}/"
+        """``http://HOST:PORT/`` (requests need the token)."""
+        return f"http://{self.host}:{self._server.server_address[1]}/"
+
+    @property
+    def login_url(self) -> str:
+        """:attr:`url` with ``?token=``: opened in a browser, it sets the token's cookie."""
+        return self.url + "?" + urlencode({"token": self.token})
 
     def snapshot_json(self) -> bytes:
         """The latest snapshot as JSON bytes."""
@@ -113,19 +139,37 @@ class Dashboard:
 
         class Handler(BaseHTTPRequestHandler):
             def do_GET(self):
-                path = self.path.split("?", 1)[0]
-                if path in ("/", "/index.html"):
-                    self._send(200, "text/html; charset=utf-8", dash._page)
+                path, _, query = self.path.partition("?")
+                from_query = parse_qs(query).get("token", [None])[0]
+                code = token_status(from_query or bearer(self.headers.get("Authorization"))
+                                    or self._cookie(), dash.token)
+                if code != 200:
+                    self._send(code, "text/plain", b"")
+                elif path in ("/", "/index.html"):
+                    self._send(200, "text/html; charset=utf-8", dash._page,
+                               set_cookie=from_query is not None)
                 elif path == "/api/snapshot":
                     self._send(200, "application/json", dash.snapshot_json())
                 else:
                     self._send(404, "text/plain; charset=utf-8", b"not found\n")
 
-            def _send(self, code: int, ctype: str, body: bytes) -> None:
+            def _cookie(self) -> str | None:
+                try:
+                    morsel = SimpleCookie(self.headers.get("Cookie") or "").get(COOKIE)
+                except CookieError:  # a malformed header: no token
+                    return None
+                return morsel.value if morsel else None
+
+            def _send(self, code: int, ctype: str, body: bytes, set_cookie: bool = False) -> None:
                 self.send_response(code)
                 self.send_header("Content-Type", ctype)
                 self.send_header("Content-Length", str(len(body)))
                 self.send_header("Cache-Control", "no-store")
+                if code == 401:
+                    self.send_header("WWW-Authenticate", "Bearer")
+                if set_cookie:
+                    self.send_header("Set-Cookie", f"{COOKIE}={dash.token}; Path=/; HttpOnly; "
+                                                   "SameSite=Strict")
                 self.end_headers()
                 self.wfile.write(body)
 
@@ -135,13 +179,21 @@ class Dashboard:
         return Handler
 
 
-def serve(cfg: BusConfig, run: str, port: int = 8765, interval_s: float = 2.0) -> None:
-    """Serve the dashboard until SIGINT (Ctrl-C) or SIGTERM (prints its URL)."""
+def serve(cfg: BusConfig, run: str, port: int = 8765, interval_s: float = 2.0,
+          host: str = HOST) -> None:
+    """Serve the dashboard until SIGINT (Ctrl-C) or SIGTERM; prints its URL with the token
+    (a generated one; ``$RELAX_API_TOKEN`` is not printed).
+
+    Raises:
+        WideBindError: ``host`` is beyond loopback and ``$RELAX_API_TOKEN`` is unset.
+    """
     from relax.producers.archive import stop_on_signals
 
+    d = Dashboard(cfg, run, port, interval_s, host)
     stop = stop_on_signals()
-    d = Dashboard(cfg, run, port, interval_s)
-    print(f"dashboard of run {run}: {d.start()}  (Ctrl-C to stop)", flush=True)
+    d.start()
+    shown = d.url + "?token=$RELAX_API_TOKEN" if os.environ.get(ENV) else d.login_url
+    print(f"dashboard of run {run}: {shown}  (Ctrl-C to stop)", flush=True)
     try:
         stop.wait()
     finally:

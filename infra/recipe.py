@@ -52,6 +52,7 @@ from relax.infra.sections import (  # ENVIRONMENT_REWARD, RecipeError, Resources
     TrainerSection,
 )
 from relax.infra.stuck import StuckConfig
+from relax.streams.http_token import check_bind
 from relax.trainer.config import TrainerConfig
 from relax.trainer.telemetry import TelemetryConfig
 
@@ -102,8 +103,15 @@ class ApiSection(StrictModel):
     """The run's control API (``relax.infra.scale_api``): scale rollout instances live."""
 
     enabled: bool = True
-    host: str = Field("127.0.0.1", description="address to listen on")
+    host: str = Field("127.0.0.1", description="address to listen on (another than loopback "
+                      "needs $RELAX_API_TOKEN)")
     port: int = Field(0, ge=0, le=65535, description="TCP port (0 = a free one)")
+
+    @model_validator(mode="after")
+    def _token_for_wide_bind(self) -> ApiSection:
+        if self.enabled:
+            check_bind(self.host, "api.host")
+        return self
 
 
 class Recipe(StrictModel):

@@ -1,9 +1,11 @@
 """The run's control API over HTTP (FastAPI, served by ``relax train`` beside the run).
 
 Every route needs ``Authorization: Bearer <token>`` (401 without it, 403 with another
-token). The token is ``$RELAX_API_TOKEN`` when set, else a random one written to
-``<run_dir>/api_token`` (mode 600); ``<run_dir>/api.json`` says where the API listens.
-The OpenAPI schema is at ``/openapi.json`` (no token needed, like ``/docs``).
+token, both with an empty body); the rule is :mod:`relax.streams.http_token`'s: the token
+is ``$RELAX_API_TOKEN`` when set, else the run's ``<run_dir>/api_token`` (mode 600), and a
+bind beyond loopback without ``$RELAX_API_TOKEN`` is refused. ``<run_dir>/api.json`` says
+where the API listens. The OpenAPI schema is at ``/openapi.json`` and ``/docs`` without a
+token (the public schema of this module, nothing of the run).
 
     GET  /status                        run, trainer policy_version, stages
     GET  /rollout/engines               the rollout instances and their state
@@ -26,16 +28,15 @@ from __future__ import annotations
 
 import json
 import os
-import secrets
 import threading
 from collections.abc import Callable
 from pathlib import Path
 
-from fastapi import Depends, FastAPI, HTTPException, status
-from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from fastapi import Depends, FastAPI, HTTPException, Request, Response
 from pydantic import BaseModel, ConfigDict, Field
 
 from relax.infra.scaling import RolloutScaler, ScaleConflict, ScaleError, moved_servers
+from relax.streams.http_token import bearer, check_bind, endpoint_token, token_status
 
 
 class ScaleRequest(BaseModel):
@@ -50,15 +51,17 @@ class ScaleRequest(BaseModel):
 
 
 def api_token(run_dir: Path) -> str:
-    """``$RELAX_API_TOKEN``, else a new random token saved to ``<run_dir>/api_token``."""
-    token = os.environ.get("RELAX_API_TOKEN")
-    if token:
-        return token
-    token = secrets.token_urlsafe(24)
-    path = run_dir / "api_token"
-    path.write_text(token)
-    path.chmod(0o600)
-    return token
+    """``$RELAX_API_TOKEN``, else the run's token in ``<run_dir>/api_token`` (made when
+    absent; :func:`relax.streams.http_token.endpoint_token`)."""
+    return endpoint_token(run_dir / "api_token")
+
+
+class _Refused(Exception):
+    """A request without the right token (answered with its status and no body)."""
+
+    def __init__(self, code: int):
+        super().__init__(code)
+        self.code = code
 
 
 def build_app(scaler: RolloutScaler, token: str, status_of: Callable[[], dict],
@@ -67,14 +70,15 @@ def build_app(scaler: RolloutScaler, token: str, status_of: Callable[[], dict],
     (read from the watching loop's latest snapshot, never from Ray in a request)."""
     app = FastAPI(title="relax run control", version="1",
                   description="Scale a live run's rollout instances; see relax.infra.scaling.")
-    bearer = HTTPBearer(auto_error=False)
 
-    def authorised(cred: HTTPAuthorizationCredentials | None = Depends(bearer)) -> None:
-        if cred is None:
-            raise HTTPException(status.HTTP_401_UNAUTHORIZED, "missing bearer token",
-                                headers={"WWW-Authenticate": "Bearer"})
-        if not secrets.compare_digest(cred.credentials, token):
-            raise HTTPException(status.HTTP_403_FORBIDDEN, "wrong token")
+    @app.exception_handler(_Refused)
+    def refused(request: Request, e: _Refused) -> Response:
+        return Response(status_code=e.code, headers={"WWW-Authenticate": "Bearer"})
+
+    def authorised(request: Request) -> None:
+        code = token_status(bearer(request.headers.get("authorization")), token)
+        if code != 200:
+            raise _Refused(code)
 
     def scale(req: ScaleRequest, sign: int) -> dict:
         if (req.instances is None) == (req.engine_urls is None):
@@ -136,6 +140,7 @@ class ApiServer:
 
         import uvicorn
 
+        check_bind(host, "the control API")
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((host, port))

@@ -181,8 +181,9 @@ class TrainerStage:
                                    on_drop=self._progress, start_version=self.version)
         self.telemetry = Telemetry(self.run_dir, cfg.run, cfg.telemetry)
         if self.telemetry.prometheus_port is not None:
-            log.info("Prometheus metrics on http://127.0.0.1:%d/metrics",
-                     self.telemetry.prometheus_port)
+            log.info("Prometheus metrics on http://%s:%d/metrics (bearer token: $RELAX_API_TOKEN "
+                     "or %s)", cfg.telemetry.prometheus_host, self.telemetry.prometheus_port,
+                     self.run_dir / "api_token")
 
     # -- progress for the rollout stage's credit
     def _progress(self, consumed_delta: int = 0) -> None:

@@ -6,8 +6,11 @@ trainer's step metrics to the tools people already watch (recipe block ``telemet
 
 * TensorBoard event files under ``<run_dir>/tensorboard``
   (``torch.utils.tensorboard.SummaryWriter``; one scalar per metric name, x = step);
-* a Prometheus scrape endpoint (``prometheus_client``) on 127.0.0.1:``prometheus_port``
-  when a port is given: one gauge per metric, named ``relax_<name>`` with every
+* a Prometheus scrape endpoint (``prometheus_client``'s text format) on
+  ``prometheus_host:prometheus_port`` when a port is given, behind the run's token
+  (:mod:`relax.streams.http_token`: ``Authorization: Bearer``, the token in
+  ``<run_dir>/api_token`` or ``$RELAX_API_TOKEN``; 401 with an empty body without it; a
+  host beyond loopback needs ``$RELAX_API_TOKEN``): one gauge per metric, named ``relax_<name>`` with every
   character outside ``[a-zA-Z0-9_]`` replaced by ``_`` (``staleness_hist.2`` ->
   ``relax_staleness_hist_2``), plus ``relax_step``. The registry is private to the
   instance, so several may live in one process;
@@ -26,10 +29,13 @@ import math
 import netrc
 import os
 import re
+import threading
 from pathlib import Path
 from typing import Literal, Self
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from relax.streams.http_token import bearer, check_bind, endpoint_token, token_status
 
 _BAD = re.compile(r"[^a-zA-Z0-9_]")
 
@@ -52,8 +58,10 @@ class TelemetryConfig(BaseModel):
 
     Attributes:
         tensorboard: write TensorBoard event files under ``<run_dir>/tensorboard``.
-        prometheus_port: serve ``/metrics`` on 127.0.0.1 at this port (0 = a free one,
-            logged); None = no endpoint.
+        prometheus_port: serve ``/metrics`` at this port (0 = a free one, logged); None =
+            no endpoint.
+        prometheus_host: the address it binds (loopback; another one needs
+            ``$RELAX_API_TOKEN``).
         wandb: ``auto`` (online with a W&B key, else offline), ``offline`` (into
             ``<run_dir>/wandb``), ``online`` or ``off``.
         wandb_project / wandb_entity: the W&B project and entity (team or user; None =
@@ -63,9 +71,16 @@ class TelemetryConfig(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
     tensorboard: bool = True
     prometheus_port: int | None = Field(None, ge=0, le=65535)
+    prometheus_host: str = "127.0.0.1"
     wandb: WandbMode = "auto"
     wandb_project: str = "relax"
     wandb_entity: str | None = None
+
+    @field_validator("prometheus_host")
+    @classmethod
+    def _token_for_wide_bind(cls, host: str) -> str:
+        check_bind(host, "telemetry.prometheus_host")
+        return host
 
 
 def has_wandb_key(environ: dict[str, str] | None = None, netrc_path: str | None = None) -> bool:
@@ -90,6 +105,35 @@ def wandb_mode(mode: WandbMode, has_key: bool) -> str:
     return mode
 
 
+def _metrics_server(host: str, port: int, registry, token: str):
+    """An HTTP server (not started) answering ``GET /metrics`` with ``registry`` in the
+    Prometheus text format to requests that carry ``token`` (401/403, empty body, else)."""
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self):
+            code = token_status(bearer(self.headers.get("Authorization")), token)
+            if code == 200 and self.path.split("?", 1)[0] not in ("/", "/metrics"):
+                code = 404
+            body = generate_latest(registry) if code == 200 else b""
+            self.send_response(code)
+            self.send_header("Content-Type", CONTENT_TYPE_LATEST if body else "text/plain")
+            self.send_header("Content-Length", str(len(body)))
+            if code == 401:
+                self.send_header("WWW-Authenticate", "Bearer")
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, fmt, *args):  # no access log on stderr
+            pass
+
+    server = ThreadingHTTPServer((host, port), Handler)
+    server.daemon_threads = True
+    return server
+
+
 class Telemetry:
     """TensorBoard writer, optional Prometheus endpoint and optional W&B run for step
     metrics.
@@ -102,6 +146,7 @@ class Telemetry:
 
     Raises:
         OSError: the Prometheus port is in use.
+        WideBindError: ``prometheus_host`` is beyond loopback without ``$RELAX_API_TOKEN``.
         wandb.errors.CommError: online W&B could not be reached.
     """
 
@@ -118,11 +163,15 @@ class Telemetry:
         self._server = self._thread = self._registry = None
         self.prometheus_port: int | None = None
         if cfg.prometheus_port is not None:
-            from prometheus_client import CollectorRegistry, start_http_server
+            from prometheus_client import CollectorRegistry
 
+            check_bind(cfg.prometheus_host, "the Prometheus endpoint")
             self._registry = CollectorRegistry()
-            self._server, self._thread = start_http_server(cfg.prometheus_port, addr="127.0.0.1",
-                                                           registry=self._registry)
+            self._server = _metrics_server(cfg.prometheus_host, cfg.prometheus_port,
+                                           self._registry, endpoint_token(self.run_dir / "api_token"))
+            self._thread = threading.Thread(target=self._server.serve_forever, daemon=True,
+                                            name="relax-prometheus")
+            self._thread.start()
             self.prometheus_port = self._server.server_port
         self.wandb_mode = wandb_mode(cfg.wandb, cfg.wandb == "auto" and has_wandb_key())
         if self.wandb_mode != "off":

@@ -46,8 +46,9 @@ def _finished_run(cfg, run: str) -> str:
     return group
 
 
-def _get(url: str) -> bytes:
-    with urllib.request.urlopen(url, timeout=10) as r:
+def _get(url: str, token: str) -> bytes:
+    req = urllib.request.Request(url, headers={"Authorization": f"Bearer {token}"})
+    with urllib.request.urlopen(req, timeout=10) as r:
         assert r.status == 200
         return r.read()
 
@@ -59,16 +60,16 @@ def test_dashboard_api_serves_the_snapshot(bus, unique):
         url = d.start()
         assert url.startswith("http://127.0.0.1:")
         deadline = time.monotonic() + 20
-        snap = json.loads(_get(url + "api/snapshot"))
+        snap = json.loads(_get(url + "api/snapshot", d.token))
         while snap.get("pending") and time.monotonic() < deadline:
             time.sleep(0.1)
-            snap = json.loads(_get(url + "api/snapshot"))
+            snap = json.loads(_get(url + "api/snapshot", d.token))
         assert snap["run"] == unique and snap["error"] is None and snap["interval_s"] == 0.3
         assert snap["groups"][group]["lag"] == 2
         assert [v["policy_version"] for v in snap["versions"]] == [1, 2, 3, 4]
-        assert b"<svg id=\"reward-chart\"" in _get(url)
-        with pytest.raises(urllib.error.HTTPError):
-            _get(url + "nope")
+        assert b"<svg id=\"reward-chart\"" in _get(url, d.token)
+        with pytest.raises(urllib.error.HTTPError, match="404"):
+            _get(url + "nope", d.token)
     finally:
         d.stop()
 
@@ -82,13 +83,13 @@ def _dashboard_page(bus, run: str):
     from playwright.sync_api import sync_playwright
 
     d = Dashboard(bus, run, port=0, interval_s=0.5)
-    url = d.start()
+    d.start()
     try:
         with sync_playwright() as pw:
             browser = pw.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
             try:
                 page = browser.new_page(viewport={"width": 1400, "height": 1000})
-                page.goto(url)
+                page.goto(d.login_url)  # the token once; the page's fetches carry its cookie
                 yield page
             finally:
                 browser.close()

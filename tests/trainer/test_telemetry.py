@@ -19,7 +19,8 @@ from relax.trainer.telemetry import (
 )
 
 
-def test_tensorboard_scalars_prometheus_gauges_and_wandb_history(tmp_path):
+def test_tensorboard_scalars_prometheus_gauges_and_wandb_history(tmp_path, monkeypatch):
+    monkeypatch.delenv("RELAX_API_TOKEN", raising=False)
     import torch
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -31,8 +32,10 @@ def test_tensorboard_scalars_prometheus_gauges_and_wandb_history(tmp_path):
                               "grad_norm": torch.tensor(0.5 * step), "skip_nan": math.nan,
                               "skip_text": "x", "skip_none": None}, step)
             assert n == 4
-        body = urllib.request.urlopen(
-            f"http://127.0.0.1:{tel.prometheus_port}/metrics", timeout=5).read().decode()
+        token = (tmp_path / "api_token").read_text()  # the run's token (no $RELAX_API_TOKEN)
+        body = urllib.request.urlopen(urllib.request.Request(
+            f"http://127.0.0.1:{tel.prometheus_port}/metrics",
+            headers={"Authorization": f"Bearer {token}"}), timeout=5).read().decode()
     finally:
         tel.close()
     lines = {ln.split(" ")[0]: float(ln.split(" ")[1]) for ln in body.splitlines()
