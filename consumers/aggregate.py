@@ -245,7 +245,8 @@ class AggregateStage:
         self._joined = False  # a delivery joined since the last metrics
         self.consumer = BatchConsumer(bus, topics.group(run, "aggregate"), self.inputs,
                                       stage="aggregate", error_producer=self.producer,
-                                      on_assign=self._assign, on_revoke=self._revoke)
+                                      on_assign=self._assign, on_revoke=self._revoke,
+                                      metrics=self.metrics)
 
     def _assign(self, tps) -> None:
         # runs on the consumer's I/O thread: only note it; step() recovers the state

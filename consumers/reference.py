@@ -312,6 +312,7 @@ class ReferenceStage:
         cfg = self.cfg
         self.ensure_topics()
         producer = BatchProducer(cfg.bus, producer_id=f"{cfg.run}-{cfg.member_id}")
+        metrics = MetricsWriter(producer, cfg.run, cfg.member_id)
         consumer = BatchConsumer(
             cfg.bus,
             topics.group(cfg.run, cfg.role),
@@ -319,6 +320,7 @@ class ReferenceStage:
             stage=f"{cfg.role}/{cfg.member_id}",
             from_beginning=cfg.from_beginning,
             error_producer=producer,
+            metrics=metrics,
         )
         if cfg.follow_every:
             self._subscriber = WeightSubscriber(
@@ -334,7 +336,7 @@ class ReferenceStage:
                                           stage=f"{cfg.role}/{cfg.member_id}",
                                           poll_timeout_s=cfg.poll_timeout_s, stats=stats),
                      should_stop, before=self.maybe_follow,
-                     busy=BusyWindow(MetricsWriter(producer, cfg.run, cfg.member_id)))
+                     busy=BusyWindow(metrics))
         finally:
             if self._subscriber is not None:
                 self._subscriber.close()

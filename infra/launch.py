@@ -399,6 +399,11 @@ def _finish(recipe: Recipe, bus: BusConfig, run_dir: Path, follower: MetricsFoll
     counts = write_run_errors(bus, own, run_dir / ERRORS_FILE)
     summary["error_records"] = counts
     if counts:
+    lost = int(sum(r["value"] for r in follower.rows if r["name"] == M.LOST_TO_RETENTION))
+    summary["lost_to_retention"] = lost
+    if lost:
+        say(f"lost to retention: {lost} records deleted before a stage read them (the "
+            f"stages' WARNINGs name each topic, partition, committed offset and log start)")
         say(f"errors: {sum(counts.values())} failed records in {run_dir / ERRORS_FILE} ("
             + ", ".join(f"{t}: {n}" for t, n in counts.items())
             + "; `relax errors TOPIC` while the broker runs)")

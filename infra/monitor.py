@@ -18,7 +18,8 @@ Three layers, so the numbers can be tested without a terminal or a browser:
   ``staleness_hist.<k>`` rows); reward and accuracy per policy_version (the
   trainer's ``reward_mean`` / ``accuracy`` rows, else computed from
   ``train_samples`` grouped by ``policy_version_start``); trainer step time and
-  data-wait %; error records per ``<topic>.errors``.
+  data-wait %; error records per ``<topic>.errors``; input records lost to retention
+  per stage (the sum of its ``lost_to_retention`` rows).
 * :func:`render` (pure) draws a snapshot with rich; :func:`watch` refreshes it live.
 
 :class:`Monitor` ties reader and snapshot together and keeps a short history
@@ -56,6 +57,7 @@ def build_snapshot(reading: Reading, previous: Reading | None = None) -> dict:
         ``{"run", "ts", "topics": {topic: {partitions, records, records_per_s,
         rows_per_s, mb_per_s}}, "errors": {error topic: records}, "reward_errors":
         {reward component: failed reward rows}, "errors_total" (both together),
+        "lost_to_retention": {component: records}, "lost_to_retention_total",
         "groups": {group: {lag, topics: {topic: lag}, partitions: {"topic[p]": lag}}},
         "lag_total", "staleness_hist": {"k": samples}, "versions": [{policy_version,
         reward_mean, accuracy, samples, source}], "trainer": {steps, policy_version,
@@ -103,6 +105,9 @@ def build_snapshot(reading: Reading, previous: Reading | None = None) -> dict:
         "errors": errors,
         "reward_errors": {c: int(n) for c, n in sorted(reading.metrics.reward_errors.items())},
         "errors_total": sum(errors.values()) + int(sum(reading.metrics.reward_errors.values())),
+        "lost_to_retention": {c: int(n) for c, n in
+                              sorted(reading.metrics.lost_to_retention.items())},
+        "lost_to_retention_total": int(sum(reading.metrics.lost_to_retention.values())),
         "groups": groups,
         "lag_total": sum(g["lag"] or 0 for g in groups.values()),
         "staleness_hist": {str(k): reading.metrics.staleness[k]
@@ -225,6 +230,7 @@ def render(snap: dict):
                     f"[b]data wait[/b] {_fmt(tr['data_wait_pct'], 1)}% (last {RECENT_STEPS} steps)",
                     f"[b]lag[/b] {snap['lag_total']}",
                     f"[b]errors[/b] {snap['errors_total']}",
+                    f"[b]lost to retention[/b] {snap['lost_to_retention_total']}",
                     time.strftime("%H:%M:%S", time.localtime(snap["ts"]))], padding=(0, 3))
     topics = Table(Column("topic", overflow="fold"), "partitions", "records", "records/s",
                    "rows/s", "MB/s", "errors", title=f"topics ({run}.*)", title_justify="left")

@@ -38,6 +38,8 @@ class MetricsFold:
         reward_errors: ``{component: rows}``: reward rows that failed (each reward stage's
             per-poll ``reward_errors``, summed). They stay rows of ``<run>.rewards`` with
             their error set, not records of an error topic.
+        lost_to_retention: ``{component: records}``: input records deleted by retention
+            before the stage read them (its ``lost_to_retention`` rows, summed).
         rows: metric rows folded.
     """
 
@@ -50,6 +52,7 @@ class MetricsFold:
     latest: dict[str, dict[str, float]] = field(default_factory=dict)
     timeline: dict[str, list] = field(default_factory=dict)
     reward_errors: dict[str, float] = field(default_factory=dict)
+    lost_to_retention: dict[str, float] = field(default_factory=dict)
     rows: int = 0
 
     def add(self, rows: list[dict]) -> None:
@@ -66,6 +69,8 @@ class MetricsFold:
                 del points[:-TIMELINE_POINTS]
             if name == mn.REWARD_ERRORS:
                 self.reward_errors[comp] = self.reward_errors.get(comp, 0.0) + value
+            if name == mn.LOST_TO_RETENTION:
+                self.lost_to_retention[comp] = self.lost_to_retention.get(comp, 0.0) + value
             if name.startswith(mn.STALENESS_HIST_PREFIX):
                 k = name[len(mn.STALENESS_HIST_PREFIX):]
                 if k.isdigit():

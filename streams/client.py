@@ -291,3 +291,31 @@ def delete_topics(cfg: BusConfig, topics: list[str]) -> None:
                 pass
     finally:
         a.close()
+
+
+def topic_message_limits(cfg: BusConfig, topics: list[str], _admin=None) -> dict[str, int]:
+    """``{topic: max.message.bytes}`` the cluster enforces on each of ``topics`` (bytes: the
+    topic's own setting, else the broker's default; Kafka refuses a record batch larger).
+
+    Topics the cluster does not describe (missing ones) are left out.
+
+    Raises:
+        kafka.errors.KafkaError: the request failed. Tansu 0.6.0 keeps no topic configs
+            and drops the connection on it (``KafkaConnectionError``).
+    """
+    from kafka.admin import ConfigResource, ConfigResourceType
+
+    a = _admin or admin(cfg)
+    try:
+        res = a.describe_configs([ConfigResource(ConfigResourceType.TOPIC, t,
+                                                 configs=["max.message.bytes"])
+                                  for t in topics], config_filter="all")
+    finally:
+        if _admin is None:
+            a.close()
+    out = {}
+    for t, configs in res.get("topic", {}).items():
+        value = configs.get("max.message.bytes", {}).get("value")
+        if value is not None:
+            out[t] = int(value)
+    return out

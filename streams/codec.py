@@ -33,12 +33,14 @@ class RecordTooLarge(ValueError):
         row: row index in the batch given to :func:`encode_messages`.
         nbytes: the encoded size of that row alone (bytes).
         limit: ``max_message_bytes``.
+        detail: the rest of the message (why no blob store took the media, where).
+        what: the name of the limit in the message.
     """
 
-    def __init__(self, row: int, nbytes: int, limit: int, detail: str = ""):
-        self.row, self.nbytes, self.limit = row, nbytes, limit
-        super().__init__(f"row {row} encodes to {nbytes} bytes, over max_message_bytes={limit}"
-                         f"{detail}")
+    def __init__(self, row: int, nbytes: int, limit: int, detail: str = "",
+                 what: str = "max_message_bytes"):
+        self.row, self.nbytes, self.limit, self.detail = row, nbytes, limit, detail
+        super().__init__(f"row {row} encodes to {nbytes} bytes, over {what}={limit}{detail}")
 
 
 class DecodeError(ValueError):

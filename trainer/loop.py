@@ -178,7 +178,9 @@ class TrainerStage:
             shm_root=SHM_ROOT if t.weights_shm else None)
         self.source = SampleSource(bus, cfg.run, self.ledger, batch_groups=t.batch_groups,
                                    max_staleness=t.max_staleness, offsets=state.offsets,
-                                   on_drop=self._progress, start_version=self.version)
+                                   on_drop=self._progress, start_version=self.version,
+                                   metrics=MetricsWriter(self._progress_producer, cfg.run,
+                                                         "trainer"))
         self.telemetry = Telemetry(self.run_dir, cfg.run, cfg.telemetry)
         if self.telemetry.prometheus_port is not None:
             log.info("Prometheus metrics on http://%s:%d/metrics (bearer token: $RELAX_API_TOKEN "

@@ -89,19 +89,22 @@ class SampleSource:
         on_drop: called (from the reading thread) with the number of whole groups just
             dropped, so the rollout stage can replace them promptly.
         start_version: the trainer's policy_version at start (recorded with drops).
+        metrics: a :class:`~relax.streams.metrics.MetricsWriter` the reading thread alone
+            uses: input records lost to retention become ``lost_to_retention`` rows
+            (:class:`~relax.streams.consumer.BatchConsumer`).
     """
 
     def __init__(self, bus: BusConfig, run: str, ledger: Ledger, *, batch_groups: int,
                  max_staleness: int, offsets: dict[str, dict[str, int]] | None = None,
                  on_drop: Callable[[int], None] | None = None, poll_timeout_s: float = 0.2,
-                 start_version: int = 0):
+                 start_version: int = 0, metrics=None):
         self.ledger, self.batch_groups, self.max_staleness = ledger, batch_groups, max_staleness
         self.topic = topics.run_topic(run, topics.TRAIN_SAMPLES)
         self._offsets = offsets or {}
         self.on_drop = on_drop
         self.poll_timeout_s = poll_timeout_s
         self.consumer = BatchConsumer(bus, topics.group(run, "trainer"), [self.topic],
-                                      stage="trainer", on_assign=self._seek)
+                                      stage="trainer", on_assign=self._seek, metrics=metrics)
         self._queue: deque[tuple[Delivery, pa.Table]] = deque()
         # (partition, offset, generation) -> undecided groups of that delivery; the
         # generation keeps a message redelivered after a rebalance apart from its first copy

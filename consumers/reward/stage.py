@@ -210,10 +210,10 @@ class RewardStage:
         cfg = self.cfg
         self.ensure_topics()
         producer = BatchProducer(cfg.bus, producer_id=self.component)
+        metrics = MetricsWriter(producer, cfg.run, self.component)
         consumer = BatchConsumer(cfg.bus, topics.reward_group(cfg.run, self.name), [self.rollouts],
                                  stage=self.component, from_beginning=cfg.from_beginning,
-                                 error_producer=producer)
-        metrics = MetricsWriter(producer, cfg.run, self.component)
+                                 error_producer=producer, metrics=metrics)
         try:
             self.pool = RewardPool(cfg.reward, cfg.options, workers=cfg.workers,
                                    timeout_s=cfg.timeout_s, memory_limit_bytes=cfg.memory_limit_bytes,

@@ -150,6 +150,22 @@ def test_failed_reward_rows_count_as_errors_of_the_rewards_topic():
     assert row.split("│")[-2].strip() == "6"
 
 
+def test_records_lost_to_retention_are_summed_per_stage_and_shown():
+    """Each lost_to_retention row is one loss a stage's consumer found: the monitor sums
+    them per component and shows the run's total in its head."""
+    m = MetricsFold()
+    m.add([{"name": "lost_to_retention", "value": n, "policy_version": None, "component": c,
+            "ts": 0} for c, n in (("reward.a", 4.0), ("trainer", 2.0), ("reward.a", 1.0))])
+    s = build_snapshot(_reading(10.0, {"r.rollouts": {0: 9}}, {}, {}, metrics=m))
+    assert s["lost_to_retention"] == {"reward.a": 5, "trainer": 2}
+    assert s["lost_to_retention_total"] == 7
+    console = Console(width=80, record=True, file=io.StringIO())
+    console.print(render(s))
+    assert "lost to retention 7" in console.export_text()
+    quiet = build_snapshot(_reading(10.0, {"r.rollouts": {0: 9}}, {}, {}))
+    assert quiet["lost_to_retention"] == {} and quiet["lost_to_retention_total"] == 0
+
+
 def test_render_fits_80_columns_without_cutting_a_name():
     run = "demo-20261207-031245"
     hw = {f"{run}.rollouts": {0: 30}, f"{run}.train_samples": {0: 8}, "prompts.gsm8k": {0: 4}}

@@ -9,6 +9,7 @@ import pytest
 from relax.schemas import topics
 from relax.schemas.v1 import METRICS, ROLLOUTS
 from relax.streams.client import BusConfig, ensure_topics
+from relax.streams.codec import RecordTooLarge
 from relax.streams.consumer import BatchConsumer
 from relax.streams.lag import group_lag, group_offsets
 from relax.streams.producer import BatchProducer, DeliveryError
@@ -31,6 +32,66 @@ def test_c28_oversize_record_is_reported_failed_never_sent(any_broker, unique):
     assert "MessageSizeTooLarge" in repr(e.value.errors[0])
     assert p.stats.delivered == 0 and p.stats.failed == 1
     p.close()
+
+
+def test_row_over_the_limit_fails_at_send_naming_row_key_and_limit(any_broker, unique):
+    """On both brokers: a row that alone is over the limit raises at send, naming its row
+    in the batch, its key, the topic and the limit; it is never queued nor delivered, and
+    the keys before it are."""
+    topic = topics.run_topic(unique, "rollouts")
+    cfg = BusConfig(bootstrap_servers=any_broker, max_message_bytes=64 * 1024)
+    ensure_topics(cfg, {topic: 1})
+    rows = rollout_rows(6, group_size=2)  # keys g0000 (rows 0, 1), g0001 (2, 3), g0002
+    rows[3] = rollout_rows(1, tokens=30_000)[0] | {k: rows[3][k] for k in (
+        "rollout_id", "group_id", "prompt_id", "sample_index", "group_size")}
+    p = BatchProducer(cfg)
+    with pytest.raises(RecordTooLarge) as e:
+        p.send(topic, pa.RecordBatch.from_pylist(rows, schema=ROLLOUTS))
+    assert e.value.row == 3 and e.value.limit == 64 * 1024
+    msg = str(e.value)
+    for part in ("row 3 encodes to", "over max_message_bytes=65536", "key 'g0001'", topic):
+        assert part in msg, (part, msg)
+    assert p.flush() == 1  # g0000's message; nothing of g0001 (nor after it) was queued
+    assert p.stats.delivered == 1 and p.stats.failed == 0 and p.stats.rows == 2
+    p.close()
+    from relax.streams.read import read_table
+
+    assert read_table(cfg, topic).column("rollout_id").to_pylist() == ["g0000/0", "g0000/1"]
+
+
+@pytest.mark.kafka
+def test_a_topics_own_smaller_limit_is_the_limit(kafka_broker, unique):
+    """A topic made with a smaller max.message.bytes than this producer's (another run's
+    settings, another tool): the producer splits under the topic's limit and refuses at
+    send what Kafka would refuse, naming the limit; never counted delivered. Kafka only:
+    Tansu keeps no topic configs (it drops the connection on DescribeConfigs), so there
+    max_message_bytes stays the limit (and Tansu stores the value)."""
+    topic = topics.run_topic(unique, "rollouts")
+    ensure_topics(BusConfig(bootstrap_servers=kafka_broker, max_message_bytes=256 * 1024),
+                  {topic: 1})  # max.message.bytes = 320 KiB
+    p = BatchProducer(BusConfig(bootstrap_servers=kafka_broker))  # max_message_bytes 1 MiB
+    assert p.limit(topic) == 256 * 1024
+    big = rollout_rows(1, tokens=40_000)  # ~480 KiB encoded
+    with pytest.raises(RecordTooLarge) as e:
+        p.send(topic, pa.RecordBatch.from_pylist(big, schema=ROLLOUTS))
+    assert e.value.row == 0 and e.value.limit == 256 * 1024
+    assert "the topic's max.message.bytes (327680) less 65536 bytes of framing=262144" \
+        in str(e.value), str(e.value)
+    p.send_value(topic, b"\x01" * (2 * MiB), key=b"k")
+    with pytest.raises(DeliveryError) as d:
+        p.flush()
+    assert d.value.failed == 1 and d.value.delivered == 0
+    assert "MessageSizeTooLarge" in repr(d.value.errors[0]) and "262144" in str(d.value.errors[0])
+    # a batch over the topic's limit, of rows under it: split under it, every row delivered
+    rows = rollout_rows(4, group_size=4, tokens=8_000)  # one key, ~4 x 96 KiB
+    n = p.send(topic, pa.RecordBatch.from_pylist(rows, schema=ROLLOUTS))
+    assert n >= 2 and p.flush() == n
+    assert p.stats.delivered == n and p.stats.failed == 1
+    p.close()
+    from relax.streams.read import read_table
+
+    assert read_table(BusConfig(bootstrap_servers=kafka_broker), topic).column(
+        "rollout_id").to_pylist() == [r["rollout_id"] for r in rows]
 
 
 def test_c28_big_record_delivered_to_consumer_with_small_fetch_size(any_broker, unique):
