@@ -252,7 +252,7 @@ class BatchConsumer:
             return
         for tp in tps:
             c, start = committed[tp], starts[tp]
-            self._report(tp, c, start)
+            self._report(tp, c, start, committed=True)
             if c is not None:
                 self._next[tp] = max(c, start)
 
@@ -274,15 +274,16 @@ class BatchConsumer:
             log.warning("could not read the log start of %s[%d] after a jump from offset %d "
                         "to %d (%s): not counted", tp.topic, tp.partition, expected, first, e)
             return
-        self._report(tp, expected, min(start, first))
+        self._report(tp, expected, min(start, first), committed=False)
 
-    def _report(self, tp, next_offset: int | None, log_start: int) -> None:
+    def _report(self, tp, next_offset: int | None, log_start: int, *, committed: bool) -> None:
         """Count, log and write (as a metric) the records of ``tp`` between
-        ``next_offset`` and ``log_start``, if any."""
+        ``next_offset`` (the group's committed offset, or the position) and
+        ``log_start``, if any."""
         lost = lost_to_retention(next_offset, log_start)
         if not lost:
             return
-        loss = RetentionLoss(tp.topic, tp.partition, next_offset, log_start, lost)
+        loss = RetentionLoss(tp.topic, tp.partition, next_offset, log_start, lost, committed)
         self.lost_to_retention += lost
         log.warning("%s", loss.message(self.stage, self.group_id))
         if self._metrics is not None:

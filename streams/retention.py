@@ -39,9 +39,11 @@ class RetentionLoss:
 
     Attributes:
         topic, partition: where.
-        next_offset: the offset the consumer was to read next (the committed offset).
+        next_offset: the offset the consumer was to read next.
         log_start: the partition's log start offset, where the consumer goes on.
         lost: records in between (``log_start - next_offset``).
+        committed: ``next_offset`` is the consumer group's committed offset (found when
+            the partition was handed over); False: the consumer's position while it read.
     """
 
     topic: str
@@ -49,12 +51,14 @@ class RetentionLoss:
     next_offset: int
     log_start: int
     lost: int
+    committed: bool = True
 
     def message(self, stage: str, group: str | None) -> str:
         """The WARNING: names the stage, consumer group, topic, partition, committed
-        offset, log start and the count lost."""
+        offset (or position), log start and the count lost."""
         who = f"consumer group {group}" if group else "a reader without a consumer group"
+        at = "committed offset" if self.committed else "position"
         return (f"{stage} ({who}): {self.lost} record(s) of {self.topic}[{self.partition}] "
-                f"lost to retention: committed offset {self.next_offset}, log start "
-                f"{self.log_start} (offsets {self.next_offset}..{self.log_start - 1} were "
-                f"deleted before they were read); reading on from {self.log_start}")
+                f"lost to retention: {at} {self.next_offset}, log start {self.log_start} "
+                f"(offsets {self.next_offset}..{self.log_start - 1} were deleted before "
+                f"they were read); reading on from {self.log_start}")

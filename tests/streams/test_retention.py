@@ -39,6 +39,8 @@ def test_lost_to_retention_counts_offsets_below_the_log_start():
     for part in ("r.rollouts[0]", "committed offset 3", "log start 7", "4 record(s)",
                  "r.trainer", "trainer"):
         assert part in msg
+    assert "position 3" in RetentionLoss("r.rollouts", 0, 3, 7, 4, committed=False).message(
+        "trainer", "r.trainer")
 
 
 def _produce(cfg: BusConfig, topic: str, n: int) -> None:
@@ -163,6 +165,6 @@ def test_records_deleted_ahead_of_a_reading_consumer_are_reported(kafka_broker, 
     assert j < m, read
     warnings = [r.getMessage() for r in caplog.records if "lost to retention" in r.getMessage()]
     assert len(warnings) == 1, warnings
-    for part in (f"{topic}[0]", f"committed offset {j}", f"log start {m}", f"{m - j} record(s)"):
+    for part in (f"{topic}[0]", f"position {j}", f"log start {m}", f"{m - j} record(s)"):
         assert part in warnings[0], (part, warnings[0])
     c.close()
