@@ -247,6 +247,11 @@ def run_python(code: str, *, timeout_s: float = 10.0, memory_bytes: int = 1 << 3
                 buf += chunk
                 if len(buf) > output_bytes + (key.fileobj is p.stdout):  # + the ready byte
                     killed = "output"
+    if killed is None:  # both streams closed: wait for the exit within the time left
+        try:
+            p.wait(max(0.0, t0 + timeout_s - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            killed = "time"
     if killed is not None:
         os.killpg(p.pid, signal.SIGKILL)
     returncode = p.wait()
