@@ -232,7 +232,8 @@ def train(recipe: Recipe, *, say: Callable[[str], None] = print,
         timeline = CpuTimeline(run_dir / "cpu_timeline.jsonl",
                                run_processes(broker, controller.local_pids), 1.0).start()
         stack.callback(timeline.close)
-        watch = RunWatch(recipe, bus, run_dir, controller, follower, say, on_step)
+        watch = RunWatch(recipe, bus, run_dir, controller, follower, say, on_step,
+                         broker_pid=broker.get("broker"))
         if recipe.api.enabled:
             from relax.infra.scale_api import serve_run_api
 
@@ -398,12 +399,12 @@ def _finish(recipe: Recipe, bus: BusConfig, run_dir: Path, follower: MetricsFoll
     own = [t for t in run_topics(recipe) if t.startswith(f"{recipe.run}.")]  # not the prompts'
     counts = write_run_errors(bus, own, run_dir / ERRORS_FILE)
     summary["error_records"] = counts
-    if counts:
     lost = int(sum(r["value"] for r in follower.rows if r["name"] == M.LOST_TO_RETENTION))
     summary["lost_to_retention"] = lost
     if lost:
         say(f"lost to retention: {lost} records deleted before a stage read them (the "
             f"stages' WARNINGs name each topic, partition, committed offset and log start)")
+    if counts:
         say(f"errors: {sum(counts.values())} failed records in {run_dir / ERRORS_FILE} ("
             + ", ".join(f"{t}: {n}" for t, n in counts.items())
             + "; `relax errors TOPIC` while the broker runs)")

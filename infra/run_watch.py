@@ -131,12 +131,17 @@ class RunWatch:
         follower: its metrics.
         say: where progress lines go.
         on_step: called with each step's metrics and the run folder.
+        broker_pid: the process of the run's own local broker (None: a broker the run
+            does not own): when it is gone the run ends at the next check, without
+            waiting :data:`BROKER_GONE_S` for an answer that cannot come.
     """
 
     def __init__(self, recipe: Recipe, bus: BusConfig, run_dir: Path, controller: Controller,
                  follower: MetricsFollower, say: Callable[[str], None],
-                 on_step: Callable[[dict, Path], None] | None = None):
+                 on_step: Callable[[dict, Path], None] | None = None,
+                 broker_pid: int | None = None):
         self.recipe, self.bus, self.run_dir = recipe, bus, run_dir
+        self.broker_pid = broker_pid
         self.controller, self.follower, self.say, self.on_step = controller, follower, say, on_step
         self.printed: set[int] = set()
         self.last_step = self.watched = time.monotonic()
@@ -269,7 +274,14 @@ class RunWatch:
         """
         from kafka.errors import KafkaError
 
+        from relax.infra.broker_handle import pid_alive
+
         bootstrap = self.bus.bootstrap_servers
+        if self.broker_pid is not None and not pid_alive(self.broker_pid):
+            err = self.failed(RunFailed, broker_died_text(self.recipe, self.run_dir, bootstrap,
+                                                          self.broker_pid))
+            self.controller.stop(timeout_s=BROKER_LOST_STOP_S)
+            raise err
         try:
             topic = topics.run_topic(self.recipe.run, topics.METRICS)
             records = _metrics_records(self.probe, topic)
@@ -318,27 +330,44 @@ def _metrics_records(probe: LagProbe, topic: str) -> int | None:
     return probe.high_watermarks([topic], timeout_s=5.0).get((topic, 0), 0)
 
 
+def broker_died_text(recipe: Recipe, run_dir: Path, bootstrap: str, pid: int) -> str:
+    """Why the run stops after its own local broker's process died, what was lost, and
+    how to go on (:func:`how_to_go_on`)."""
+    return (f"lost its broker: the run's local broker at {bootstrap} (pid {pid}) is gone, "
+            f"and with it every topic (it keeps them in memory only): every prompt, rollout, "
+            f"reward and train sample on the bus, the aggregator's partial groups and the "
+            f"consumer offsets; `relax train --resume` cannot continue it. "
+            f"{how_to_go_on(recipe, run_dir)}")
+
+
 def broker_lost_text(recipe: Recipe, run_dir: Path, bootstrap: str, seen: int,
                       now: int | None) -> str:
-    """Why the run stops after its broker lost the topics, what was lost, how to go on;
-    the newest checkpoint gets the tokenizer so it loads as a model."""
+    """Why the run stops after its broker lost the topics, what was lost, how to go on
+    (:func:`how_to_go_on`)."""
+    now_txt = "is gone" if now is None else f"holds {now} records"
+    return (f"lost its broker's state: {bootstrap} was restarted (the metrics topic had "
+            f"{seen} records and now {now_txt}; the local broker keeps topics in memory "
+            f"only). Lost: every prompt, rollout, reward and train sample on the bus, the "
+            f"aggregator's partial groups and the consumer offsets. "
+            f"{how_to_go_on(recipe, run_dir)}")
+
+
+def how_to_go_on(recipe: Recipe, run_dir: Path) -> str:
+    """What a run whose topics are gone keeps and the commands to go on from it; the
+    newest checkpoint gets the tokenizer so it loads as a model."""
     from relax.trainer import checkpoint
 
-    now_txt = "is gone" if now is None else f"holds {now} records"
     ckpt = checkpoint.latest(run_dir, recipe.trainer.checkpoint_store)
     if ckpt is not None:
         save_tokenizer(recipe.model, ckpt)
         kept = (f"Kept: the trainer's checkpoint {ckpt} (policy_version "
                 f"{int(ckpt.name.split('_')[-1])}, loads as a model). To go on, either "
-                f"start a fresh run from those weights: relax train RECIPE model={ckpt} "
-                f"run=NEW (prompts are published again), or replay an archive made "
-                f"before the restart: relax replay ARCHIVE --run NEW.")
+                f"start a fresh run from those weights: relax train "
+                f"{run_dir / 'recipe.yaml'} model={ckpt} run=NEW (prompts are published "
+                f"again), or replay an archive made before: relax replay ARCHIVE --run NEW.")
     else:
         kept = "No trainer checkpoint was written yet: start the run again."
-    return (f"lost its broker's state: {bootstrap} was restarted (the metrics topic had "
-            f"{seen} records and now {now_txt}; the local broker keeps topics in memory "
-            f"only). Lost: every prompt, rollout, reward and train sample on the bus, the "
-            f"aggregator's partial groups and the consumer offsets. {kept}")
+    return kept
 
 
 def save_tokenizer(model: str, folder: Path) -> None:

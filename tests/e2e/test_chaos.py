@@ -141,3 +141,37 @@ def test_local_broker_restart_stops_the_run_with_what_was_lost(tmp_path):
     msg = str(e.value)
     assert "lost its broker's state" in msg and "checkpoint" in msg, msg
     assert time.monotonic() - t0 < 120, msg  # 36 s on 2 cores (the stages get 5 s to stop)
+
+
+def test_a_dead_local_broker_ends_the_run_at_once_with_how_to_go_on(tmp_path):
+    """kill -9 of the run's own memory-only broker, not restarted: the driver sees its
+    process gone and ends the run at its next check, naming what was lost and the command
+    to go on (it waited 120 s for an answer, and the stages restarted, before)."""
+    import time
+
+    from testdata import PARITY_REWARD, RECIPES
+
+    from relax.infra.launch import RunFailed, train
+    from relax.infra.recipe import load_recipe
+
+    run = "dead" + uuid.uuid4().hex[:6]
+    recipe = load_recipe(RECIPES / "tiny_ci.yaml", [f"run_root={tmp_path}", f"run={run}",
+                                                    PARITY_REWARD, "trainer.steps=20"])
+    assert not recipe.bootstrap_servers  # the run starts and owns its broker
+    run_dir = tmp_path / run
+
+    def broker_pid() -> list[int]:
+        return [json.loads((run_dir / "driver.json").read_text())["broker"]["pid"]]
+
+    killed_at: list[float] = []
+    with kill_when((run_dir / "checkpoints" / "step_000001").exists, broker_pid,
+                   then=lambda: killed_at.append(time.monotonic())) as killed, \
+            pytest.raises(RunFailed) as e:
+        train(recipe, say=lambda _: None, timeout_s=300)
+    ended = time.monotonic()
+    assert len(killed) == 1 and killed_at, killed
+    msg = str(e.value)
+    assert "lost its broker: the run's local broker" in msg and "is gone" in msg, msg
+    assert f"relax train {run_dir / 'recipe.yaml'} model=" in msg, msg
+    assert ended - killed_at[0] < 30, (ended - killed_at[0], msg)  # 5 s checks + 5 s stop
+
