@@ -23,7 +23,9 @@ recipe key, as ``rewards.0.fn: ...``):
    metadata request, no download);
 5. with ``trainer.backend: megatron``, that the model's config (``config.json`` only, no
    weights) is a family the back end builds and splits by ``trainer.megatron``: query
-   groups divisible by ``tp``, layers by ``pp``.
+   groups divisible by ``tp``, layers by ``pp``;
+6. ``rollout.environment`` loads, and for ``humaneval`` the code sandbox sets up on this
+   host (one ``pass`` run in bubblewrap; :mod:`relax.consumers.environments.sandbox`).
 
 Not checked here: reasoning-gym task names (importing reasoning-gym takes a second or
 more), whether a Kafka cluster or Ray address answers, and a Hub data set's existence.
@@ -103,6 +105,13 @@ def _check_environment(key: str, spec: str) -> None:
         load_environment_factory(spec)
     except ValueError as e:
         raise _fail(key, f"{e}{_did_you_mean(spec, ENVIRONMENTS)}") from None
+    if spec == "humaneval":  # model-written code: the sandbox must set up on this host
+        from relax.consumers.environments.sandbox import SandboxError, run_python
+
+        try:
+            run_python("pass")
+        except SandboxError as e:
+            raise _fail(key, f"humaneval: {e}") from None
 
 
 def _check_reward_fn(key: str, spec: RewardSpec) -> None:

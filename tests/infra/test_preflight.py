@@ -31,6 +31,12 @@ def test_shipped_recipes_pass(name):
     preflight(load_recipe(RECIPES / f"{name}.yaml"))
 
 
+def test_humaneval_without_bubblewrap_is_refused_in_one_line(monkeypatch):
+    monkeypatch.setenv("PATH", "/nonexistent")
+    msg = _error("rollout.environment=humaneval")
+    assert msg.startswith("rollout.environment: humaneval: the sandbox needs bwrap on PATH"), msg
+
+
 def test_test_recipe_with_a_user_reward_passes(tmp_path):
     preflight(tiny_recipe("127.0.0.1:9", tmp_path, "pf", "trainer.accuracy_reward=parity"))
 
