@@ -65,8 +65,8 @@ def program(prompt: str, completion: str, entry_point: str) -> str:
 def test_program(code: str, test: str, entry_point: str, nonce: str) -> str:
     """``code`` followed by the task's tests, their call, and the line that prints
     :data:`PASS_MARKER` and ``nonce`` (reached only when every test ran)."""
-    return (f"{code}\n\n{test}\n\ncheck({entry_point})\n"
-            f"print({PASS_MARKER!r}, {nonce!r}, flush=True)\n")
+    marker = "\n" + PASS_MARKER  # on a line of its own, whatever the code printed before
+    return f"{code}\n\n{test}\n\ncheck({entry_point})\nprint({marker!r}, {nonce!r}, flush=True)\n"
 
 
 def judge(result, nonce: str) -> str:

