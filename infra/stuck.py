@@ -125,8 +125,9 @@ class Stuck:
         ``timeout_s``: the reward's time limit per call, named when no row was written."""
         first = f"; first: {first_error}" if first_error else ""
         if self.rule == "failed_groups":
-            return (f"reward {self.reward!r} failed 100% of its rows in the last {self.groups} "
-                    f"groups ({self.failed}/{self.rows}){first}; the run cannot train")
+            last = "group" if self.groups == 1 else f"{self.groups} groups"
+            return (f"reward {self.reward!r} failed 100% of its rows in the last {last} "
+                    f"({self.failed}/{self.rows}){first}; the run cannot train")
         if self.rows:
             share = (f"{100 * self.failed // self.rows}% of the {self.rows} rows it wrote since "
                      f"failed ({self.failed}/{self.rows}){first}")

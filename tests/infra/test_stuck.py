@@ -98,6 +98,8 @@ def test_datetime_ts_as_decoded_rows_carry_it():
     t = dt.datetime(2026, 12, 7, 9, 0, tzinfo=dt.UTC)
     c.add(poll(t, 4, 4))  # type: ignore[arg-type]
     assert c.stuck(0).since_ms == int(t.timestamp() * 1000)
+    assert c.stuck(0).line(None).startswith("reward 'bad' failed 100% of its rows in the last "
+                                            "group (4/4); the run")
 
 
 def test_groups_that_wait_unscored_past_unscored_s_name_the_reward():
