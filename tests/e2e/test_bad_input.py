@@ -628,14 +628,14 @@ def test_publish_of_a_source_with_no_rows_exits_1(broker, unique, tmp_path, tabl
 FAIL_EVERY_ROW = {
     "raise": ("", (), "ValueError: failing_reward raises on purpose"),
     "yes": ("", (), "reward value 'yes' is not a number"),
-    "hang": (", max_records: 1", ("stuck.failed_groups=2",),
+    "hang": (", max_records: 1, workers: 2", ("stuck.failed_groups=2",),
              "timeout: the reward call on 1 row(s) ran past timeout_s=1.0 (worker killed"),
 }
 """``testdata.failing_reward``'s ``how`` -> more keys of the reward, the run's extra
 overrides, and the first error the line names. A hanging row costs ``timeout_s`` and a
-new worker, alone after its call failed (~5 s on 2 busy cores), and a poll's counts come
-when all its rows are done: polls of one message, and 2 groups (8 rows) rather than the
-default 16. (A poll of many hanging rows writes nothing for minutes: the
+new worker, alone after its call failed (5 to 10 s on 2 busy cores), and a poll's counts
+come when all its rows are done: polls of one message, 2 workers, and 2 groups (8 rows)
+rather than the default 16. (A poll of many hanging rows writes nothing for minutes: the
 ``stuck.unscored_s`` test below.)"""
 FAIL_WITHIN_S = 90.0
 """Longest time from the run's first metric (its stages are up) to the exit (seconds)."""
