@@ -267,6 +267,7 @@ def test_the_telemetry_block_reaches_the_trainer():
                          "telemetry.wandb_project=arith", "telemetry.tensorboard=false"),
                  "trainer")
     assert spec.config["telemetry"] == {"tensorboard": False, "prometheus_port": 0,
+                                        "prometheus_host": "127.0.0.1",
                                         "wandb": "offline", "wandb_project": "arith",
                                         "wandb_entity": None}
     with pytest.raises(RecipeError, match="telemetry.wandb"):
