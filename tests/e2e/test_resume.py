@@ -71,25 +71,27 @@ def _last_line_counts(stdout: str) -> dict[str, int]:
     return {k: int(v) for k, v in (kv.split("=") for kv in stdout.strip().splitlines()[-1].split())}
 
 
-@pytest.mark.parametrize(("moment", "ready", "everything", "more"), [
-    # before the first step: the stages were just started, no checkpoint yet
-    ("before-step-1", "stages.json", True, []),
+@pytest.mark.parametrize(("moment", "ready", "everything", "not_yet", "more"), [
+    # before the first step: the stages were just started, every process killed
+    ("before-step-1", "stages.json", True, "checkpoints/step_000001", []),
     # mid-run after a checkpoint, the driver alone (its stages go on for seconds, then Ray
     # ends them); the resumed run also trains longer
-    ("after-checkpoint-2", "checkpoints/step_000002", False, ["trainer.steps=6"]),
+    ("after-checkpoint-2", "checkpoints/step_000002", False, None, ["trainer.steps=6"]),
     # just before the last step: step 4's checkpoint of 5 in place, every process killed
-    ("before-last-step", "checkpoints/step_000004", True, []),
+    ("before-last-step", "checkpoints/step_000004", True, "checkpoints/step_000005", []),
 ])
 def test_a_killed_driver_resumes_to_a_whole_run(broker, tmp_path, moment, ready, everything,
-                                                more):
+                                                not_yet, more):
     run_dir = tmp_path / f"res{uuid.uuid4().hex[:6]}"
     extra = [EVAL] if moment == "before-step-1" else []
     driver = _start(run_dir, "trainer.steps=5", *extra, "--bootstrap", broker)
     killed = _kill_when(driver, run_dir / ready, run_dir, everything)
     assert not (run_dir / "summary.json").exists()
+    assert not_yet is None or not (run_dir / not_yet).exists()  # left to the resumed part
     # by the folder; the broker is the recipe's (--bootstrap was saved in recipe.yaml)
     r = _resume(str(run_dir), *more, "--timeout-s", "450")
     out = r.stdout + r.stderr
+    (tmp_path / f"{run_dir.name}.part2.log").write_text(out)
     assert r.returncode == 0, out[-6000:]
     assert f"resume: {run_dir.name} in {run_dir}, the trainer from " in r.stdout, out[-3000:]
     assert not any(pid_alive(p) for p in killed)
@@ -108,6 +110,16 @@ def test_a_killed_driver_resumes_to_a_whole_run(broker, tmp_path, moment, ready,
         assert "measured before the driver died" in r.stdout, out[-3000:]
         part1 = (tmp_path / f"{run_dir.name}.part1.log").read_text()
         assert "eval before: greedy held-out accuracy" in part1, part1[-2000:]
+    if moment == "before-last-step":  # done: refused as it is, trained on with more steps
+        r = _resume(str(run_dir))
+        assert r.returncode == 2 and "it finished its 5 steps" in r.stderr, r.stdout + r.stderr
+        r = _resume(str(run_dir), "trainer.steps=6", "--timeout-s", "450")
+        out = r.stdout + r.stderr
+        assert r.returncode == 0, out[-6000:]
+        assert "the trainer from its checkpoint at policy_version 5, 6 steps" in r.stdout, out
+        s = json.loads((run_dir / "summary.json").read_text())
+        assert s["steps"] == 6 and s["balanced"] and s["sampled"] > f["sampled"], s
+        assert lost_and_trained_twice(s) == (0, 0), s
 
 
 def test_the_local_broker_outlives_a_killed_driver_and_the_resumed_run_uses_it(tmp_path):
