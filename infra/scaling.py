@@ -8,9 +8,11 @@ An operation asks for a number of rollout instances. It goes
 * STARTING: the controller starts the new instances and stops the removed ones
   (:meth:`relax.infra.controller.Controller.replace_stages`); the others go on (the
   instances share one credit through the claim log, :mod:`relax.consumers.rollout.claims`,
-  whatever their number). Kafka moves the prompt partitions; a removed instance's
-  uncommitted prompts are sampled by another under the same group_ids, so no group in
-  flight is lost.
+  whatever their number). Kafka moves the prompt partitions; the instance that gets one
+  reads the run's rollout state first (``PromptQueue.learn_state`` in
+  :mod:`relax.consumers.rollout.prompts`): the epoch its last owner saved and the groups it produced without committing their
+  prompts, which are handed over, not sampled again; the prompts not yet sampled are
+  sampled under the same group_ids, so no group in flight is lost.
 * HEALTH_CHECKING: until the stage loop of every instance of the new set turns
   (its heartbeat reports a loop age).
 * WEIGHT_SYNCING: until every instance of the new set has reported, after the

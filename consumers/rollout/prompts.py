@@ -12,8 +12,14 @@ from dataclasses import dataclass
 
 from relax.consumers.rollout.config import RolloutConfig
 from relax.consumers.rollout.metrics import RolloutStats
+from relax.consumers.rollout.state import saved_state
 
 log = logging.getLogger(__name__)
+
+HANDED_KEEP = 1024
+"""Groups of revoked partitions an instance keeps in its pending record (the new owner
+reads them right after its assignment; a rebalance hands over at most the groups in
+flight)."""
 
 
 @dataclass
@@ -83,6 +89,13 @@ class PromptQueue:
         self.revoked: set = set()  # prompt partitions taken away by a rebalance (I/O thread)
         self._revoked_lock = threading.Lock()
         self.pending_gids: dict[tuple, list[str]] = {}  # prompt message -> groups produced
+        # groups produced here for prompts of partitions a rebalance took away, not
+        # committed: kept in this instance's pending record for the new owner
+        self.handed_gids: list[str] = []
+        # every instance's pending groups as read at the last assignment: produced, not
+        # committed; their prompts come again to whoever holds the partition now
+        self.others_pending: set[str] = set()
+        self._assigned = threading.Event()  # set by the I/O thread's on_assign
         self.exhausted_partitions: set = set()
         self.saved_epochs: dict[tuple[str, int], int] = {}
         self.producer = None
@@ -90,9 +103,10 @@ class PromptQueue:
     def regrants(self, granted: set[str], started: set[str]) -> list[PromptItem]:
         """Queued prompts whose groups are in ``granted`` (the claim log granted them
         before, to an instance that died or lost the partition before producing them)
-        and not in ``started`` (by this instance): they need no new credit."""
-        return [it for it in self.items
-                if it.group_id in granted and it.group_id not in started]
+        and neither in ``started`` (by this instance) nor in :attr:`others_pending`
+        (produced by another): they need no new credit."""
+        return [it for it in self.items if it.group_id in granted
+                and it.group_id not in started and it.group_id not in self.others_pending]
 
     def fetch(self, consumer) -> None:
         """Poll ``consumer`` for prompts; with none queued, rewind finished partitions
@@ -109,7 +123,11 @@ class PromptQueue:
 
     def drop_revoked(self) -> None:
         """Forget the queued prompts of partitions a rebalance took away: their new owner
-        samples them (sampling them here too would spend credit on duplicates)."""
+        samples them (sampling them here too would spend credit on duplicates). The
+        groups already produced for their uncommitted prompts move to
+        :attr:`handed_gids` (the newest :data:`HANDED_KEEP`), which stay in this
+        instance's pending record: the new owner reads them and does not sample those
+        prompts again."""
         with self._revoked_lock:
             gone = {(tp.topic, tp.partition) for tp in self.revoked}
             self.revoked = set()
@@ -117,7 +135,34 @@ class PromptQueue:
             return
         self.items = [i for i in self.items if (i.delivery.topic, i.delivery.partition) not in gone]
         self.remaining = {k: n for k, n in self.remaining.items() if k[:2] not in gone}
+        handed = [g for k, gids in self.pending_gids.items() if k[:2] in gone for g in gids]
+        self.handed_gids = (self.handed_gids + handed)[-HANDED_KEEP:]
         self.pending_gids = {k: g for k, g in self.pending_gids.items() if k[:2] not in gone}
+
+    def note_assigned(self, partitions) -> None:
+        """The consumer's ``on_assign`` callback (its I/O thread): partitions came here;
+        the stage thread's next :meth:`enqueue` reads the run's rollout state again first
+        (:meth:`learn_state`)."""
+        self._assigned.set()
+
+    def learn_state(self) -> None:
+        """After an assignment, read ``<run>.rollout_state`` again: every partition's
+        epoch (a partition that was another instance's, or this one's before a
+        rebalance, goes on in the epoch its last owner saved, not in one remembered
+        from before) and every instance's pending groups (:attr:`others_pending`).
+        Prompts fetched with a stale epoch would be sampled again under group_ids the
+        run already has (a scale-out sampled the tail of an epoch twice, 14 of 160
+        groups)."""
+        if not self._assigned.is_set():
+            return
+        self._assigned.clear()
+        saved = saved_state(self.cfg.bus, self._state_topic)
+        self.saved_epochs = saved.epochs
+        self.epoch.clear()
+        self.others_pending = {g for gids in saved.pending.values() for g in gids}
+        log.info("%s: partitions assigned; epochs %s; %d groups produced and not committed",
+                 self.cfg.engine_id, {f"{t}[{p}]": e for (t, p), e in saved.epochs.items()},
+                 len(self.others_pending))
 
     def enqueue(self, consumer, deliveries) -> None:
         """Queue the rows of ``deliveries`` with their partition's epoch (an empty
@@ -125,6 +170,7 @@ class PromptQueue:
         from kafka import TopicPartition
 
         self.drop_revoked()
+        self.learn_state()
         for d in deliveries:
             tp = TopicPartition(d.topic, d.partition)
             epoch = self.epoch.setdefault(tp, self.saved_epochs.get((tp.topic, tp.partition), 0))

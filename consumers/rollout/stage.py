@@ -289,7 +289,8 @@ class RolloutStage:
         for item in take:
             queue.items.remove(item)
             gid = item.group_id
-            if gid in self._started_ids or gid in wanted:  # redelivered or repeated: exists
+            if gid in self._started_ids or gid in queue.others_pending or gid in wanted:
+                # redelivered, repeated, or produced by another instance: exists
                 self.stats.repeated_prompts += 1
                 continue
             try:
@@ -344,6 +345,7 @@ class RolloutStage:
         it does not know of; the claim log keeps their credit)."""
         producer.flush()
         pending = [g for gids in self._prompts.pending_gids.values() for g in gids]
+        pending += self._prompts.handed_gids
         producer.send_value(self._state_topic, json.dumps(
             {"engine_id": self.cfg.engine_id, "pending": pending}).encode(),
             key=f"started:{self.cfg.engine_id}".encode())
@@ -393,7 +395,8 @@ class RolloutStage:
         consumer = BatchConsumer(
             cfg.bus, topics.group(cfg.run, "rollout"), [self.prompts_topic],
             stage=f"rollout/{cfg.engine_id}", from_beginning=cfg.from_beginning,
-            error_producer=producer, on_revoke=self._prompts.note_revoked, metrics=metrics)
+            error_producer=producer, on_revoke=self._prompts.note_revoked,
+            on_assign=self._prompts.note_assigned, metrics=metrics)
         # the announcements (twice: here and in the subscriber's thread) and the progress
         # on one client: one fetch loop while the stage waits (streams/follow.py)
         follower = Follower(cfg.bus, f"rollout-{cfg.engine_id}")

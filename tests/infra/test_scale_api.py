@@ -109,6 +109,14 @@ def test_scale_rollouts_1_2_1_in_a_live_run(any_broker, tmp_path):
     from relax.streams.client import BusConfig
     from relax.streams.read import read_table
 
-    engines = set(read_table(BusConfig(bootstrap_servers=broker),
-                             f"{run}.rollouts").column("engine_id").to_pylist())
+    rollouts = read_table(BusConfig(bootstrap_servers=broker), f"{run}.rollouts")
+    engines = set(rollouts.column("engine_id").to_pylist())
     assert engines == {"rollout-0", "rollout-1"}, engines
+    # a group is sampled once: an instance that gets partitions in a rebalance reads every
+    # instance's pending groups first (a scale-in once sampled 14 groups of 160 again)
+    sampled_by: dict[str, set[str]] = {}
+    for gid, engine in zip(rollouts.column("group_id").to_pylist(),
+                           rollouts.column("engine_id").to_pylist()):
+        sampled_by.setdefault(gid, set()).add(engine)
+    twice = {g: e for g, e in sampled_by.items() if len(e) > 1}
+    assert not twice and rollouts.num_rows == 4 * len(sampled_by), twice
