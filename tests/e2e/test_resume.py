@@ -145,6 +145,43 @@ def test_the_local_broker_outlives_a_killed_driver_and_the_resumed_run_uses_it(t
     assert not pid_alive(broker["pid"])  # the resumed driver stopped it
 
 
+@pytest.mark.kafka
+def test_every_process_killed_broker_included_resumes_on_a_durable_kafka(tmp_path):
+    """Apache Kafka keeps topics and committed offsets on disk: the driver, its stages and
+    the broker SIGKILLed at once, the broker started again on its folder, and the run
+    goes on whole."""
+    from relax.infra.broker import stop_broker
+    from relax.infra.kafka_broker import kafka_missing, start_kafka
+    from relax.streams.ports import port_open
+
+    if kafka_missing():
+        pytest.skip(kafka_missing())
+    handles = [start_kafka(tmp_path / "kafka")]
+    try:
+        run_dir = tmp_path / f"kaf{uuid.uuid4().hex[:6]}"
+        driver = _start(run_dir, "trainer.steps=4", "--bootstrap", handles[0].bootstrap)
+        _kill_when(driver, run_dir / "checkpoints" / "step_000002", run_dir, everything=True)
+        for pid in handles[0].pids:
+            os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + 60
+        while any(pid_alive(p) for p in handles[0].pids) or port_open("127.0.0.1",
+                                                                       handles[0].port):
+            assert time.monotonic() < deadline, "the killed Kafka still holds its port"
+            time.sleep(0.2)
+        handles.append(start_kafka(tmp_path / "kafka"))  # same log dirs, same ports
+        r = _resume(str(run_dir), "--timeout-s", "450")
+        out = r.stdout + r.stderr
+        assert r.returncode == 0, out[-6000:]
+    finally:
+        for h in handles:
+            stop_broker(h)
+    f = _last_line_counts(r.stdout)
+    assert f["steps"] == 4 and f["trained"] + f["stale"] + f["filtered"] + f["errors"] \
+        == f["sampled"] > 0, out[-3000:]
+    s = json.loads((run_dir / "summary.json").read_text())
+    assert s["balanced"] and lost_and_trained_twice(s) == (0, 0), s
+
+
 def test_a_run_that_cannot_go_on_is_refused_in_one_line(tmp_path):
     """A run on its own local broker (no --bootstrap): refused while its driver runs,
     with a recipe change it cannot take, and once the driver, its stages and its broker
