@@ -390,7 +390,8 @@ class Controller:
 
     def status(self) -> dict[str, dict]:
         """Heartbeat of every running stage: ``{name: {pid, ts, up_s}}`` (missing when an
-        actor does not answer within a second)."""
+        actor does not answer within a second, or died: killed, lost, or killed by Ray's
+        memory monitor (``OutOfMemoryError``, not an actor error); :meth:`check` restarts it)."""
         import ray
 
         out = {}
@@ -399,7 +400,7 @@ class Controller:
                 continue
             try:
                 out[n] = ray.get(r.actor.heartbeat.remote(), timeout=1.0)
-            except (ray.exceptions.GetTimeoutError, ray.exceptions.RayActorError):
+            except ray.exceptions.RayError:  # GetTimeoutError and every death
                 continue
         return out
 
