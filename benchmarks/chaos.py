@@ -7,14 +7,15 @@ failed at random moments, early and late.
 Every run is ``recipes/tiny_ci.yaml`` (tiny random Llama, 2 partitions, max_staleness 1,
 2 groups a step) scored by the parity test reward, with a reference stage that follows
 the policy (``kl.coef=0.01``, ``kl.in=loss``, ``reference.follow_every=2``), ``--steps``
-optimizer steps (default 7) and a weight snapshot every ``--snapshot-every`` versions
-(default 1; the newest 3 are kept). So after step ``3 x snapshot-every`` (the window)
+optimizer steps (default 14) and a weight snapshot every ``--snapshot-every`` versions
+(default 2; the newest 3 are kept). So after step ``3 x snapshot-every`` (the window, 6)
 v0's snapshot is gone: a stage restarted later (rollout, reference) must load the newest
 kept one. Run 0 is undisturbed (the wall-time reference); runs 1..N get a plan drawn from
 ``--seed`` by :func:`relax.infra.chaos.plan_kills`, each fault after a step in
-``1..steps-2`` (the driver sees a step seconds after the trainer; a fault after the
-second-to-last step could find the run ended) plus 0-2 s, early (after a step in the
-window) or late (after it) with even odds:
+``1..plan-steps-1`` (default 1..9) plus 0-2 s, early (after a step in the window) or late
+(after it) with even odds. The steps after the plan's last are there so that a fault
+lands in a live run: an unloaded tiny step takes 0.3-0.6 s, and with 7 steps a fault
+drawn after step 5 plus 0.9 s found the trainer finished.
 
 * every ``--broker-every``-th run (default 5: 10 of 50) is a broker fault on a local
   Apache Kafka, alternating: the single node SIGKILLed and restarted from its log dirs
@@ -30,7 +31,8 @@ Reports runs finished, rollouts sampled / trained / stale / filtered / error, ro
 lost (sampled, in no ledger bucket) and trained twice, the faults that landed
 (``broker_kills``, ``late_kills``: after the window) and wall time against the
 undisturbed run. Writes ``benchmarks/results/chaos.json`` after every run (``complete``
-false until all ran; ``--budget-s`` starts no run that would end past it); the last line
+false until all ran; ``--budget-s`` starts no run that would end past it; ``--resume``
+goes on from the runs a stopped pass wrote there, same seed, same plans); the last line
 is ``finished=F/N lost=L trained_twice=T broker_kills=B late_kills=K ...``.
 """
 
@@ -77,7 +79,8 @@ def _summary(a, stages, window, base, chaos, t_start) -> dict:
         "late_kills": sum(_landed_after(k) > window for k in landed),
         "kills_landed": len(landed),
         "kills_planned": sum(len(r.kills) for r in chaos),
-        "seed": a.seed, "steps": a.steps, "weights_snapshot_every": a.snapshot_every,
+        "seed": a.seed, "steps": a.steps, "plan_steps": a.plan_steps,
+        "weights_snapshot_every": a.snapshot_every,
         "window_steps": window, "stages": list(stages),
         "undisturbed_wall_s": base.wall_s, "undisturbed_finished": base.finished,
         "wall_s_mean": mean_wall(chaos),
@@ -89,6 +92,7 @@ def _summary(a, stages, window, base, chaos, t_start) -> dict:
         **{k: sum(getattr(r, k) for r in chaos)
            for k in ("sampled", "trained", "stale", "filtered", "errors")},
         "benchmark_wall_s": round(time.monotonic() - t_start, 1),
+        "resumed_at_run": a.resumed_at,
         "measured_on": f"{os.cpu_count()} cores (shared, busy), {time.strftime('%Y-%m-%d')}",
         "per_run": [r.as_dict() for r in [base, *chaos]],
     }
@@ -98,8 +102,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--runs", type=int, default=50, help="chaos runs (plus one undisturbed)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--steps", type=int, default=7, help="optimizer steps per run")
-    ap.add_argument("--snapshot-every", type=int, default=1,
+    ap.add_argument("--steps", type=int, default=14, help="optimizer steps per run")
+    ap.add_argument("--plan-steps", type=int, default=10,
+                    help="faults are drawn after steps 1..plan-steps-1 (at most --steps)")
+    ap.add_argument("--snapshot-every", type=int, default=2,
                     help="trainer.weights_snapshot_every (window: 3x this many steps)")
     ap.add_argument("--broker-every", type=int, default=5,
                     help="every Nth run is a broker fault on a local Kafka (0: none)")
@@ -109,6 +115,8 @@ def main() -> None:
     ap.add_argument("--budget-s", type=float, default=None,
                     help="start no run that would likely end past this many seconds")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "chaos.json"))
+    ap.add_argument("--resume", action="store_true",
+                    help="keep the runs --out holds (same seed and settings) and run the rest")
     a = ap.parse_args()
 
     import contextlib
@@ -117,7 +125,15 @@ def main() -> None:
     from testdata import tiny_recipe
 
     from relax.infra.broker import LocalBroker, stop_broker
-    from relax.infra.chaos import BROKER_NODE_LOST, BROKER_RESTART, STAGES, chaos_run, plan_kills
+    from relax.infra.chaos import (
+        BROKER_NODE_LOST,
+        BROKER_RESTART,
+        STAGES,
+        ChaosResult,
+        Kill,
+        chaos_run,
+        plan_kills,
+    )
     from relax.infra.controller import start_local_ray
     from relax.infra.kafka_broker import start_kafka
 
@@ -145,6 +161,15 @@ def main() -> None:
         return kafka[fault]
 
     results = []
+    if a.resume:
+        done = json.loads(Path(a.out).read_text())
+        for k in ("seed", "steps", "plan_steps", "weights_snapshot_every"):
+            if done[k] != getattr(a, {"weights_snapshot_every": "snapshot_every"}.get(k, k)):
+                raise SystemExit(f"--resume: {a.out} has {k}={done[k]}, not this pass's")
+        results = [ChaosResult(**{**r, "kills": [Kill(**k) for k in r["kills"]]})
+                   for r in done["per_run"]]
+        t_start -= done["benchmark_wall_s"]
+    a.resumed_at = done.get("resumed_at_run") or len(results) if a.resume else None
     with contextlib.ExitStack() as stack:
         stack.callback(lambda: [stop_broker(h) for h in kafka.values()])
         tansu = a.bootstrap or stack.enter_context(LocalBroker()).bootstrap
@@ -152,7 +177,11 @@ def main() -> None:
             fault = None
             if i and a.broker_every and not a.bootstrap and i % a.broker_every == 0:
                 fault = (BROKER_RESTART, BROKER_NODE_LOST)[(i // a.broker_every - 1) % 2]
-            kills = [] if i == 0 else plan_kills(rng, a.steps - 1, stages, window, fault)
+            kills = [] if i == 0 else plan_kills(rng, a.plan_steps, stages, window, fault)
+            if i < len(results):  # resumed: this run is done (its plan drawn again, the same)
+                if results[i].kills != kills:
+                    raise SystemExit(f"--resume: run {i}'s plan is not the one {a.out} holds")
+                continue
             if a.budget_s and len(results) > 1:
                 per_run = (time.monotonic() - t_start) / len(results)
                 if time.monotonic() - t_start + 1.5 * per_run > a.budget_s:
