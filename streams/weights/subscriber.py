@@ -106,6 +106,7 @@ class WeightSubscriber:
         self._pg = None
         self._same_host = False  # shares the connected publisher's /dev/shm
         self._version_from: str | None = None  # rendezvous of the publisher of .version
+        self._gone: set[tuple[str, str]] = set()  # (rendezvous, group) of publishers gone
         self._flat: torch.Tensor | None = None
         self._shm_files = ShmFiles()  # mappings of the same-host files, kept between versions
         self._manifest: list[TensorEntry] | None = None
@@ -262,7 +263,10 @@ class WeightSubscriber:
             rows = self._reader.poll(0.5)
         live = [r for r in rows if r["transport"] != "checkpoint"]
         if live:  # register first, so the next version's group includes us
-            self._connect(live[-1]["rendezvous"])
+            try:
+                self._connect(live[-1]["rendezvous"])
+            except torch.distributed.DistNetworkError as e:  # a dead trainer's (a resumed run)
+                self._publisher_gone(live[-1], e)
         if self.catch_up:
             self._catch_up(rows)
         while True:
@@ -285,6 +289,7 @@ class WeightSubscriber:
                     "announcement", self.member_id, row["policy_version"], row["rendezvous"],
                     error)
         self._rendezvous = self._store = self._group = self._pg = None
+        self._gone.add((row["rendezvous"], row["group_name"]))
         self.stats.skipped += 1
 
     def _catch_up(self, rows: list[dict]) -> None:
@@ -389,6 +394,9 @@ class WeightSubscriber:
         return row["policy_version"]
 
     def _handle(self, row: dict) -> None:
+        gone = (row["rendezvous"], row["group_name"]) in self._gone
+        if gone and row["transport"] != "checkpoint":
+            return  # a publisher found gone (a trainer at that address again has new groups)
         if row["transport"] == "shm":  # a restarted trainer's versions count from its checkpoint
             newer = self.version is None or row["policy_version"] > self.version \
                 or row["rendezvous"] != self._version_from

@@ -229,6 +229,38 @@ def test_a_late_joiner_past_the_snapshot_window_loads_the_newest_kept_snapshot(
     assert torch.equal(target.weight, model.weight)
 
 
+def test_a_joiner_after_the_trainer_died_loads_its_snapshot_and_takes_the_next_one(
+        bus, unique, tmp_path):
+    """A subscriber that starts while the newest announcement is a dead publisher's (a
+    resumed run: the driver and its trainer died) takes that publisher for gone once,
+    loads its newest snapshot, never tries its store again, and gets the next trainer's
+    versions (it raised, and its stage restarted, before)."""
+    code = textwrap.dedent(f"""
+        import torch
+        from relax.streams.client import BusConfig
+        from relax.streams.weights import WeightPublisher
+        pub = WeightPublisher(BusConfig(bootstrap_servers={bus.bootstrap_servers!r}),
+                              {unique!r}, checkpoint_dir={str(tmp_path / "ckpt")!r},
+                              checkpoint_every=1)
+        model = torch.nn.Linear(4, 3)
+        for v in (1, 2):
+            pub.publish(dict(model.named_parameters()), v).result()
+        pub.close()
+    """)
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)  # then gone
+    model = torch.nn.Linear(4, 3)
+    with WeightSubscriber(bus, unique, member_id="late", join_timeout_s=3.0) as sub:
+        assert sub.wait_for(2, 60) == 2 and sub.error is None
+        time.sleep(8)  # a second try of the dead store (3 s, retried once) would end by now
+        assert sub.stats.skipped == 1 and sub.error is None  # one try of the dead store
+        new = WeightPublisher(bus, unique, checkpoint_dir=tmp_path / "ckpt", checkpoint_every=1)
+        try:
+            new.publish(dict(model.named_parameters()), 3).result()
+            assert sub.wait_for(3, 60) == 3 and sub.error is None
+        finally:
+            new.close()
+
+
 def test_a_late_joiner_gets_the_current_version_while_the_trainer_waits(bus, unique, tmp_path):
     """A subscriber that registers after the newest version was broadcast (a restarted
     engine while the trainer waits for its samples) gets that version from a snapshot
