@@ -173,5 +173,6 @@ def test_a_dead_local_broker_ends_the_run_at_once_with_how_to_go_on(tmp_path):
     msg = str(e.value)
     assert "lost its broker: the run's local broker" in msg and "is gone" in msg, msg
     assert f"relax train {run_dir / 'recipe.yaml'} model=" in msg, msg
-    assert ended - killed_at[0] < 30, (ended - killed_at[0], msg)  # 5 s checks + 5 s stop
+    # 5 s checks + 5 s stop (36 s under a load of 30 on 2 cores); before, BROKER_GONE_S (120 s)
+    assert ended - killed_at[0] < 90, (ended - killed_at[0], msg)
 

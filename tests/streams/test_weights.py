@@ -517,7 +517,7 @@ def test_failed_receive_never_labels_a_half_written_buffer(bus, unique, tmp_path
             def append(self, key, value):
                 pass
 
-        monkeypatch.setattr(weights_subscriber, "_broadcast", dies_midway)  # _receive looks here
+        monkeypatch.setattr(weights_subscriber, "broadcast", dies_midway)  # _receive looks here
         sub._store, sub._group, sub._pg = Store(), "g", object()  # as if in group g
         row = _checkpoint_row(tmp_path, {n: t + 1 for n, t in v1.items()}, 3)
         sub._receive({**row, "transport": "gloo"}, "g", ["m"])

@@ -1,9 +1,9 @@
 # Take the host's memory: one huge allocation, then one that grows.
 try:
     huge = bytearray(8 << 30)
-    print("ESCAPED 8 GiB allocated")
+    print("ESCAPED 8 GiB allocated", flush=True)
 except MemoryError:
-    print("8 GiB refused")
+    print("8 GiB refused", flush=True)
 chunks = []
 try:
     while True:
