@@ -16,7 +16,6 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from pydantic import BaseModel, ValidationError
 
@@ -25,8 +24,10 @@ from relax.schemas import topics
 from relax.streams.client import BusConfig
 from relax.streams.fsuri import is_local
 
-if TYPE_CHECKING:  # load_recipe checks its stage configs here: a runtime import is a circle
-    from relax.infra.recipe import Recipe
+Recipe = BaseModel
+"""What ``recipe`` is here: a :class:`relax.infra.recipe.Recipe`. Not imported:
+``load_recipe`` checks its stage configs with this module, so an import back would close a
+circle; these functions read the recipe's fields only."""
 
 
 @dataclass(frozen=True)

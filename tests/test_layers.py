@@ -85,17 +85,13 @@ def _modules() -> dict[str, Path]:
 
 def module_imports(path: Path, modules: dict[str, Path]) -> list[tuple[int, str, str | None]]:
     """``(line, module, name)`` of every import in ``path`` of a module in ``modules``
-    (lazy ones too; not those under ``if TYPE_CHECKING:``, which never run):
-    ``from relax.a.b import c`` gives ``relax.a.b.c`` when that is a module, else
-    ``relax.a.b`` with ``name`` ``c``; ``import relax.a`` gives no name."""
+    (lazy ones and ``if TYPE_CHECKING:`` ones too): ``from relax.a.b import c`` gives
+    ``relax.a.b.c`` when that is a module (and the package ``relax.a.b`` itself, whose
+    ``__init__`` it runs), else ``relax.a.b`` with ``name`` ``c``; ``import relax.a``
+    gives no name."""
     tree = ast.parse(path.read_text(), str(path))
-    typing_only = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If)
-                   and ast.unparse(node.test) in ("TYPE_CHECKING", "typing.TYPE_CHECKING")
-                   for stmt in node.body for n in ast.walk(stmt)}
     out = []
     for node in ast.walk(tree):
-        if id(node) in typing_only:
-            continue
         if isinstance(node, ast.Import):
             out += [(node.lineno, a.name, None) for a in node.names if a.name in modules]
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
@@ -103,6 +99,8 @@ def module_imports(path: Path, modules: dict[str, Path]) -> list[tuple[int, str,
                 sub = f"{node.module}.{a.name}"
                 if sub in modules:
                     out.append((node.lineno, sub, None))
+                    if node.module in modules:  # `from pkg import sub` runs pkg's __init__
+                        out.append((node.lineno, node.module, None))
                 elif node.module in modules:
                     out.append((node.lineno, node.module, a.name))
     return out
@@ -173,7 +171,8 @@ def test_the_checker_sees_a_lazy_circle_and_a_private_import(tmp_path):
     a, b = tmp_path / "a.py", tmp_path / "b.py"
     a.write_text("from relax.x.b import helper\n")
     b.write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
-                 "    from relax.x.a import Hint\ndef f():\n    from relax.x.a import _secret\n")
-    modules = {"relax.x.a": a, "relax.x.b": b}
+                 "    from relax.x import a\ndef f():\n    from relax.x.a import _secret\n")
+    modules = {"relax.x": tmp_path / "__init__.py", "relax.x.a": a, "relax.x.b": b}
     assert module_imports(a, modules) == [(1, "relax.x.b", "helper")]
-    assert module_imports(b, modules) == [(5, "relax.x.a", "_secret")]
+    assert sorted(module_imports(b, modules)) == [
+        (3, "relax.x", None), (3, "relax.x.a", None), (5, "relax.x.a", "_secret")]

@@ -17,7 +17,7 @@ from relax.consumers.multiturn import (
     render_ids,
     run_episodes,
 )
-from relax.consumers.rollout import credit
+import relax.consumers.rollout.credit as credit
 from relax.consumers.rollout.claims import ClaimLog
 from relax.consumers.rollout.config import RolloutConfig
 from relax.consumers.rollout.errors import route_prompt_error

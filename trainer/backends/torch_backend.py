@@ -40,7 +40,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from relax.trainer.backends import fsdp
+import relax.trainer.backends.fsdp as fsdp
 from relax.trainer.backends.step import (
     adamw,
     add_metrics,
