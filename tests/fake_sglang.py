@@ -29,6 +29,30 @@ EOS = 2
 REFUSE = 0
 
 
+def serve_json(answer) -> tuple[ThreadingHTTPServer, str]:
+    """A JSON-over-HTTP server on a free loopback port, serving POSTs from a thread:
+    ``answer(path, body) -> (status, payload)``. Returns the server (``shutdown()`` and
+    ``server_close()`` it) and its URL."""
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self):
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])) or b"{}")
+            status, payload = answer(self.path, body)
+            raw = json.dumps(payload).encode()
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(raw)))
+            self.end_headers()
+            self.wfile.write(raw)
+
+        def log_message(self, *args):
+            pass
+
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    return httpd, f"http://127.0.0.1:{httpd.server_address[1]}"
+
+
 def version_of(logprob: float) -> int:
     """The weight version that produced a token, from its scripted log-prob."""
     return round(-logprob * 10) - 1
@@ -47,28 +71,15 @@ class FakeSGLang:
         self.tokens = self.generate_calls = self.aborted = 0
         self.pauses: list[str] = []
         self._aborts = 0  # abort pauses so far: a request running at one of them ends
-        owner = self
+        routes = {"/generate": self._generate, "/pause_generation": self._pause,
+                  "/continue_generation": self._continue,
+                  "/update_weights_from_distributed": self._update}
 
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self):
-                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])) or b"{}")
-                route = {"/generate": owner._generate, "/pause_generation": owner._pause,
-                         "/continue_generation": owner._continue,
-                         "/update_weights_from_distributed": owner._update}.get(self.path)
-                status, answer = (200, route(body)) if route else (404, {"detail": "Not Found"})
-                raw = json.dumps(answer).encode()
-                self.send_response(status)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(raw)))
-                self.end_headers()
-                self.wfile.write(raw)
+        def answer(path: str, body: dict) -> tuple[int, object]:
+            route = routes.get(path)
+            return (200, route(body)) if route else (404, {"detail": "Not Found"})
 
-            def log_message(self, *args):
-                pass
-
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
-        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+        self.httpd, self.url = serve_json(answer)
 
     def close(self) -> None:
         self.httpd.shutdown()

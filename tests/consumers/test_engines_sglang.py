@@ -7,11 +7,11 @@ import json
 import subprocess
 import sys
 import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
 import torch
+from fake_sglang import serve_json
 from testdata import StubTokenizer
 
 from relax.consumers.engines.base import Engine, SamplingParams
@@ -37,26 +37,11 @@ class _Server:
     def __init__(self):
         self.routes: dict[str, tuple[int, object]] = {}
         self.requests: list[tuple[str, dict]] = []
-        owner = self
+        def answer(path: str, body: dict) -> tuple[int, object]:
+            self.requests.append((path, body))
+            return self.routes.get(path, (404, {"detail": "Not Found"}))
 
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self):
-                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])) or b"{}")
-                owner.requests.append((self.path, body))
-                status, payload = owner.routes.get(self.path, (404, {"detail": "Not Found"}))
-                raw = json.dumps(payload).encode()
-                self.send_response(status)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(raw)))
-                self.end_headers()
-                self.wfile.write(raw)
-
-            def log_message(self, *args):
-                pass
-
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
-        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+        self.httpd, self.url = serve_json(answer)
 
     def close(self):
         self.httpd.shutdown()
