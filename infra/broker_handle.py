@@ -1,6 +1,7 @@
-"""A local broker's processes: :class:`BrokerHandle` (pids, address, log, Kafka nodes),
-whether a pid is alive, and stopping them (SIGTERM, then SIGKILL). Shared by the Tansu
-broker (:mod:`relax.infra.broker`) and Apache Kafka (:mod:`relax.infra.kafka_broker`)."""
+"""A local Kafka's processes: :class:`BrokerHandle` (pids, address, logs, nodes, data
+folder), whether a pid is alive, and stopping them (SIGTERM, then SIGKILL). Shared by
+:mod:`relax.infra.kafka_broker` (starts the nodes) and :mod:`relax.infra.broker` (records
+them)."""
 
 from __future__ import annotations
 
@@ -46,41 +47,43 @@ class KafkaNode:
 
 @dataclass
 class BrokerHandle:
-    """A running local broker: its process id, address and log file. For Kafka, ``pid``,
-    ``port`` and ``log_path`` are the first node's and ``nodes`` lists every node."""
+    """A running local Kafka: ``pid``, ``port`` and ``log_path`` are its first node's,
+    ``nodes`` lists every node, ``data_dir`` holds their configs, logs and data.
+    ``security`` is the client settings of a ``--secure`` broker (no secret: the password
+    is in ``data_dir``'s ``client.password``), empty for a PLAINTEXT one."""
 
     pid: int
     host: str
     port: int
     log_path: str
     started_at: float
-    kind: str = "tansu"
     nodes: list[KafkaNode] = field(default_factory=list)
     data_dir: str | None = None
-    """Kafka: the folder with the nodes' configs, logs and data (:func:`start_kafka`)"""
+    """the folder with the nodes' configs, logs and data (:func:`start_kafka`)"""
+    security: dict = field(default_factory=dict)
 
     def __post_init__(self):
         self.nodes = [n if isinstance(n, KafkaNode) else KafkaNode(**n) for n in self.nodes]
 
     @property
     def bootstrap(self) -> str:
-        """``host:port[,host:port...]`` for ``bootstrap_servers`` (every Kafka node)."""
+        """``host:port[,host:port...]`` for ``bootstrap_servers`` (every node)."""
         ports = [n.port for n in self.nodes] or [self.port]
         return ",".join(f"{self.host}:{p}" for p in ports)
 
     @property
     def pids(self) -> list[int]:
-        """Every process of the broker (one per Kafka node)."""
+        """Every process of the broker (one per node)."""
         return [n.pid for n in self.nodes] or [self.pid]
 
     @property
     def ports(self) -> list[int]:
-        """Every client port of the broker (one per Kafka node)."""
+        """Every client port of the broker (one per node)."""
         return [n.port for n in self.nodes] or [self.port]
 
 
 def stop_broker(handle: BrokerHandle, timeout_s: float = 30.0) -> None:
-    """SIGTERM every process of the broker (Tansu, or each Kafka node), wait up to
+    """SIGTERM every node of the broker, wait up to
     ``timeout_s`` seconds, then SIGKILL what is left; returns when all are gone."""
     stop_pids(handle.pids, timeout_s)
 

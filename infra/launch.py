@@ -1,6 +1,7 @@
 """``relax train``: wire a run together and drive it to its end.
 
-1. a broker (the recipe's ``bootstrap_servers``, or a local Tansu started here);
+1. a broker (the recipe's ``bootstrap_servers``, or a local Apache Kafka started here,
+   its data in the run folder's ``broker/``);
 2. the run's topics, created with their partition counts;
 3. the training prompts published into ``prompts.<dataset>`` if that topic is empty;
 4. greedy held-out accuracy of the initial model (``eval.before``);
@@ -31,7 +32,7 @@ from pathlib import Path
 
 import yaml
 
-from relax.infra.broker import BrokerHandle, LocalBroker, stop_broker
+from relax.infra.broker import BROKER_DIR, BrokerHandle, LocalBroker, stop_broker
 from relax.infra.controller import Controller
 from relax.infra.cpu_timeline import CpuTimeline, run_processes
 from relax.infra.preflight import preflight
@@ -275,12 +276,13 @@ def _bus(recipe: Recipe, run_dir: Path, stack: contextlib.ExitStack,
     elif adopted is not None:
         handle = adopted
         stack.callback(stop_broker, handle)
-        say(f"broker: the run's local broker at {handle.bootstrap} (pid {handle.pid}), "
-            "still running after its driver died")
+        say(f"broker: the run's local broker at {handle.bootstrap} (pid {handle.pid}, "
+            f"data in {handle.data_dir})")
     else:
-        (run_dir / "logs").mkdir(parents=True, exist_ok=True)
-        handle = stack.enter_context(LocalBroker(log_path=run_dir / "logs" / "broker.log"))
-        say(f"broker: started a local broker at {handle.bootstrap}")
+        t0 = time.monotonic()
+        handle = stack.enter_context(LocalBroker(data_dir=run_dir / BROKER_DIR))
+        say(f"broker: started a local Apache Kafka at {handle.bootstrap} in "
+            f"{time.monotonic() - t0:.1f}s (data in {handle.data_dir})")
     if handle is not None:
         bootstrap, broker["broker"] = handle.bootstrap, handle.pid
     (run_dir / DRIVER_FILE).write_text(json.dumps(

@@ -5,16 +5,17 @@ run folder (``recipe.yaml``, ``stages.json``, :data:`DRIVER_FILE`,
 the trainer's checkpoints, :data:`EVAL_BEFORE_FILE`); the run's
 topics with every stage's committed offsets on its broker; for a few seconds its stage
 processes (Ray ends the actors of a dead driver: on one host 3 s after it, measured); and,
-for a run without ``bootstrap_servers``, its local broker: Tansu runs in its own session,
-so it outlives a driver killed alone, with every topic (in memory). Killed with every
-process of the run, that broker is gone and the run's topics with it.
+for a run without ``bootstrap_servers``, its local Apache Kafka, whose data is in the run
+folder (:data:`relax.infra.broker.BROKER_DIR`): it runs in its own session, so it
+outlives a driver killed alone; killed with every process of the run (a host's reboot),
+it is started again from that folder with every topic and committed offset.
 
 :func:`prepare_resume` checks the run can go on and refuses with one line
 (:class:`ResumeRefused`) when it cannot: the driver still alive; the recipe changed
 beyond :data:`MAY_CHANGE` (``trainer.steps=N`` is fine; another ``model`` or
 ``rollout.group_size`` is not); ``trainer.steps`` below the newest checkpoint; the run
-already done; the run's topics gone (its local broker died, or the cluster lost or
-deleted them) once its stages had started. Then it stops the dead driver's stage
+already done; the run's topics gone (its local broker's folder deleted, or the cluster
+lost or deleted them) once its stages had started. Then it stops the dead driver's stage
 processes that still live and hands :func:`relax.infra.launch.train` a
 :class:`Resumed`.
 
@@ -37,7 +38,7 @@ from pathlib import Path
 
 import yaml
 
-from relax.infra.broker import BrokerHandle, pid_alive, running, stop_pids
+from relax.infra.broker import BrokerHandle, pid_alive, running, start_kafka, stop_pids
 from relax.infra.preflight import preflight
 from relax.infra.recipe import Recipe, load_recipe
 from relax.infra.stages import run_bus, run_topics
@@ -66,9 +67,9 @@ class Resumed:
     """What a resumed run (this module) takes over from its dead driver.
 
     Attributes:
-        broker: the run's local broker, still running (the driver started it, Tansu runs
-            in its own session): used instead of a new one, and stopped at the end. None
-            on a cluster the recipe names.
+        broker: the run's local broker, still running (the driver started it in its own
+            session) or started again from its folder: used instead of a new one, and
+            stopped at the end. None on a cluster the recipe names.
         eval_before: ``eval.before``'s result as the dead driver saved it
             (:data:`EVAL_BEFORE_FILE`); None: measured (again).
     """
@@ -210,29 +211,38 @@ def _check_driver_dead(run: str, record: dict) -> None:
 
 
 def _broker(run: str, recipe: Recipe, record: dict, started: bool,
-            ckpt: Path | None) -> BrokerHandle | None:
-    """The run's local broker to go on with (None: the recipe names a cluster, or none
-    was needed yet: a new one will be started); ``ckpt``: the newest checkpoint, named
-    in the refusal.
+            ckpt: Path | None, say: Callable[[str], None]) -> BrokerHandle | None:
+    """The run's local broker to go on with: still running, or started again from its
+    folder (its topics and offsets kept); None: the recipe names a cluster, or none was
+    needed yet (a new one will be started). ``ckpt``: the newest checkpoint, named in the
+    refusal.
 
     Raises:
-        ResumeRefused: the stages had started and the local broker is gone.
+        ResumeRefused: the stages had started and the local broker's folder is gone, or
+            it does not start again.
     """
     if recipe.bootstrap_servers:
         return None
     h = BrokerHandle(**record["broker"]) if record.get("broker") else None
     if h is not None and running(h):
         return h
+    if h is not None and h.data_dir and (Path(h.data_dir) / "cluster.json").exists():
+        try:
+            h = start_kafka(h.data_dir)
+        except (FileNotFoundError, OSError, TimeoutError) as e:
+            raise ResumeRefused(f"cannot resume {run}: its local broker in {h.data_dir} "
+                                f"did not start again ({type(e).__name__}: {e})") from None
+        say(f"resume: started the run's local broker again from {h.data_dir} "
+            f"at {h.bootstrap}")
+        return h
     if not started:
         return None
-    where = f" (pid {h.pid} at {h.bootstrap})" if h is not None else ""
+    where = f" (its folder {h.data_dir})" if h is not None and h.data_dir else ""
     again = (f"start a new run from its newest checkpoint (relax train RECIPE model={ckpt} "
              "run=NEW)" if ckpt is not None else "start the run again")
     raise ResumeRefused(
         f"cannot resume {run}: its local broker{where} is gone, and with it every topic "
-        "of the run (the local broker keeps them in memory only: rollouts, rewards, "
-        f"consumer offsets, prompts); {again}; a run that must outlive its driver and "
-        "broker needs a durable one (relax broker start --kind kafka, --bootstrap)")
+        f"of the run (rollouts, rewards, consumer offsets, prompts); {again}")
 
 
 def _check_topics(run: str, recipe: Recipe, bootstrap: str, run_dir: Path) -> None:
@@ -285,7 +295,7 @@ def prepare_resume(run: str, overrides: list[str] = (),
         say("resume: stopped the dead driver's stage processes " + ", ".join(
             f"{n} (pid {p})" for n, p in stopped.items()))
     started = (run_dir / "stages.json").exists()
-    broker = _broker(run, recipe, record, started, ckpt)
+    broker = _broker(run, recipe, record, started, ckpt, say)
     bootstrap = recipe.bootstrap_servers or (broker.bootstrap if broker else None)
     if started and bootstrap:
         _check_topics(run, recipe, bootstrap, run_dir)

@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from relax.infra.broker import BROKER_DIR
 from relax.infra.controller import Controller, StageFailed
 from relax.infra.recipe import Recipe
 from relax.infra.report import stall_report, step_rows
@@ -331,13 +332,13 @@ def _metrics_records(probe: LagProbe, topic: str) -> int | None:
 
 
 def broker_died_text(recipe: Recipe, run_dir: Path, bootstrap: str, pid: int) -> str:
-    """Why the run stops after its own local broker's process died, what was lost, and
-    how to go on (:func:`how_to_go_on`)."""
-    return (f"lost its broker: the run's local broker at {bootstrap} (pid {pid}) is gone, "
-            f"and with it every topic (it keeps them in memory only): every prompt, rollout, "
-            f"reward and train sample on the bus, the aggregator's partial groups and the "
-            f"consumer offsets; `relax train --resume` cannot continue it. "
-            f"{how_to_go_on(recipe, run_dir)}")
+    """Why the run stops after its own local broker's process died, and how to go on:
+    its topics and offsets are on disk in the run folder, so ``relax train --resume``
+    starts the broker again from them and the run goes on."""
+    return (f"lost its broker: the run's local broker at {bootstrap} (pid {pid}) is gone; "
+            f"its topics and every stage's committed offsets are kept in "
+            f"{run_dir / BROKER_DIR}, so nothing on the bus is lost: go on with "
+            f"relax train --resume {run_dir} (it starts the broker again from there)")
 
 
 def broker_lost_text(recipe: Recipe, run_dir: Path, bootstrap: str, seen: int,
@@ -346,9 +347,9 @@ def broker_lost_text(recipe: Recipe, run_dir: Path, bootstrap: str, seen: int,
     (:func:`how_to_go_on`)."""
     now_txt = "is gone" if now is None else f"holds {now} records"
     return (f"lost its broker's state: {bootstrap} was restarted (the metrics topic had "
-            f"{seen} records and now {now_txt}; the local broker keeps topics in memory "
-            f"only). Lost: every prompt, rollout, reward and train sample on the bus, the "
-            f"aggregator's partial groups and the consumer offsets. "
+            f"{seen} records and now {now_txt}: it came back without its data). Lost: "
+            f"every prompt, rollout, reward and train sample on the bus, the aggregator's "
+            f"partial groups and the consumer offsets. "
             f"{how_to_go_on(recipe, run_dir)}")
 
 

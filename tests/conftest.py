@@ -1,12 +1,10 @@
-"""Shared fixtures: real Kafka-protocol brokers, each started once for the whole session.
+"""Shared fixtures: a real Apache Kafka, started once for the whole session.
 
-Tests that touch the bus take ``bus`` (a :class:`relax.streams.client.BusConfig` for
-Tansu, the embedded broker) or ``any_bus`` (run once on Tansu and once on Apache
-Kafka, ids ``[tansu]``/``[kafka]``; the Kafka run carries the ``kafka`` marker, so
-``pytest -m kafka`` runs every test on Kafka and ``-m "not kafka"`` none), and make
-their own topics with unique names (``unique``), so they never see each other's
-records. Kafka starts at the first test that needs it (a few seconds) and is skipped,
-with the reason, where java or ``.kafka/lib`` (``make install``) is missing.
+Tests that touch the bus take ``broker`` (its ``bootstrap_servers``) or ``bus`` (a
+:class:`relax.streams.client.BusConfig` for it), and make their own topics with unique
+names (``unique``), so they never see each other's records. Kafka starts at the first
+test that needs it (about 5 s). Tests of the broker itself (faults, restarts, clusters,
+retention, security) carry the ``kafka`` marker: ``pytest -m kafka`` runs them.
 """
 
 from __future__ import annotations
@@ -27,47 +25,21 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 
 @pytest.fixture(scope="session")
 def broker(tmp_path_factory):
-    """A Tansu broker on a free port for the test session (its log in the session's
-    temporary folder); stopped at the end."""
-    from relax.infra.broker import start_broker, stop_broker
+    """``bootstrap_servers`` of a single-node Apache Kafka (KRaft) on free ports for the
+    test session, its data in the session's temporary folder; stopped at the end.
+    ``RELAX_TEST_BOOTSTRAP`` runs the suite against another Kafka cluster instead."""
+    from relax.infra.broker import stop_broker
+    from relax.infra.kafka_broker import start_kafka
 
     external = os.environ.get("RELAX_TEST_BOOTSTRAP")
-    if external:  # run the suite against another Kafka cluster
-        yield external
-        return
-    h = start_broker(log_path=tmp_path_factory.mktemp("broker") / "tansu.log")
-    try:
-        yield h.bootstrap
-    finally:
-        stop_broker(h)
-
-
-@pytest.fixture(scope="session")
-def kafka_broker(tmp_path_factory):
-    """A single-node Apache Kafka (KRaft) on free ports for the test session, its data in
-    a temporary folder; stopped at the end. ``RELAX_TEST_KAFKA_BOOTSTRAP`` runs these
-    tests against another Kafka cluster instead."""
-    from relax.infra.broker import stop_broker
-    from relax.infra.kafka_broker import kafka_missing, start_kafka
-
-    external = os.environ.get("RELAX_TEST_KAFKA_BOOTSTRAP")
     if external:
         yield external
         return
-    reason = kafka_missing()
-    if reason:
-        pytest.skip(reason)
     h = start_kafka(tmp_path_factory.mktemp("kafka"))
     try:
         yield h.bootstrap
     finally:
         stop_broker(h)
-
-
-@pytest.fixture(params=["tansu", pytest.param("kafka", marks=pytest.mark.kafka)])
-def any_broker(request):
-    """The session broker of each kind: a test taking it runs on Tansu and on Kafka."""
-    return request.getfixturevalue("broker" if request.param == "tansu" else "kafka_broker")
 
 
 @pytest.fixture
@@ -76,14 +48,6 @@ def bus(broker, tmp_path):
     from relax.streams.client import BusConfig
 
     return BusConfig(bootstrap_servers=broker, blob_store=str(tmp_path / "blobs"))
-
-
-@pytest.fixture
-def any_bus(any_broker, tmp_path):
-    """:func:`bus` for each kind of broker (:func:`any_broker`)."""
-    from relax.streams.client import BusConfig
-
-    return BusConfig(bootstrap_servers=any_broker, blob_store=str(tmp_path / "blobs"))
 
 
 @pytest.fixture

@@ -86,24 +86,24 @@ def _wait_rows(bus, topic, n, stage=None, timeout_s=60):
     raise AssertionError(f"{topic}: fewer than {n} rows after {timeout_s}s")
 
 
-def test_stage_joins_and_survives_restart(any_bus, unique):
+def test_stage_joins_and_survives_restart(bus, unique):
     run = unique
     cfg = AggregateConfig(run=run, partitions=2, group_timeout_s=300,
                           advantage=AdvantageConfig(rewards={"math": 1.0}))
     rt, wt, st = (topics.run_topic(run, n) for n in ("rollouts", "rewards", "train_samples"))
-    ensure_topics(any_bus, {rt: 2, wt: 2})
-    p = BatchProducer(any_bus)
+    ensure_topics(bus, {rt: 2, wt: 2})
+    p = BatchProducer(bus)
     rows = rollout_rows(12, group_size=4)  # groups g0000..g0002
     _send(p, rt, rows, ROLLOUTS)
     _send(p, wt, reward_rows(rows[:4], "math", [1, 0, 0, 0]), REWARDS)
     _send(p, wt, reward_rows(rows[4:6], "math", [1, 1]), REWARDS)  # g0001 half done
-    stage = AggregateStage(cfg, any_bus)
-    out = _wait_rows(any_bus, st, 4, stage)
+    stage = AggregateStage(cfg, bus)
+    out = _wait_rows(bus, st, 4, stage)
     assert set(out.column("group_id").to_pylist()) == {"g0000"}
     for _ in range(3):
         stage.step()
     stage.close()  # g0001 and g0002 are partial: their rows live in the changelog only
-    m = [r for r in read_table(any_bus, topics.run_topic(run, "metrics")).to_pylist()
+    m = [r for r in read_table(bus, topics.run_topic(run, "metrics")).to_pylist()
          if r["component"] == "aggregate-0"]
     last = {r["name"]: r["value"] for r in m}
     assert last["partial_groups"] == 2 and last["groups_emitted"] == 1
@@ -112,8 +112,8 @@ def test_stage_joins_and_survives_restart(any_bus, unique):
     _send(p, wt, reward_rows(rows[6:8], "math", [0, 0]), REWARDS)
     _send(p, wt, reward_rows(rows[8:12], "math", [1, 1, 0, 1]), REWARDS)
     _send(p, rt, rows[4:5], ROLLOUTS)  # a redelivered rollout
-    stage2 = AggregateStage(cfg, any_bus, instance="aggregate-1")
-    out = _wait_rows(any_bus, st, 12, stage2)
+    stage2 = AggregateStage(cfg, bus, instance="aggregate-1")
+    out = _wait_rows(bus, st, 12, stage2)
     stage2.close()
     ids = out.column("rollout_id").to_pylist()
     assert sorted(ids) == sorted(r["rollout_id"] for r in rows) and len(ids) == 12

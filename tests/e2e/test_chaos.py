@@ -1,6 +1,5 @@
 """Seeded chaos runs: stage processes SIGKILLed (or frozen with SIGSTOP) at random
-moments of the tiny run; the kills on each broker (Tansu and Apache Kafka:
-``any_broker``). Every run must finish with every sampled rollout in exactly one ledger
+moments of the tiny run on Apache Kafka. Every run must finish with every sampled rollout in exactly one ledger
 bucket and none trained twice (``benchmarks/chaos.py`` runs many more of the same)."""
 
 from __future__ import annotations
@@ -26,30 +25,26 @@ def _assert_whole(r):
     assert r.trained + r.stale + r.filtered + r.errors == r.sampled > 0, detail
 
 
-def test_chaos_reward_and_aggregator_killed(any_broker, tmp_path):
+def test_chaos_reward_and_aggregator_killed(broker, tmp_path):
     """The run of the 2026-12-01 CI failure (shared/evidence/chaos-hang-2026-12-01)."""
-    recipe = tiny_recipe(any_broker, tmp_path, "chaos" + uuid.uuid4().hex[:6], "trainer.steps=5")
+    recipe = tiny_recipe(broker, tmp_path, "chaos" + uuid.uuid4().hex[:6], "trainer.steps=5")
     r = chaos_run(recipe, [Kill("reward.parity", 1, 0.0), Kill("aggregate", 3, 0.0)], 500)
     assert len(r.killed) == 2, r.killed
     _assert_whole(r)
 
 
-def test_rollout_killed_while_its_groups_wait_samples_nothing_extra(any_broker, tmp_path):
+def test_rollout_killed_while_its_groups_wait_samples_nothing_extra(broker, tmp_path):
     """The kill of chaos run 23 (seed 0), which left 8 rollouts sampled and never decided
     before the successor counted its predecessor's groups in flight."""
-    recipe = tiny_recipe(any_broker, tmp_path, "chaosro" + uuid.uuid4().hex[:4], "trainer.steps=5")
+    recipe = tiny_recipe(broker, tmp_path, "chaosro" + uuid.uuid4().hex[:4], "trainer.steps=5")
     r = chaos_run(recipe, [Kill("rollout-0", 1, 0.39)], 500)
     assert r.killed, r
     _assert_whole(r)
 
 
-@pytest.mark.parametrize(("kind", "seed"), [
-    ("tansu", 3), ("tansu", 11),
-    # seed 11 found the lost leader rejoin of kafka-python on Kafka (streams/kafka_join.py);
-    # seed 3 adds nothing there that the other Kafka chaos tests do not cover
-    pytest.param("kafka", 11, marks=pytest.mark.kafka)])
-def test_seeded_chaos_run(request, tmp_path, kind, seed):
-    broker = request.getfixturevalue("broker" if kind == "tansu" else "kafka_broker")
+# seed 11 found the lost leader rejoin of kafka-python (streams/kafka_join.py)
+@pytest.mark.parametrize("seed", [3, 11])
+def test_seeded_chaos_run(broker, tmp_path, seed):
     kills = plan_kills(random.Random(seed), 5)  # after steps 1-4, each up to 2 s late
     # 8 steps: a kill 2 s after step 4 still lands in a live run (a tiny step can take
     # well under a second; with 5 steps one CI run ended before its kill)
@@ -112,19 +107,20 @@ def test_frozen_stage_past_its_restarts_fails_the_run_with_a_report(broker, tmp_
 
 
 def test_local_broker_restart_stops_the_run_with_what_was_lost(tmp_path):
-    """kill -9 of the memory-only local broker and a restart on the same port: the run
-    stops within seconds, saying what was lost and how to go on (not a traceback)."""
+    """kill -9 of the broker and a restart on the same port without its data (a new
+    folder: a cluster that lost its disks): the run stops within seconds, saying what was
+    lost and how to go on (not a traceback)."""
     import time
 
-    from relax.infra.broker import start_broker, stop_broker
+    from relax.infra.broker import start_kafka, stop_broker
     from relax.infra.launch import RunFailed, train
 
-    h = start_broker()
+    h = start_kafka(tmp_path / "kafka-a")
     handles = [h]
 
     def restart_broker():
         time.sleep(2)
-        handles.append(start_broker(h.port))
+        handles.append(start_kafka(tmp_path / "kafka-b", port=h.port))
 
     run = "lost" + uuid.uuid4().hex[:6]
     recipe = tiny_recipe(h.bootstrap, tmp_path, run, "trainer.steps=5")
@@ -144,9 +140,10 @@ def test_local_broker_restart_stops_the_run_with_what_was_lost(tmp_path):
 
 
 def test_a_dead_local_broker_ends_the_run_at_once_with_how_to_go_on(tmp_path):
-    """kill -9 of the run's own memory-only broker, not restarted: the driver sees its
-    process gone and ends the run at its next check, naming what was lost and the command
-    to go on (it waited 120 s for an answer, and the stages restarted, before)."""
+    """kill -9 of the run's own local broker, not restarted: the driver sees its process
+    gone and ends the run at its next check, naming the folder its topics are kept in and
+    the command to go on (it waited 120 s for an answer, and the stages restarted, before);
+    that command goes on with the run."""
     import time
 
     from testdata import PARITY_REWARD, RECIPES
@@ -172,7 +169,8 @@ def test_a_dead_local_broker_ends_the_run_at_once_with_how_to_go_on(tmp_path):
     assert len(killed) == 1 and killed_at, killed
     msg = str(e.value)
     assert "lost its broker: the run's local broker" in msg and "is gone" in msg, msg
-    assert f"relax train {run_dir / 'recipe.yaml'} model=" in msg, msg
+    assert f"kept in {run_dir / 'broker'}" in msg, msg
+    assert f"relax train --resume {run_dir}" in msg, msg
     # 5 s checks + 5 s stop (36 s under a load of 30 on 2 cores); before, BROKER_GONE_S (120 s)
     assert ended - killed_at[0] < 90, (ended - killed_at[0], msg)
 

@@ -143,22 +143,3 @@ def test_trainer_killed_after_step_2_resumes_at_step_3(broker, tmp_path, s3_endp
              and r["policy_version"] == 2]
     after_kill = [r for r in step2 if datetime.fromisoformat(r["ts"]) > killed[0][1]]
     assert len(step2) in (1, 2) and len(after_kill) == 1, (killed, step2)
-
-
-@pytest.mark.kafka
-def test_tiny_async_run_on_kafka_accounts_for_every_rollout(kafka_broker, tmp_path):
-    """The tiny run on Apache Kafka (auto-create off, topic limits enforced): every
-    rollout accounted, every policy_version announced."""
-    from relax.streams.read import read_table
-    from relax.streams.client import BusConfig
-
-    recipe = tiny_recipe(kafka_broker, tmp_path, "kafka" + uuid.uuid4().hex[:6])
-    s, lines = _train(recipe, on_step=None)
-    assert s["steps"] == 3 and s["balanced"], json.dumps(s, default=str)
-    assert s["trained"] + s["stale"] + s["filtered"] + s["errors"] == s["sampled"] > 0
-    assert [ln.split()[1] for ln in lines if ln.startswith("step")] == ["1/3", "2/3", "3/3"]
-    versions = read_table(BusConfig(bootstrap_servers=kafka_broker),
-                          f"{recipe.run}.weights").column("policy_version").to_pylist()
-    assert sorted(set(versions)) == [0, 1, 2, 3]
-    assert len(_ledger(s["run_dir"]).ids("trained")) == s["trained"]
-

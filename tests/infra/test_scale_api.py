@@ -44,12 +44,12 @@ def _wait_rows_from(broker: str, run: str, engine: str, proc, log, timeout_s=180
         time.sleep(2.0)
 
 
-def test_scale_rollouts_1_2_1_in_a_live_run(any_broker, tmp_path):
+def test_scale_rollouts_1_2_1_in_a_live_run(broker, tmp_path):
     """Scaling used to restart the instance that stays (its fixed credit share changed);
     on Tansu that restart, or a stage that failed a commit during the rebalance
     (REBALANCE_IN_PROGRESS, now skipped), could leave a member whose JoinGroup completed
     after its LeaveGroup, and the group never synced again."""
-    broker = any_broker
+    broker = broker
     run = "scale" + uuid.uuid4().hex[:6]
     run_dir = tmp_path / run
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(

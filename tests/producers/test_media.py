@@ -127,7 +127,7 @@ def test_the_same_question_about_two_images_is_two_prompts():
 
 
 def test_easy_vqa_publishes_with_its_images_and_bad_media_rows_go_to_errors(
-        any_broker, unique, tmp_path):
+        broker, unique, tmp_path):
     """Real easy-vqa questions and PNGs, plus one row of each bad kind: truncated PNG,
     empty audio, a 20k x 20k image, a missing file. Good rows carry the exact bytes
     inline; a 1 MB image goes to the blob store and the row keeps its URI."""
@@ -153,7 +153,7 @@ def test_easy_vqa_publishes_with_its_images_and_bad_media_rows_go_to_errors(
                  "audio": "media/say.wav"}]                                              # 11
     src = tmp_path / "vqa.jsonl"
     src.write_text("".join(json.dumps(r) + "\n" for r in records))
-    cfg = BusConfig(bootstrap_servers=any_broker)
+    cfg = BusConfig(bootstrap_servers=broker)
     topic = f"prompts.{unique}"
     store = BlobStore(tmp_path / "blobs")
     r = publish(cfg, str(src), topic, prompt_field="q", label_field="a",

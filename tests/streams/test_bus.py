@@ -24,15 +24,15 @@ def _drain(consumer, want_rows, max_polls=60):
     return got
 
 
-def test_roundtrip_keyed_in_order(any_bus, unique):
+def test_roundtrip_keyed_in_order(bus, unique):
     run = unique
     t = topics.run_topic(run, "rollouts")
-    ensure_topics(any_bus, {t: 3})
+    ensure_topics(bus, {t: 3})
     rows = rollout_rows(40, group_size=4, tokens=64)
-    p = BatchProducer(any_bus)
+    p = BatchProducer(bus)
     p.send(t, pa.RecordBatch.from_pylist(rows, schema=ROLLOUTS))
     assert p.flush() >= 10
-    c = BatchConsumer(any_bus, topics.group(run, "check"), [t], stage="check")
+    c = BatchConsumer(bus, topics.group(run, "check"), [t], stage="check")
     got = _drain(c, 40)
     by_group: dict[str, list[str]] = {}
     for d in got:
@@ -47,16 +47,16 @@ def test_roundtrip_keyed_in_order(any_bus, unique):
     p.close()
 
 
-def test_garbage_goes_to_errors_topic_and_stage_goes_on(any_bus, unique):
+def test_garbage_goes_to_errors_topic_and_stage_goes_on(bus, unique):
     run = unique
     src, dst = topics.run_topic(run, "rollouts"), topics.run_topic(run, "rewards")
-    ensure_topics(any_bus, {src: 2, dst: 2, topics.errors_topic(src): 1})
-    p = BatchProducer(any_bus)
+    ensure_topics(bus, {src: 2, dst: 2, topics.errors_topic(src): 1})
+    p = BatchProducer(bus)
     good = pa.RecordBatch.from_pylist(rollout_rows(8, group_size=4, tokens=8), schema=ROLLOUTS)
     p.send_value(src, b"\x00not arrow at all", key=b"g-bad")
     p.send(src, good)
     p.flush()
-    c = BatchConsumer(any_bus, topics.group(run, "stage"), [src], stage="stage")
+    c = BatchConsumer(bus, topics.group(run, "stage"), [src], stage="stage")
     seen = []
 
     def fn(d):
@@ -72,7 +72,7 @@ def test_garbage_goes_to_errors_topic_and_stage_goes_on(any_bus, unique):
     assert len(seen) == 8
     from relax.streams.read import read_table
 
-    errs = read_table(any_bus, topics.errors_topic(src)).to_pylist()
+    errs = read_table(bus, topics.errors_topic(src)).to_pylist()
     stages = sorted(e["stage"] for e in errs)
     assert stages == ["stage", "stage/decode"]
     dec = next(e for e in errs if e["stage"] == "stage/decode")

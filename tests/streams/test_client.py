@@ -56,12 +56,12 @@ def test_producers_and_consumers_retry_a_lost_broker_every_second():
 
 
 @pytest.mark.kafka
-def test_kafka_gets_the_topic_settings(kafka_broker, unique):
+def test_kafka_gets_the_topic_settings(broker, unique):
     from kafka.admin import ConfigResource, ConfigResourceType
 
     from relax.streams.client import admin
 
-    cfg = BusConfig(bootstrap_servers=kafka_broker, max_message_bytes=3 * MiB,
+    cfg = BusConfig(bootstrap_servers=broker, max_message_bytes=3 * MiB,
                     retention_ms=3_600_000)
     data, epochs = topics.run_topic(unique, "rollouts"), topics.rollout_state_topic(unique)
     ensure_topics(cfg, {data: 2, epochs: 1})
@@ -80,15 +80,15 @@ def test_kafka_gets_the_topic_settings(kafka_broker, unique):
     assert got[epochs]["retention.ms"] != "3600000"  # compacted state is kept
 
 
-def test_errors_topic_is_created_where_first_written(any_bus, unique):
+def test_errors_topic_is_created_where_first_written(bus, unique):
     """Kafka does not create topics on produce (a send would wait 60 s for metadata, then
     fail): ``send_errors`` creates ``<topic>.errors`` the first time it writes there."""
     from relax.streams.errors import error_row
     from relax.streams.read import read_table
 
     topic = topics.run_topic(unique, "metrics")
-    ensure_topics(any_bus, {topic: 1})
-    p = BatchProducer(any_bus)
+    ensure_topics(bus, {topic: 1})
+    p = BatchProducer(bus)
     t0 = time.monotonic()
     p.send(topic, pa.RecordBatch.from_pylist(
         [{"ts": 0, "component": "c", "name": "x", "value": 1.0, "policy_version": None}],
@@ -97,7 +97,7 @@ def test_errors_topic_is_created_where_first_written(any_bus, unique):
                                     stage="test", error="bad", key=b"k", value=b"v")])
     assert p.flush() == 2 and time.monotonic() - t0 < 20
     p.close()
-    errs = read_table(any_bus, topics.errors_topic(topic)).to_pylist()
+    errs = read_table(bus, topics.errors_topic(topic)).to_pylist()
     assert [(e["stage"], e["error"]) for e in errs] == [("test", "bad")]
 
 

@@ -19,10 +19,10 @@ from testdata import rollout_rows
 MiB = 1 << 20
 
 
-def test_c28_oversize_record_is_reported_failed_never_sent(any_broker, unique):
+def test_c28_oversize_record_is_reported_failed_never_sent(broker, unique):
     topic = f"{unique}.rollouts"
     # request 1 MiB
-    small = BusConfig(bootstrap_servers=any_broker, max_message_bytes=MiB - 64 * 1024)
+    small = BusConfig(bootstrap_servers=broker, max_message_bytes=MiB - 64 * 1024)
     ensure_topics(small, {topic: 1})
     p = BatchProducer(small)
     p.send_value(topic, b"\x01" * (3 * MiB), key=b"k")
@@ -34,12 +34,12 @@ def test_c28_oversize_record_is_reported_failed_never_sent(any_broker, unique):
     p.close()
 
 
-def test_row_over_the_limit_fails_at_send_naming_row_key_and_limit(any_broker, unique):
+def test_row_over_the_limit_fails_at_send_naming_row_key_and_limit(broker, unique):
     """On both brokers: a row that alone is over the limit raises at send, naming its row
     in the batch, its key, the topic and the limit; it is never queued nor delivered, and
     the keys before it are."""
     topic = topics.run_topic(unique, "rollouts")
-    cfg = BusConfig(bootstrap_servers=any_broker, max_message_bytes=64 * 1024)
+    cfg = BusConfig(bootstrap_servers=broker, max_message_bytes=64 * 1024)
     ensure_topics(cfg, {topic: 1})
     rows = rollout_rows(6, group_size=2)  # keys g0000 (rows 0, 1), g0001 (2, 3), g0002
     rows[3] = rollout_rows(1, tokens=30_000)[0] | {k: rows[3][k] for k in (
@@ -60,16 +60,16 @@ def test_row_over_the_limit_fails_at_send_naming_row_key_and_limit(any_broker, u
 
 
 @pytest.mark.kafka
-def test_a_topics_own_smaller_limit_is_the_limit(kafka_broker, unique):
+def test_a_topics_own_smaller_limit_is_the_limit(broker, unique):
     """A topic made with a smaller max.message.bytes than this producer's (another run's
     settings, another tool): the producer splits under the topic's limit and refuses at
     send what Kafka would refuse, naming the limit; never counted delivered. Kafka only:
     Tansu keeps no topic configs (it drops the connection on DescribeConfigs), so there
     max_message_bytes stays the limit (and Tansu stores the value)."""
     topic = topics.run_topic(unique, "rollouts")
-    ensure_topics(BusConfig(bootstrap_servers=kafka_broker, max_message_bytes=256 * 1024),
+    ensure_topics(BusConfig(bootstrap_servers=broker, max_message_bytes=256 * 1024),
                   {topic: 1})  # max.message.bytes = 320 KiB
-    p = BatchProducer(BusConfig(bootstrap_servers=kafka_broker))  # max_message_bytes 1 MiB
+    p = BatchProducer(BusConfig(bootstrap_servers=broker))  # max_message_bytes 1 MiB
     assert p.limit(topic) == 256 * 1024
     big = rollout_rows(1, tokens=40_000)  # ~480 KiB encoded
     with pytest.raises(RecordTooLarge) as e:
@@ -90,21 +90,21 @@ def test_a_topics_own_smaller_limit_is_the_limit(kafka_broker, unique):
     p.close()
     from relax.streams.read import read_table
 
-    assert read_table(BusConfig(bootstrap_servers=kafka_broker), topic).column(
+    assert read_table(BusConfig(bootstrap_servers=broker), topic).column(
         "rollout_id").to_pylist() == [r["rollout_id"] for r in rows]
 
 
-def test_c28_big_record_delivered_to_consumer_with_small_fetch_size(any_broker, unique):
+def test_c28_big_record_delivered_to_consumer_with_small_fetch_size(broker, unique):
     run = unique
     topic = topics.run_topic(run, "rollouts")
-    big = BusConfig(bootstrap_servers=any_broker, max_message_bytes=5 * MiB)
+    big = BusConfig(bootstrap_servers=broker, max_message_bytes=5 * MiB)
     ensure_topics(big, {topic: 1})
     p = BatchProducer(big)
     batch = pa.RecordBatch.from_pylist(rollout_rows(1, tokens=3 * MiB // 9), schema=ROLLOUTS)
     assert p.send(topic, batch) == 1
     assert p.flush() == 1
     p.close()
-    small = BusConfig(bootstrap_servers=any_broker, max_message_bytes=MiB - 64 * 1024)
+    small = BusConfig(bootstrap_servers=broker, max_message_bytes=MiB - 64 * 1024)
     c = BatchConsumer(small, topics.group(run, "c28"), [topic], stage="c28")
     assert c.kafka.config["max_partition_fetch_bytes"] == MiB
     got = []
@@ -117,16 +117,16 @@ def test_c28_big_record_delivered_to_consumer_with_small_fetch_size(any_broker, 
     c.close()
 
 
-def test_arrow_batch_over_limit_is_split_not_lost(any_bus, unique):
+def test_arrow_batch_over_limit_is_split_not_lost(bus, unique):
     topic = topics.run_topic(unique, "rollouts")
-    ensure_topics(any_bus, {topic: 1})
-    p = BatchProducer(any_bus)
+    ensure_topics(bus, {topic: 1})
+    p = BatchProducer(bus)
     rows = rollout_rows(64, group_size=64, tokens=4096)  # one key, ~3 MiB
     n = p.send(topic, pa.RecordBatch.from_pylist(rows, schema=ROLLOUTS))
     assert n >= 3 and p.flush() == n
     from relax.streams.read import read_table
 
-    t = read_table(any_bus, topic)
+    t = read_table(bus, topic)
     assert t.column("rollout_id").to_pylist() == [r["rollout_id"] for r in rows]
     p.close()
 
@@ -137,16 +137,16 @@ def _metric_rows(n, start=0):
          for i in range(start, start + n)], schema=METRICS)
 
 
-def test_c29_commit_is_next_offset_and_restart_resumes_there(any_bus, unique):
+def test_c29_commit_is_next_offset_and_restart_resumes_there(bus, unique):
     run = unique
     topic = topics.run_topic(run, "metrics")
-    ensure_topics(any_bus, {topic: 1})
-    p = BatchProducer(any_bus)
+    ensure_topics(bus, {topic: 1})
+    p = BatchProducer(bus)
     for i in range(42):  # 42 messages at offsets 0..41
         p.send(topic, _metric_rows(1, i))
     p.flush()
     group = topics.group(run, "c29")
-    c = BatchConsumer(any_bus, group, [topic], stage="c29")
+    c = BatchConsumer(bus, group, [topic], stage="c29")
     seen = []
     while len(seen) < 42:
         ds = c.poll(1.0)
@@ -156,11 +156,11 @@ def test_c29_commit_is_next_offset_and_restart_resumes_there(any_bus, unique):
     committed = c.commit()
     assert list(committed.values()) == [42]
     c.close()
-    assert group_offsets(any_bus, group) == {(topic, 0): 42}
-    assert group_lag(any_bus, group, [topic]) == {(topic, 0): 0}
+    assert group_offsets(bus, group) == {(topic, 0): 42}
+    assert group_lag(bus, group, [topic]) == {(topic, 0): 0}
     p.send(topic, _metric_rows(1, 42))
     p.flush()
-    c2 = BatchConsumer(any_bus, group, [topic], stage="c29")
+    c2 = BatchConsumer(bus, group, [topic], stage="c29")
     first = []
     for _ in range(30):
         first = c2.poll(1.0)

@@ -39,24 +39,24 @@ def _read(view, n: int, timeout_s: float = 30.0) -> list[tuple[int, int]]:
     return got
 
 
-def test_views_get_their_own_records_once_and_a_later_view_from_the_beginning(any_bus, unique):
+def test_views_get_their_own_records_once_and_a_later_view_from_the_beginning(bus, unique):
     a, b = topics.run_topic(unique, "metrics"), topics.run_topic(f"{unique}b", "metrics")
-    ensure_topics(any_bus, {a: 1, b: 2})
-    _write(any_bus, a, [1, 2, 3])
-    f = Follower(any_bus, "test")
+    ensure_topics(bus, {a: 1, b: 2})
+    _write(bus, a, [1, 2, 3])
+    f = Follower(bus, "test")
     try:
         va = f.follow(a, 1)
         vb = f.follow(b, 2)
         assert _read(va, 3) == [(0, 0), (0, 1), (0, 2)]
         assert _read(vb, 0, 1.0) == []
-        _write(any_bus, b, [4])
-        _write(any_bus, a, [5])
+        _write(bus, b, [4])
+        _write(bus, a, [5])
         assert len(_read(vb, 1)) == 1
         late = f.follow(a, 1)  # a second reader of a: all four records, the first one none again
         assert _read(late, 4) == [(0, 0), (0, 1), (0, 2), (0, 3)]
         assert _read(va, 1) == [(0, 3)]
         late.close()
-        _write(any_bus, a, [6])
+        _write(bus, a, [6])
         assert _read(va, 1) == [(0, 4)]
         assert late.poll(0.2) == []
     finally:
@@ -64,10 +64,10 @@ def test_views_get_their_own_records_once_and_a_later_view_from_the_beginning(an
     assert va.poll(0.1) == []  # closed: nothing, no error
 
 
-def test_a_thread_waiting_on_one_view_gets_its_record_while_another_thread_fetches(any_bus, unique):
+def test_a_thread_waiting_on_one_view_gets_its_record_while_another_thread_fetches(bus, unique):
     a, b = topics.run_topic(unique, "metrics"), topics.run_topic(f"{unique}b", "metrics")
-    ensure_topics(any_bus, {a: 1, b: 1})
-    f = Follower(any_bus, "test")
+    ensure_topics(bus, {a: 1, b: 1})
+    f = Follower(bus, "test")
     va, vb = f.follow(a, 1), f.follow(b, 1)
     got: list = []
 
@@ -80,7 +80,7 @@ def test_a_thread_waiting_on_one_view_gets_its_record_while_another_thread_fetch
         t = threading.Thread(target=wait_on_b)
         t.start()
         stop = time.monotonic() + 60
-        _write(any_bus, b, [1.0])
+        _write(bus, b, [1.0])
         while t.is_alive() and time.monotonic() < stop:
             assert va.poll(0.5) == []  # the main thread fetches for both, half the time
         t.join(1)
@@ -90,11 +90,11 @@ def test_a_thread_waiting_on_one_view_gets_its_record_while_another_thread_fetch
         f.close()
 
 
-def test_a_view_made_without_a_follower_closes_its_own_client(any_bus, unique):
+def test_a_view_made_without_a_follower_closes_its_own_client(bus, unique):
     a = topics.run_topic(unique, "metrics")
-    ensure_topics(any_bus, {a: 1})
-    _write(any_bus, a, [1, 2])
-    view = follow(any_bus, a, 1, "test")
+    ensure_topics(bus, {a: 1})
+    _write(bus, a, [1, 2])
+    view = follow(bus, a, 1, "test")
     assert _read(view, 2) == [(0, 0), (0, 1)]
     view.close()
     assert view.follower.closed

@@ -10,15 +10,15 @@ import pytest
 from relax.streams.client import BusConfig, consumer_kwargs, ensure_topics
 
 
-def test_a_join_that_finishes_between_polls_is_kept(any_bus, unique):
+def test_a_join_that_finishes_between_polls_is_kept(bus, unique):
     """Polls that never wait (timeout 0) with pauses longer than the broker's JoinGroup
     hold between them: every JoinGroup finishes while no poll waits. kafka-python 3.0
     alone schedules a new JoinGroup on each poll and never gets an assignment."""
     from kafka import KafkaConsumer
 
     topic = unique + ".rollouts"
-    ensure_topics(any_bus, {topic: 2})
-    c = KafkaConsumer(**consumer_kwargs(any_bus, unique + ".g"))
+    ensure_topics(bus, {topic: 2})
+    c = KafkaConsumer(**consumer_kwargs(bus, unique + ".g"))
     c.subscribe([topic])
     try:
         for _ in range(8):  # coordinator lookup, member id round trip, the join, spares
@@ -59,7 +59,7 @@ def test_two_members_polling_in_turn_settle(bus, unique):
 
 
 @pytest.mark.kafka
-def test_a_leader_join_started_by_new_metadata_is_kept(kafka_broker, tmp_path, unique):
+def test_a_leader_join_started_by_new_metadata_is_kept(broker, tmp_path, unique):
     """The leader's rejoin after new partition metadata (its first assignment found no
     partitions: the topic came later) finishes while no poll waits. The leader's
     assignment records the metadata it used, so kafka-python 3.0 alone sees no more
@@ -69,7 +69,7 @@ def test_a_leader_join_started_by_new_metadata_is_kept(kafka_broker, tmp_path, u
     from kafka import KafkaConsumer
     from kafka.coordinator.base import MemberState
 
-    bus = BusConfig(bootstrap_servers=kafka_broker, blob_store=str(tmp_path / "blobs"))
+    bus = BusConfig(bootstrap_servers=broker, blob_store=str(tmp_path / "blobs"))
     topic = unique + ".train_samples"
     c = KafkaConsumer(**consumer_kwargs(bus, unique + ".g"))
     c.subscribe([topic])  # before the topic exists: the first join assigns nothing

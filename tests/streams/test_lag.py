@@ -30,13 +30,13 @@ def _write(bus: BusConfig, topic: str, counts: dict[int, int]) -> None:
     p.close()
 
 
-def test_probe_answers_as_the_one_off_functions_over_one_client(any_bus, unique):
+def test_probe_answers_as_the_one_off_functions_over_one_client(bus, unique):
     a, b = topics.run_topic(f"{unique}a", "metrics"), topics.run_topic(unique, "metrics")
-    ensure_topics(any_bus, {a: 2, b: 1})
-    _write(any_bus, a, {0: 3, 1: 1})
-    _write(any_bus, b, {0: 2})
+    ensure_topics(bus, {a: 2, b: 1})
+    _write(bus, a, {0: 3, 1: 1})
+    _write(bus, b, {0: 2})
     group = topics.group(unique, "lag")
-    c = BatchConsumer(any_bus, group, [b], stage="lag")
+    c = BatchConsumer(bus, group, [b], stage="lag")
     seen = []
     while len(seen) < 2:
         ds = c.poll(1.0)
@@ -45,15 +45,15 @@ def test_probe_answers_as_the_one_off_functions_over_one_client(any_bus, unique)
     c.commit()
     c.close()
 
-    probe = LagProbe(any_bus)
+    probe = LagProbe(bus)
     try:
         ends = probe.high_watermarks([a, b])
         client = probe._admin
-        assert ends == {(a, 0): 3, (a, 1): 1, (b, 0): 2} == high_watermarks(any_bus, [a, b])
-        assert probe.group_offsets(group) == {(b, 0): 2} == group_offsets(any_bus, group)
+        assert ends == {(a, 0): 3, (a, 1): 1, (b, 0): 2} == high_watermarks(bus, [a, b])
+        assert probe.group_offsets(group) == {(b, 0): 2} == group_offsets(bus, group)
         assert probe.topic_partitions([a, b, "absent"]) == {a: 2, b: 1}
         assert {a, b} <= set(probe.list_topics()) and group in probe.list_groups()
-        _write(any_bus, a, {1: 2})  # a later question sees the new records
+        _write(bus, a, {1: 2})  # a later question sees the new records
         assert probe.high_watermarks([a])[(a, 1)] == 3
         assert probe._admin is client  # every question went through the one client
     finally:
@@ -64,7 +64,7 @@ def test_probe_answers_as_the_one_off_functions_over_one_client(any_bus, unique)
 def test_probe_drops_its_client_when_the_broker_goes_and_answers_after_it_is_back(
         tmp_path, unique):
     topic = topics.run_topic(unique, "metrics")
-    with LocalBroker(log_path=tmp_path / "first.log") as first:
+    with LocalBroker() as first:
         bus = BusConfig(bootstrap_servers=first.bootstrap)
         ensure_topics(bus, {topic: 1})
         probe = LagProbe(bus)
@@ -74,7 +74,7 @@ def test_probe_drops_its_client_when_the_broker_goes_and_answers_after_it_is_bac
         probe.topic_partitions([topic])
     assert probe._admin is None
     port = int(first.bootstrap.rsplit(":", 1)[1])
-    with LocalBroker(port=port, log_path=tmp_path / "second.log"):
+    with LocalBroker(port=port):
         try:  # a new broker on the same address: a new client, which sees its (empty) state
             assert probe.topic_partitions([topic]) == {}
             ensure_topics(bus, {topic: 1})

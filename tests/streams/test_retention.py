@@ -67,10 +67,10 @@ def _drain(c: BatchConsumer, want: int, timeout_s: float = 60.0, quiet_s: float 
 
 @pytest.mark.kafka
 def test_records_deleted_below_a_committed_offset_are_reported_and_the_rest_read_once(
-        kafka_broker, unique, caplog):
+        broker, unique, caplog):
     from kafka import TopicPartition
 
-    cfg = BusConfig(bootstrap_servers=kafka_broker)
+    cfg = BusConfig(bootstrap_servers=broker)
     run, n, k, m = unique, 12, 3, 8
     topic = topics.run_topic(run, topics.ROLLOUTS)
     group = topics.group(run, "reader")
@@ -127,23 +127,23 @@ def test_records_deleted_below_a_committed_offset_are_reported_and_the_rest_read
 
 
 @pytest.mark.kafka
-def test_records_deleted_ahead_of_a_reading_consumer_are_reported(kafka_broker, unique, caplog):
+def test_records_deleted_ahead_of_a_reading_consumer_are_reported(broker, unique, caplog):
     """A consumer that falls behind while it reads: retention deletes records past its
     position, kafka-python resets it to the log start, and the jump is counted."""
     from kafka import TopicPartition
 
-    cfg = BusConfig(bootstrap_servers=kafka_broker)
+    cfg = BusConfig(bootstrap_servers=broker)
     run, n, m = unique, 12, 8
     topic = topics.run_topic(run, topics.ROLLOUTS)
     ensure_topics(cfg, {topic: 1})
-    p = BatchProducer(BusConfig(bootstrap_servers=kafka_broker, compression=None))
+    p = BatchProducer(BusConfig(bootstrap_servers=broker, compression=None))
     for row in rollout_rows(n, group_size=1, tokens=3000):  # ~36 KB, one batch each
         p.send(topic, pa.RecordBatch.from_pylist([row], schema=ROLLOUTS))
         assert p.flush() == 1
     p.close()
     # fetches of at most 65 KiB a partition: one message each, so the client holds at
     # most a fetch or two ahead of what it handed out
-    small = BusConfig(bootstrap_servers=kafka_broker, max_message_bytes=1024)
+    small = BusConfig(bootstrap_servers=broker, max_message_bytes=1024)
     c = BatchConsumer(small, topics.group(run, "slow"), [topic], stage="slow")
     first = []
     for _ in range(60):

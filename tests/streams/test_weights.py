@@ -192,7 +192,7 @@ def test_newest_rows_keeps_the_newest_of_each_transport_in_order():
 
 @pytest.mark.parametrize("same_host", [False, True], ids=["remote", "same-host"])
 def test_a_late_joiner_past_the_snapshot_window_loads_the_newest_kept_snapshot(
-        any_bus, unique, tmp_path, same_host):
+        bus, unique, tmp_path, same_host):
     """A subscriber that starts after the store's retention deleted the early snapshots
     (issue 52: a rollout instance restarted at step 45 went through the history's
     checkpoint announcements in order, loaded v0's deleted snapshot, and the run died)
@@ -202,12 +202,12 @@ def test_a_late_joiner_past_the_snapshot_window_loads_the_newest_kept_snapshot(
     model = torch.nn.Linear(4, 3)
     store = tmp_path / "ckpt"
     (tmp_path / "shm").mkdir()
-    pub = WeightPublisher(any_bus, unique, checkpoint_dir=store, checkpoint_every=1,
+    pub = WeightPublisher(bus, unique, checkpoint_dir=store, checkpoint_every=1,
                           keep_checkpoints=3, shm_root=tmp_path / "shm" if same_host else None)
     target = torch.nn.Linear(4, 3)
     # an engine there from the start: same-host files announced for it (in the run of
     # the issue, that made the late joiner skip its catch-up and walk the history)
-    early = WeightSubscriber(any_bus, unique, member_id="early",
+    early = WeightSubscriber(bus, unique, member_id="early",
                              rendezvous=pub.rendezvous).start()
     try:
         for v in range(1, 41):
@@ -217,7 +217,7 @@ def test_a_late_joiner_past_the_snapshot_window_loads_the_newest_kept_snapshot(
         assert early.wait_for(40, 30) == 40
         assert sorted(p.name for p in store.iterdir()) == [
             "v00000038", "v00000039", "v00000040"]
-        with WeightSubscriber(any_bus, unique, member_id="late") as sub:
+        with WeightSubscriber(bus, unique, member_id="late") as sub:
             assert sub.wait_for(40, 60) == 40
             assert sub.apply(target) == 40 and sub.error is None
             loaded = [v for v, how in sub.stats.history if how == "checkpoint"]
