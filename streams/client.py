@@ -1,9 +1,9 @@
 """Kafka client settings and topic administration (kafka-python).
 
-Works against any Kafka-protocol cluster, tested on Apache Kafka and on the local
-Tansu broker. Clients: short session timeout and heartbeat (Tansu holds a JoinGroup
-for half the session timeout; docs/architecture.md, section 8), client size limits raised to
-the message size, crc32c for speed, idempotent producers with ``acks=all``.
+Works against any Kafka cluster, tested on Apache Kafka 4.4 (the local broker of every
+run and test). Clients: short session timeout and heartbeat (a stage that dies is out of
+its consumer group within 6 s), client size limits raised to the message size, crc32c
+for speed, idempotent producers with ``acks=all``.
 
 Topics are created explicitly (Kafka runs with ``auto.create.topics.enable=false``: a
 produce to a missing topic blocks for ``max_block_ms``, 60 s, then fails), each with
@@ -12,19 +12,10 @@ its partition count and the settings real Kafka enforces (:func:`topic_settings`
 ``min.insync.replicas`` fitting the cluster, ``cleanup.policy=compact`` for the keyed
 state topics of :data:`relax.schemas.topics.COMPACTED`.
 
-Tansu quirks, and how relax works around them in ways that are correct on every broker
-(no code branches on the broker kind):
-
-- JoinGroup held for half the session timeout: ``BusConfig.session_timeout_ms`` 6000.
-- ListOffsets answers the last batch's base offset + 1: lag, record counts and state
-  recovery read the *fetch* high watermark (``streams/lag.py``, ``streams/read.py::read_partition``).
-- A fetch with ``fetch_max_wait_ms=0`` omits empty partitions: watermark reads wait 10 ms.
-- OffsetFetch drops commit metadata: the rollout epoch lives on ``<run>.rollout_state``.
-- A produce to a missing topic waits 60 s, then the topic appears with 4 partitions:
-  every topic is created, with its partition count, before it is first written.
-- Memory only: ``relax train`` notices a restarted broker (``infra/launch.py``).
-- Topic configs are accepted and ignored (DescribeConfigs answers none), so the
-  settings above need no Tansu branch.
+Reads that must see every record up to now (lag, record counts, state recovery) take
+the *fetch* high watermark (``streams/lag.py``, ``streams/read.py::read_partition``),
+which is right on every Kafka; commit metadata is not relied on (the rollout epoch lives
+on ``<run>.rollout_state``).
 """
 
 from __future__ import annotations
@@ -44,15 +35,10 @@ FETCH_WAIT_MS = 200
 """Default longest time the broker holds an empty fetch (``fetch_max_wait_ms``, ms;
 ``BusConfig.fetch_wait_ms``, the recipe's ``bus.fetch_wait_ms``). An idle kafka-python
 consumer polls the broker again after each empty fetch, so short waits burn CPU that
-co-located stages need (measured on Tansu, 2 cores, one idle consumer: 10.5 % of a core
-at 20 ms, 1.7 % at 200 ms, 0.8 % at 500 ms). The price on Tansu 0.6.0: it answers a
-fetch already waiting when a record arrives only at half this wait, so a record reaches
-a reader that loops on ``poll`` in up to ~100 ms at 200 ms (median 20-44 ms), in 2-12 ms
-at 10-20 ms (``benchmarks/bus_latency.py --waits``). Apache Kafka answers such a fetch
-as soon as the record arrives, so a longer wait costs no latency there; on 2 cores a
-relax sync run on Kafka at 1000 ms was still no faster than on Tansu at 200 ms (the JVM's
-cores came out of training; ``benchmarks/RESULTS.md``, "2026-12-06 (morning)"). A reader
-polled only on demand takes a short wait of its own (``TopicReader(fetch_wait_ms=...)``)."""
+co-located stages need (measured on 2 cores, one idle consumer: 10.5 % of a core at
+20 ms, 1.7 % at 200 ms, 0.8 % at 500 ms). Apache Kafka answers a fetch already waiting as
+soon as a record arrives, so a longer wait costs no latency. A reader polled only on
+demand takes a short wait of its own (``TopicReader(fetch_wait_ms=...)``)."""
 
 RECONNECT_BACKOFF_MAX_MS = 1000
 """Longest wait between a client's attempts to reach a broker it lost (ms; every relax
@@ -74,8 +60,8 @@ class BusConfig(BaseModel):
         max_message_bytes: largest Kafka message value relax produces (bytes);
             batches are split under it, larger single values go to the blob store.
         blob_store: folder or ``pyarrow.fs`` URI for values over the limit (None = off).
-        session_timeout_ms / heartbeat_interval_ms: consumer-group liveness (ms);
-            Tansu holds a JoinGroup for half the session timeout, hence 6000/2000.
+        session_timeout_ms / heartbeat_interval_ms: consumer-group liveness (ms): a
+            member that stops heartbeating is out of its group after 6 s.
         compression: Kafka-level producer compression (``zstd``, ``lz4``, ``gzip``, None).
         linger_ms: producer batching delay (ms).
         fetch_wait_ms: longest time the broker holds an empty fetch of a reader that
@@ -86,8 +72,7 @@ class BusConfig(BaseModel):
             ``acks=all``, a write needs this many replicas); None = 2 when the
             replication factor is 3 or more, else 1.
         retention_ms: ``retention.ms`` of each non-compacted topic relax creates (ms; -1 =
-            keep forever); None = the broker's default (Kafka: 7 days). Tansu keeps
-            everything in memory until it stops and ignores it.
+            keep forever); None = the broker's default (Kafka: 7 days).
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -136,7 +121,7 @@ def producer_kwargs(cfg: BusConfig, client_id: str | None = None) -> dict:
         batch_size=min(cfg.request_bytes, 1 << 20),
         acks="all",
         reconnect_backoff_max_ms=RECONNECT_BACKOFF_MAX_MS,
-        # the broker drops a retried batch it already wrote (on Tansu too); explicit, so a
+        # the broker drops a retried batch it already wrote; explicit, so a
         # setting that conflicts (acks, retries, in-flight requests) raises instead of
         # silently turning it off
         enable_idempotence=True,
