@@ -306,8 +306,8 @@ class Controller:
         changed = [n for n, s in wanted.items()
                    if n in self.stages and self.stages[n].spec.config != s.config]
         # new ones first, removed ones last, restarts one at a time in between: the
-        # consumer group is never empty (Tansu can wedge a group that every member left
-        # and one rejoins: SyncGroup answers REBALANCE_IN_PROGRESS for good)
+        # consumer group is never empty (a group that every member left and one rejoins
+        # waits out the rebalance timeout)
         for n in new:
             self.stages[n] = self._start(wanted[n])
         for n in changed:

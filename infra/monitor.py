@@ -5,8 +5,7 @@ Three layers, so the numbers can be tested without a terminal or a browser:
 * :class:`RunReader` (I/O, in :mod:`relax.infra.monitor_reader` with the row folds
   and :class:`Reading`): on each :meth:`~RunReader.read` it lists the run's
   topics and consumer groups (``<run>.*``), reads the high watermark of every
-  partition (from a fetch: ListOffsets is wrong on Tansu, see
-  :mod:`relax.streams.lag`), each group's committed offsets, and the messages
+  partition (from a fetch, see :mod:`relax.streams.lag`), each group's committed offsets, and the messages
   written since the previous read (group-less, positions kept between reads:
   ``<run>.metrics`` from offset 0, ``<run>.train_samples`` from offset 0 unless the
   trainer's reward metrics are already there, the other run topics from where they

@@ -42,8 +42,7 @@ for minutes (a call of up to its ``timeout_s``, then each row alone as long), wh
 clean stop waits 60 s; the others wait for data and stop at once."""
 METRICS_FETCH_WAIT_MS = 1000
 """The driver's metrics reader's longest empty fetch (``fetch_max_wait_ms``). It only
-prints steps and sees the trainer's ``done``, so a record may wait up to ~0.5 s (Tansu
-answers a waiting fetch at about half the wait) where the stages' 200 ms default would
+prints steps and sees the trainer's ``done``, where the stages' 200 ms default would
 cost five fetch round trips a second in the driver and the broker for the whole run."""
 
 log = logging.getLogger(__name__)

@@ -103,9 +103,9 @@ def loop_stalled(answered: bool, loop_age_s: float | None, unanswered_s: float,
 
 def broker_state_lost(seen_records: int | None, records_now: int | None) -> bool:
     """Whether the broker lost the run's topics since the last look: the metrics topic
-    (only ever appended to) holds fewer records than were seen, or is gone (None). A
-    memory-only broker (the local Tansu) loses everything when it restarts; a durable
-    Kafka keeps its log, so a restart of it never trips this.
+    (only ever appended to) holds fewer records than were seen, or is gone (None). Kafka
+    keeps its log on disk, so a restart of it never trips this; a broker that comes back
+    without its data (a new folder, lost disks) does.
 
     Args:
         seen_records: records of ``<run>.metrics`` at the last look (None: never seen).

@@ -285,8 +285,8 @@ def topic_message_limits(cfg: BusConfig, topics: list[str], _admin=None) -> dict
     Topics the cluster does not describe (missing ones) are left out.
 
     Raises:
-        kafka.errors.KafkaError: the request failed. Tansu 0.6.0 keeps no topic configs
-            and drops the connection on it (``KafkaConnectionError``).
+        kafka.errors.KafkaError: the request failed (``KafkaConnectionError`` from a
+            broker that keeps no topic configs).
     """
     from kafka.admin import ConfigResource, ConfigResourceType
 

@@ -424,8 +424,8 @@ class BatchConsumer:
                             e)
                 return {}
             except RebalanceInProgressError as e:
-                # a member joined or left (Tansu answers a commit with this while the group
-                # rebalances; kafka-python raises it as not retriable): the offsets stay
+                # a member joined or left (a broker answers a commit with this while the
+                # group rebalances; kafka-python raises it as not retriable): the offsets stay
                 # committable, for the next commit once this member holds its partitions
                 # again, or the new owner re-reads them
                 log.warning("commit skipped: the group is rebalancing (%s)", e)

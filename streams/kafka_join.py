@@ -2,13 +2,13 @@
 
 kafka-python 3.0 runs JoinGroup -> SyncGroup as a task on its I/O thread and awaits it
 inside ``KafkaConsumer.poll``. A broker holds a JoinGroup until every member has
-rejoined (Tansu: half the session timeout, 3 s; Kafka: up to the rebalance timeout), so
+rejoined (Kafka: up to the rebalance timeout), so
 with polls shorter than that the task often completes while no poll is waiting. The
 next poll then finds the task done, schedules a *new* JoinGroup and drops the finished
 task's assignment (``BaseCoordinator.join_group_async``: ``if self._join_task is None or
 self._join_task.is_done``). Every member's rejoin starts another rebalance, so two
 members that poll in turn can livelock: the group never settles and one member keeps
-every partition (measured: 13 of 19 two-member rebalances on Tansu did not settle in
+every partition (measured: 13 of 19 two-member rebalances did not settle in
 40 s; the CI failure of ``test_finishing_deliveries_of_a_revoked_partition_is_harmless``).
 
 :func:`apply` wraps ``join_group_async`` so that a task which finished successfully is

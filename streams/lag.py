@@ -1,8 +1,8 @@
 """Record counts and consumer-group lag that are correct on every Kafka-protocol broker.
 
-Tansu's ListOffsets answers with the last record batch's base offset + 1, not
-the log end (docs/architecture.md, section 8), so ``end_offsets`` cannot be trusted.
-The high watermark returned with every *fetch* is right everywhere: this module
+Some Kafka-protocol brokers answer ListOffsets with the last record batch's base
+offset + 1, not the log end, so ``end_offsets`` is not relied on. The high watermark
+returned with every *fetch* is right everywhere: this module
 assigns the partitions to a group-less consumer, fetches at most one byte from
 each (KIP-74 still returns the first batch) and reads the watermark.
 Lag of a group = high watermark - committed offset (the next offset to read).
@@ -38,7 +38,7 @@ def high_watermarks(cfg: BusConfig, topics: list[str], timeout_s: float = 10.0,
         return {}
     c = KafkaConsumer(bootstrap_servers=cfg.bootstrap_servers.split(","), group_id=None,
                       enable_auto_commit=False, max_partition_fetch_bytes=1, fetch_max_bytes=1,
-                      fetch_max_wait_ms=10,  # 0 makes Tansu omit empty partitions
+                      fetch_max_wait_ms=10,  # 0 lets a broker omit empty partitions
                       client_id=f"relax-lag-{uuid.uuid4().hex[:6]}",
                       reconnect_backoff_max_ms=RECONNECT_BACKOFF_MAX_MS)
     try:
@@ -58,8 +58,8 @@ def high_watermarks(cfg: BusConfig, topics: list[str], timeout_s: float = 10.0,
 
 def topic_record_counts(cfg: BusConfig, topics: list[str]) -> dict[str, dict[int, int]]:
     """``{topic: {partition: records}}``: offsets written per partition (high watermark).
-    Tansu keeps everything; on Kafka these counts include records that retention
-    (``retention.ms``, 7 days by default) has since deleted."""
+    These counts include records that retention (``retention.ms``, 7 days by default)
+    has since deleted."""
     out: dict[str, dict[int, int]] = {t: {} for t in topics}
     for (t, p), hw in high_watermarks(cfg, topics).items():
         out[t][p] = hw
@@ -102,9 +102,9 @@ class LagProbe:
     open, for a caller that asks every few seconds (the run's watch, ``relax monitor``).
     A new client per question costs its connection, version probe and metadata: the
     watch made 3, plus 3 per stage judged by its input, every 5 s; with 4 such stages
-    (15 clients) that was 0.15-0.17 s of CPU in the driver and 0.03 s in the broker
-    (measured on Tansu); with one client and one :func:`high_watermarks` call over all
-    the stages' inputs, 0.03 s and 0.01 s. After
+    (15 clients) that was 0.15-0.17 s of CPU in the driver and 0.03 s in the broker;
+    with one client and one :func:`high_watermarks` call over all the stages' inputs,
+    0.03 s and 0.01 s. After
     a bus error the client is dropped and the next question opens a new one (the broker
     may have been restarted or moved).
 

@@ -14,7 +14,7 @@ only after ``flush`` returned.
 Size: a value is never larger than :meth:`BatchProducer.limit` of its topic, the
 smaller of ``max_message_bytes`` and what the topic's own ``max.message.bytes`` leaves
 for a value (asked of the cluster once per topic), so every broker gives the same answer
-(Tansu stores a record over a topic's limit; Kafka refuses it). Batches are split under
+(some brokers store a record over a topic's limit; Kafka refuses it). Batches are split under
 it; a row that alone is over it raises :class:`~relax.streams.codec.RecordTooLarge` at
 :meth:`~BatchProducer.send` naming the row, its key, the topic and the limit, and is
 neither queued nor counted; a raw value over it (:meth:`~BatchProducer.send_value`)
@@ -53,8 +53,7 @@ log = logging.getLogger(__name__)
 
 _UNDESCRIBED: set[str] = set()
 """``bootstrap_servers`` of clusters whose DescribeConfigs failed in this process: not asked
-again (Tansu drops the connection on it, and kafka-python logs three ERROR lines each
-time), so :meth:`BatchProducer.limit` is ``max_message_bytes`` there."""
+again (kafka-python logs three ERROR lines each time), so :meth:`BatchProducer.limit` is ``max_message_bytes`` there."""
 
 KEY_COLUMNS: dict[str, str | None] = {
     "prompts": "prompt_id",
@@ -206,8 +205,7 @@ class BatchProducer:
         a value (less the framing headroom of :attr:`BusConfig.request_bytes`) where that
         is smaller: a topic made by a run with a smaller ``max_message_bytes``, or by
         someone else. Asked of the cluster at the first send to the topic; a cluster that
-        does not answer leaves ``max_message_bytes`` (Tansu keeps no topic configs, and
-        Kafka's refusal at :meth:`flush` stays the check where the cluster is away), for
+        does not answer leaves ``max_message_bytes`` (Kafka's refusal at :meth:`flush` stays the check where the cluster is away), for
         every topic of it from then on (:data:`_UNDESCRIBED`)."""
         from kafka.errors import KafkaError
 

@@ -36,9 +36,7 @@ class TopicReader:
         name: part of the client id (``relax-<name>-<random>``), for the broker's logs.
         fetch_wait_ms: longest time the broker holds an empty fetch (default
             ``cfg.fetch_wait_ms``). A reader polled only when it needs an answer (not
-            in a loop) loses nothing by a short one, and Tansu answers a fetch already
-            waiting when a record arrives only at half of it
-            (``benchmarks/bus_latency.py``).
+            in a loop) loses nothing by a short one.
     """
 
     def __init__(self, cfg: BusConfig, name: str = "read", fetch_wait_ms: int | None = None):
@@ -106,10 +104,7 @@ class TopicReader:
         """The partition's end offset from ListOffsets on this client's connection (~2 ms,
         no new client; but a broker answers a connection's requests in order, so on a
         client that also follows partitions it waits behind the pending fetch, up to
-        ``cfg.fetch_wait_ms``: keep a separate, idle reader for it). Exact on Apache Kafka; on
-        Tansu, the base offset of the last record batch + 1 (``streams/lag.py``): a read
-        up to it still fetches that whole batch, so a reader that keeps every record it
-        is handed sees the log to its end.
+        ``cfg.fetch_wait_ms``: keep a separate, idle reader for it).
 
         Raises:
             kafka.errors.KafkaError: no answer within ``timeout_s`` (``KafkaTimeoutError``),
@@ -161,9 +156,9 @@ def read_partition(cfg: BusConfig, topic: str, partition: int, start: int = 0,
     when the consumer group assigns it to them by reading that changelog partition from
     the start to its high watermark. The end is the *fetch* high watermark, which is
     right on every broker; faust's table recovery reads to ``end_offsets``
-    (ListOffsets), which Tansu answers with the last record batch's base offset + 1, so
-    it would stop early and lose state (measured: 7 records in one batch ->
-    end_offsets 1, fetch high watermark 7).
+    (ListOffsets), which some Kafka-protocol brokers answer with the last record batch's
+    base offset + 1, so it would stop early and lose state (measured on one: 7 records in
+    one batch -> end_offsets 1, fetch high watermark 7).
 
     Raises:
         TimeoutError: see :meth:`TopicReader.read_range`.

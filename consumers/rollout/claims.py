@@ -30,7 +30,8 @@ log = logging.getLogger(__name__)
 CLAIM_FETCH_WAIT_MS = 10
 """The claim reader's longest empty fetch (``fetch_max_wait_ms``): it is polled only
 around a claim, so it never spins; with the default 200 ms, every claim made after an
-``allowance()`` poll waited ~100 ms for its own record (Tansu)."""
+``allowance()`` poll waited for its own record on a broker that answers a waiting
+fetch late."""
 
 
 class ClaimTimeout(TimeoutError):
