@@ -147,4 +147,8 @@ class TrainerConfig(BaseModel):
         if self.loss.is_mode is not None and self.old_logprobs == "rollout":
             raise ValueError("loss.is_mode corrects between trainer and rollout log-probs: it "
                              "needs old_logprobs 'recompute' (with 'rollout' the weight is 1)")
+        if self.loss.policy_loss == "m2po" and self.old_logprobs != "rollout":
+            raise ValueError(f"loss.policy_loss 'm2po' bounds the ratio to the behaviour policy: "
+                             f"it needs old_logprobs 'rollout', not {self.old_logprobs!r} (the "
+                             f"ratio to a recomputed pi_old is ~1 and would mask nothing)")
         return self

@@ -117,8 +117,11 @@ def test_every_aggregation_is_micro_batch_split_invariant(case, mode):
 @pytest.mark.parametrize("mode", AGG_MODES)
 def test_compute_policy_loss_split_invariant_in_value_and_gradient(policy_loss, mode):
     d = random_batch(seed=3, b=5, tt=6)
+    # m2po's mask is a statistic of the tokens of one call (AReaL's, per micro-batch): a
+    # binding threshold depends on the split (tests/trainer/test_m2po.py); this one does not bind
+    m2 = {"m2_threshold": 1e6} if policy_loss == "m2po" else {}
     cfg = cfg_for(mode, policy_loss=policy_loss, kl_coef=0.1, kl_in="loss", entropy_coef=0.01,
-                  is_mode="tis", dual_clip_c=3.0 if policy_loss == "ppo_clip" else None)
+                  is_mode="tis", dual_clip_c=3.0 if policy_loss == "ppo_clip" else None, **m2)
     n_tok, n_seq = aggregate.mask_counts(d["mask"])
 
     def run(idx):

@@ -4,7 +4,8 @@ Every estimator in ``ADVANTAGE_ESTIMATORS`` is a pure function
 ``fn(rewards [N] float32, group_ids [N] int64, **options) -> advantages [N] float32``
 (samples in any order; group statistics per ``group_id``). Per-token advantages
 for the ``advantages`` column are the sample's value on every loss token.
-On-policy distillation is per token and lives in :mod:`.distill`.
+On-policy distillation is per token and lives in :mod:`.distill`; GAE (PPO with a
+critic) is per token too, from token rewards and values: :mod:`.gae`.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from relax.trainer.advantage.distill import distill_advantages
+from relax.trainer.advantage.gae import gae_advantages, masked_whiten, outcome_token_rewards
 from relax.trainer.advantage.grpo import dr_grpo_advantages, grpo_advantages
 from relax.trainer.advantage.reinforce_pp import (reinforce_pp_advantages,
                                                     reinforce_pp_baseline_advantages)
@@ -49,4 +51,5 @@ def compute_advantages(name: str, rewards: torch.Tensor, group_ids: torch.Tensor
     return ADVANTAGE_ESTIMATORS[name](rewards, group_ids, **options)
 
 
-__all__ = ["ADVANTAGE_ESTIMATORS", "compute_advantages", "distill_advantages"]
+__all__ = ["ADVANTAGE_ESTIMATORS", "compute_advantages", "distill_advantages",
+           "gae_advantages", "masked_whiten", "outcome_token_rewards"]

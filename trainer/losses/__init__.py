@@ -6,6 +6,9 @@
   norm_divisor)`` -> scalar.
 * ``KL_ESTIMATORS[name](logprobs, ref_logprobs)`` -> ``[B, T]``.
 
+:func:`compute_value_loss` is the critic's (PPO with a value model): the clipped value
+loss of :mod:`.value`, aggregated the same way.
+
 :func:`compute_policy_loss` is what the trainer calls once per micro-batch; with
 ``global_tokens`` / ``global_seqs`` counted over the whole optimizer step
 (:func:`~relax.trainer.losses.aggregate.mask_counts` summed over micro-batches),
@@ -22,17 +25,20 @@ import torch
 
 from relax.trainer.losses import aggregate, kl
 from relax.trainer.losses.cispo import cispo_loss
-from relax.trainer.losses.config import LossConfig
+from relax.trainer.losses.config import LossConfig, ValueLossConfig
 from relax.trainer.losses.gspo import gspo_loss
 from relax.trainer.losses.importance import rollout_importance_weights
+from relax.trainer.losses.m2po import m2po_loss
 from relax.trainer.losses.ppo_clip import ppo_clip_loss
 from relax.trainer.losses.sapo import sapo_loss
+from relax.trainer.losses.value import clipped_value_loss
 
 POLICY_LOSSES = {
     "ppo_clip": ppo_clip_loss,
     "gspo": gspo_loss,
     "sapo": sapo_loss,
     "cispo": cispo_loss,
+    "m2po": m2po_loss,
 }
 
 LOSS_AGGREGATIONS = {
@@ -156,5 +162,50 @@ def compute_policy_loss(cfg: LossConfig, logprobs: torch.Tensor, old_logprobs: t
     return loss, metrics
 
 
+def compute_value_loss(cfg: ValueLossConfig, values: torch.Tensor, old_values: torch.Tensor,
+                       returns: torch.Tensor, loss_mask: torch.Tensor, *,
+                       global_tokens: aggregate.Count, global_seqs: aggregate.Count,
+                       ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The critic's loss of one micro-batch: ``agg(0.5 * max((v - R)^2, (clip(v) - R)^2))``
+    (:func:`.value.clipped_value_loss`), ``agg`` being ``cfg.loss_agg_mode`` over the
+    global counts, so micro-batch losses sum to the batch's (as :func:`compute_policy_loss`).
+    With ``token-mean`` it is veRL's ``compute_value_loss`` and TRL's ``vf_loss``.
+
+    Args:
+        cfg: the value-loss settings.
+        values: ``[B, T]`` float32 new critic values (differentiable).
+        old_values: ``[B, T]`` float32 values of the critic that scored the rollout.
+        returns: ``[B, T]`` float32 GAE returns.
+        loss_mask: ``[B, T]`` bool/int; NaN/inf at masked positions never reach the loss.
+        global_tokens, global_seqs: as :func:`compute_policy_loss`.
+
+    Returns:
+        ``(loss scalar, {"value_loss", "vf_clip_frac"})``, metrics 0-dim detached and
+        additive over micro-batches (``vf_clip_frac`` a token mean).
+
+    Raises:
+        ValueError: on a shape mismatch.
+    """
+    mask = loss_mask.bool()
+    for name, t in (("old_values", old_values), ("returns", returns), ("loss_mask", loss_mask)):
+        if t.shape != values.shape:
+            raise ValueError(f"{name} shape {tuple(t.shape)} != values shape "
+                             f"{tuple(values.shape)}")
+
+    def safe(x: torch.Tensor) -> torch.Tensor:
+        return torch.where(mask, x, torch.zeros_like(x))
+
+    per_token, token_metrics = clipped_value_loss(
+        safe(values), safe(old_values.detach()), safe(returns.detach()), clip_range=cfg.clip_range)
+    loss = pick(LOSS_AGGREGATIONS, cfg.loss_agg_mode, "loss_agg_mode")(
+        per_token, mask, global_tokens=global_tokens, global_seqs=global_seqs,
+        norm_divisor=cfg.seq_mean_token_sum_norm_divisor)
+    metrics = {"value_loss": loss.detach()}
+    for name, v in token_metrics.items():
+        metrics[name] = aggregate.token_mean(v, mask, global_tokens=global_tokens,
+                                             global_seqs=global_seqs)
+    return loss, metrics
+
+
 __all__ = ["KL_ESTIMATORS", "LOSS_AGGREGATIONS", "POLICY_LOSSES", "LossConfig",
-           "compute_policy_loss", "pick"]
+           "ValueLossConfig", "compute_policy_loss", "compute_value_loss", "pick"]

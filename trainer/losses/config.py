@@ -8,6 +8,8 @@ Field units and rules are in each field's description. Cross-field rules:
   ``clip_eps_high >= 0``, ``dual_clip_c > 1`` (C10; opendilab/PPOxFamily #95).
 * An option of one policy loss (:data:`OPTION_OWNERS`, e.g. ``dual_clip_c`` of
   ``ppo_clip``) set for another one is an error (it would silently do nothing).
+* ``m2po`` needs ``trainer.old_logprobs: rollout`` (checked by ``TrainerConfig``): its
+  ratio is to the behaviour policy.
 * ``seq-mean-token-sum-norm`` needs a constant divisor (C08: fixed across steps and
   micro-batches, e.g. max_new_tokens).
 
@@ -21,7 +23,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-POLICY_LOSS_NAMES = ("ppo_clip", "gspo", "sapo", "cispo")
+POLICY_LOSS_NAMES = ("ppo_clip", "gspo", "sapo", "cispo", "m2po")
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum",
                   "seq-mean-token-sum-norm")
 KL_ESTIMATOR_NAMES = ("k1", "k2", "k3", "low_var_kl")
@@ -31,6 +33,7 @@ OPTION_OWNERS = {
     "sapo_tau_neg": ("sapo",),
     "cispo_eps_low": ("cispo",),
     "cispo_eps_high": ("cispo",),
+    "m2_threshold": ("m2po",),
 }
 """The policy losses that read each loss-specific option (``trainer/losses/<name>.py``);
 setting one away from its default for another policy loss is an error, not a no-op.
@@ -61,6 +64,9 @@ class LossConfig(BaseModel):
         None, ge=0, description="CISPO IS-weight floor 1 - eps; None = no floor (MiniMax-M1)")
     cispo_eps_high: float = Field(
         4.0, ge=0, description="CISPO IS-weight cap 1 + eps (TRL/ScaleRL epsilon_max 5.0 = 1 + 4.0)")
+    m2_threshold: float = Field(
+        0.04, gt=0, description="M2PO bound on the mean (log ratio)^2 of the kept tokens "
+        "(AReaL actor.m2_threshold; 0.04 in the M2PO paper)")
     kl_coef: float = Field(0.0, ge=0, description="beta, weight of the KL to the reference")
     kl_estimator: str = Field("k3", description="one of KL_ESTIMATOR_NAMES")
     kl_in: Literal["loss", "reward"] | None = Field(
@@ -131,6 +137,32 @@ class LossConfig(BaseModel):
                                  f"not {self.policy_loss!r}: remove it or change policy_loss")
         if self.kl_coef > 0 and self.kl_in is None:
             raise ValueError("kl_coef > 0 needs kl_in = 'loss' or 'reward'")
+        if (self.loss_agg_mode == "seq-mean-token-sum-norm"
+                and self.seq_mean_token_sum_norm_divisor is None):
+            raise ValueError("loss_agg_mode 'seq-mean-token-sum-norm' needs a constant "
+                             "seq_mean_token_sum_norm_divisor (e.g. max_new_tokens)")
+        return self
+
+
+class ValueLossConfig(BaseModel):
+    """The critic's value-loss settings (frozen): :mod:`relax.trainer.losses.value`."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    clip_range: float | None = Field(
+        0.5, gt=0, description="value clip c: the new value stays within c of the old one "
+        "(veRL critic cliprange_value 0.5; TRL PPOConfig cliprange_value 0.2); None = off")
+    loss_agg_mode: str = Field("token-mean", description="one of LOSS_AGG_MODES")
+    seq_mean_token_sum_norm_divisor: float | None = Field(
+        None, gt=0, description="constant divisor of seq-mean-token-sum-norm, in tokens")
+
+    @field_validator("loss_agg_mode")
+    @classmethod
+    def _agg_known(cls, v: str) -> str:
+        return _one_of(v, LOSS_AGG_MODES, "loss_agg_mode")
+
+    @model_validator(mode="after")
+    def _divisor(self) -> ValueLossConfig:
         if (self.loss_agg_mode == "seq-mean-token-sum-norm"
                 and self.seq_mean_token_sum_norm_divisor is None):
             raise ValueError("loss_agg_mode 'seq-mean-token-sum-norm' needs a constant "
