@@ -209,6 +209,17 @@ def _text(v) -> Optional[str]:
     return v if v is None or isinstance(v, str) else json.dumps(v)
 
 
+def _label(v, where: str) -> Optional[str]:
+    """The label column's text, as ``relax publish`` writes it (a list: a JSON array of
+    strings, scored any-of by the built-in rewards)."""
+    from relax.consumers.reward.base import label_text
+
+    try:
+        return label_text(v)
+    except ValueError as e:
+        raise _DataError(f"{where}: {e}") from None
+
+
 @reward_app.command("eval")
 def eval_cmd(reward: str = typer.Argument(..., help="reward name or module:function"),
              data: str = typer.Argument(..., help="JSONL file, one object per line"),
@@ -242,7 +253,12 @@ def eval_cmd(reward: str = typer.Argument(..., help="reward name or module:funct
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(1) from None
     responses = [_text(r[response_field]) or "" for r in rows]
-    labels = [_text(r[label_field]) if label_field else None for r in rows]
+    try:
+        labels = [_label(r[label_field], f"{data}: row {n}") if label_field else None
+                  for n, r in enumerate(rows, 1)]
+    except _DataError as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(1) from None
     t0 = time.perf_counter()
     try:
         pool = RewardPool(reward, parse_options(option), workers=workers, timeout_s=timeout_s,

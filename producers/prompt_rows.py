@@ -6,7 +6,9 @@ run's checks (the eval set, the published prompts) compare, without a bus.
   ``[prompt or messages, label]`` (and the sha256 of each media item);
 * ``prompt`` from ``prompt_field`` (text, or chat messages: then ``messages`` is set and
   ``prompt`` is the last user message); ``label`` from ``label_field`` (text; numbers as
-  text; a null or NaN label fails its row; null without a ``label_field``);
+  text; a list of several accepted answers as the JSON text of an array of strings,
+  :func:`relax.consumers.reward.base.label_text`; a null or NaN label fails its row; null
+  without a ``label_field``);
 * ``metadata`` = JSON ``{"source", "line", "fields": {other columns}}``.
 """
 
@@ -17,6 +19,7 @@ import json
 import math
 from collections.abc import Iterator
 
+from relax.consumers.reward.base import label_text
 from relax.producers.media import (
     MediaError,
     MediaOptions,
@@ -73,8 +76,8 @@ def prompt_row(record: dict, *, dataset: str, prompt_field: str, label_field: st
 
     Raises:
         RowError: ``prompt_field`` (or ``label_field``) is missing, or has the wrong type
-            (prompt: non-empty text or chat messages; label: text or a number, not null
-            or NaN).
+            (prompt: non-empty text or chat messages; label: text, a number or a list of
+            them, not null or NaN).
         relax.producers.media.MediaError: a media column is missing or an item is bad.
     """
     if prompt_field not in record:
@@ -102,13 +105,10 @@ def prompt_row(record: dict, *, dataset: str, prompt_field: str, label_field: st
         if raw_label is None or (isinstance(raw_label, float) and math.isnan(raw_label)):
             raise RowError(f"field {label_field!r} (the label field) is null; give the row a "
                            "label, or publish without a label field for rewards that need none")
-        if isinstance(raw_label, str):
-            label = raw_label
-        elif isinstance(raw_label, (int, float)) and not isinstance(raw_label, bool):
-            label = str(raw_label)
-        else:
-            raise RowError(f"field {label_field!r}: expected text or a number, "
-                           f"got {type(raw_label).__name__}")
+        try:
+            label = label_text(raw_label)
+        except ValueError as e:
+            raise RowError(f"field {label_field!r}: {e}") from None
     rg = record.get("_reasoning_gym")
     if rg is not None:
         meta = rg

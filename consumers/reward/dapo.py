@@ -14,13 +14,15 @@ Convention (DAPO, arXiv 2503.14476, and verl ``utils/reward_score/math_dapo.py``
   ``\\boxed{`` that starts 106 characters from the end (public case C16a).
 * Equivalence: math-verify (:func:`relax.consumers.reward.math.equivalent`) instead
   of DAPO's Minerva string normalisation; a missing answer scores ``incorrect``.
+* A list label (``["3", "4"]``, :func:`relax.consumers.reward.base.label_answers`):
+  right when equivalent to any of its answers.
 """
 
 from __future__ import annotations
 
 import re
 
-from relax.consumers.reward.base import Score, clip_text
+from relax.consumers.reward.base import Score, clip_text, label_answers
 from relax.consumers.reward.math import equivalent, find_last_boxed
 
 ANSWER_BUDGET_CHARS = 300
@@ -63,7 +65,8 @@ def dapo_reward(responses: list[str], labels: list[str | None], metadata: list[d
     """DAPO maths reward (module docstring).
 
     Args:
-        responses: ``[N]`` responses; labels: ``[N]`` reference answers; metadata: unused.
+        responses: ``[N]`` responses; labels: ``[N]`` reference answers (a list label:
+            any-of); metadata: unused.
         strict_box: box mode instead of the ``Answer:`` line.
         budget_chars: the answer window (characters from the end).
         correct / incorrect: values for a match and for a mismatch or missing answer.
@@ -81,6 +84,7 @@ def dapo_reward(responses: list[str], labels: list[str | None], metadata: list[d
             out.append(Score(None, {"reason": "no label"}))
             continue
         pred = extract_dapo_answer(text, strict_box=strict_box, budget_chars=budget_chars)
-        acc = pred is not None and equivalent(label, pred, cache)
+        acc = pred is not None and any(equivalent(gold, pred, cache)
+                                       for gold in label_answers(label))
         out.append(Score(correct if acc else incorrect, {"pred": clip_text(pred), "acc": acc}))
     return out

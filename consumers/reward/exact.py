@@ -9,14 +9,15 @@ Both sides are normalised (lower case, punctuation and surrounding space removed
 * ``contains``: the label appears as a whole word anywhere (lenient; rewards hedging
   such as "circle or triangle", so use it for evaluation, not training).
 
-A row without a label abstains (None).
+A list label (``["circle", "round"]``, :func:`relax.consumers.reward.base.label_answers`)
+matches when any of its answers does. A row without a label abstains (None).
 """
 
 from __future__ import annotations
 
 import re
 
-from relax.consumers.reward.base import Score
+from relax.consumers.reward.base import Score, label_answers
 
 MODES = ("first_word", "full", "contains")
 _WORD = re.compile(r"[\w.-]+")
@@ -24,6 +25,15 @@ _WORD = re.compile(r"[\w.-]+")
 
 def _norm(text: str) -> str:
     return " ".join(w.strip(".").lower() for w in _WORD.findall(text) if w.strip("."))
+
+
+def _matches(want: str, got: str, mode: str) -> bool:
+    if mode == "first_word":
+        return bool(want) and (got == want or got.startswith(want + " ")
+                               if " " in want else got.split(" ", 1)[0] == want)
+    if mode == "full":
+        return got == want
+    return f" {want} " in f" {got} "
 
 
 def exact_reward(responses: list[str], labels: list[str | None], metadata: list[dict], *,
@@ -48,14 +58,8 @@ def exact_reward(responses: list[str], labels: list[str | None], metadata: list[
         if label is None:
             out.append(None)
             continue
-        want, got = _norm(label), _norm(resp)
-        if mode == "first_word":
-            answer = got.split(" ", 1)[0]
-            ok = bool(want) and (got == want or got.startswith(want + " ")
-                                 if " " in want else answer == want)
-        elif mode == "full":
-            answer, ok = got, got == want
-        else:
-            answer, ok = got, f" {want} " in f" {got} "
+        got = _norm(resp)
+        answer = got.split(" ", 1)[0] if mode == "first_word" else got
+        ok = any(_matches(_norm(want), got, mode) for want in label_answers(label))
         out.append(Score(1.0 if ok else 0.0, {"answer": answer}))
     return out

@@ -23,7 +23,9 @@ Values: 1.0 correct, 0.0 incorrect, None (abstain) when the verdict is unreadabl
 the label is missing; details keep the verdict and the judge's text.
 
 The answer shown to the judge is the response's final segment (after the last
-``</think>``), its last ``max_answer_chars`` characters when longer.
+``</think>``), its last ``max_answer_chars`` characters when longer. A list label
+(``["3", "4"]``, :func:`relax.consumers.reward.base.label_answers`) is shown as
+``3 or 4 (any one of these is correct)``: the judge grades any-of, as the other rewards.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ import functools
 import re
 
 from relax.consumers.engines.base import Engine, SamplingParams
-from relax.consumers.reward.base import Score, clip_text
+from relax.consumers.reward.base import Score, clip_text, label_answers
 from relax.consumers.reward.math import final_segment
 
 DEFAULT_TEMPLATE = (
@@ -84,7 +86,10 @@ def judge_prompt(template: str, label: str, response: str, max_answer_chars: int
     answer = final_segment(response, ("</think>",)).strip()
     if len(answer) > max_answer_chars:
         answer = answer[-max_answer_chars:]
-    return template.format(label=label, answer=answer)
+    golds = label_answers(label)
+    shown = golds[0] if len(golds) == 1 else \
+        " or ".join(golds) + " (any one of these is correct)"
+    return template.format(label=shown, answer=answer)
 
 
 def encode_prompt(tokenizer, text: str) -> list[int]:

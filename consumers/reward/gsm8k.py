@@ -13,8 +13,10 @@ tail window can cut the marker off (verl keeps only the last 300 characters; C16
 Comparison is exact decimal equality (``18.00`` = ``18``, ``1,000`` = ``1000``).
 
 A label is a bare number (``18``, ``1,000``) or a full GSM8K solution ending in
-``#### N``: the number after the last ``####``. A label that holds no number is a
-per-row error. Values: 1.0 equal, 0.0 different or no number; None without a label.
+``#### N``: the number after the last ``####``; a list label (``["3", "4"]``,
+:func:`relax.consumers.reward.base.label_answers`) is several such answers and any of
+them counts. A label (or list item) that holds no number is a per-row error, ``"3, 4"``
+included. Values: 1.0 equal, 0.0 different or no number; None without a label.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from __future__ import annotations
 import re
 from decimal import Decimal
 
-from relax.consumers.reward.base import Score
+from relax.consumers.reward.base import Score, label_answers
 
 MODES = ("strict", "flexible")
 
@@ -92,14 +94,15 @@ def gsm8k_reward(responses: list[str], labels: list[str | None], metadata: list[
     """GSM8K reward (module docstring).
 
     Args:
-        responses: ``[N]`` responses; labels: ``[N]`` numbers or GSM8K solutions;
-            metadata: unused.
+        responses: ``[N]`` responses; labels: ``[N]`` numbers or GSM8K solutions, or
+            lists of them (any-of); metadata: unused.
         mode: ``strict`` (``#### N``) or ``flexible`` (last number).
         correct / incorrect: values for equal and for different or missing numbers.
 
     Returns:
-        ``[N]`` :class:`Score` with details ``{"extracted": str | None, "label": str}``;
-        None (abstain) without a label; a per-row error for a label with no number.
+        ``[N]`` :class:`Score` with details ``{"extracted": str | None, "label": str}``
+        (``label`` a list of str for a list label); None (abstain) without a label; a
+        per-row error for a label with no number.
 
     Raises:
         ValueError: for an unknown mode.
@@ -112,12 +115,13 @@ def gsm8k_reward(responses: list[str], labels: list[str | None], metadata: list[
             out.append(Score(None, {"reason": "no label"}))
             continue
         try:
-            gold = label_number(label)
+            golds = [label_number(a) for a in label_answers(label)]
         except ValueError as e:
             out.append(Score(None, {}, error=str(e)))
             continue
         pred = extract_number(text, mode)
-        ok = pred is not None and pred == gold
+        ok = pred is not None and pred in golds
+        shown = str(golds[0]) if len(golds) == 1 else [str(g) for g in golds]
         out.append(Score(correct if ok else incorrect,
-                         {"extracted": None if pred is None else str(pred), "label": str(gold)}))
+                         {"extracted": None if pred is None else str(pred), "label": shown}))
     return out

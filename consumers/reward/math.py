@@ -17,7 +17,10 @@ Convention (DeepScaleR ``deepscaler_reward_fn``, agentica-project/rllm, as slime
    answer rather than falling back to an earlier box.
 3. Equivalence: ``math_verify.verify(parse(label), parse(answer))`` (both wrapped in
    ``\\boxed{}``), so ``0.75`` = ``\\frac{3}{4}``, ``-12`` != ``12`` (C20), ``x=5`` = ``5``.
-4. Values: 1.0 correct, 0.0 wrong or no box; None (abstain) without a label.
+4. A list label (``["3", "4"]``, :func:`relax.consumers.reward.base.label_answers`):
+   right when equivalent to any of its answers. The text ``3, 4`` is one answer, the
+   set ``{3, 4}``.
+5. Values: 1.0 correct, 0.0 wrong or no box; None (abstain) without a label.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from __future__ import annotations
 import re
 import threading
 
-from relax.consumers.reward.base import Score, clip_text
+from relax.consumers.reward.base import Score, clip_text, label_answers
 
 ANSWER_MARKERS = ("</think>", "###Response")
 """Markers after which the final answer segment starts (the last occurrence counts)."""
@@ -136,7 +139,7 @@ def math_reward(responses: list[str], labels: list[str | None], metadata: list[d
 
     Args:
         responses: ``[N]`` decoded responses; labels: ``[N]`` reference answers
-            (plain or boxed LaTeX); metadata: ``[N]`` (unused).
+            (plain or boxed LaTeX, or a list of them: any-of); metadata: ``[N]`` (unused).
         markers: answer markers; the final segment follows the last one.
         correct / incorrect / no_answer: values for a match, a mismatch, no box.
         require_marker: a response with no marker scores ``no_answer`` (DeepScaleR).
@@ -159,6 +162,6 @@ def math_reward(responses: list[str], labels: list[str | None], metadata: list[d
         if answer is None:
             out.append(Score(no_answer, {"extracted": None}))
             continue
-        ok = equivalent(label, answer, cache)
+        ok = any(equivalent(gold, answer, cache) for gold in label_answers(label))
         out.append(Score(correct if ok else incorrect, {"extracted": clip_text(answer)}))
     return out

@@ -1,7 +1,10 @@
 """A reward computed by an HTTP service, with retries and exponential backoff.
 
 Request: ``POST url`` with JSON
-``{"responses": [...], "labels": [...], "metadata": [...]}`` (one batch).
+``{"responses": [...], "labels": [...], "metadata": [...]}`` (one batch). Labels go as
+the ``label`` column holds them: a list label is the JSON text of an array of strings
+(``'["3", "4"]'``); the built-in rewards score it any-of
+(:func:`relax.consumers.reward.base.label_answers` reads it), and a service should too.
 Response: JSON ``{"rewards": [float | null, ...]}`` (same length and order), optional
 ``"details": [{...}, ...]``.
 

@@ -59,3 +59,11 @@ def test_no_label_abstains_and_values_are_plus_minus_one():
     out = dapo_reward(["Answer: 1", "Answer: 2", "Answer: 3"], ["1", "1", None], [{}] * 3)
     assert [s.value for s in out] == [1.0, -1.0, None]
     assert out[0].details == {"pred": "1", "acc": True}
+
+
+# ---- a list label (issue 57): any of its answers, as publish and `relax reward eval` write it
+
+def test_a_list_label_is_any_of_its_answers():
+    assert [score(f"So.\nAnswer: {a}", '["3", "4"]') for a in ("3", "4", "5")] == \
+        [1.0, 1.0, -1.0]
+    assert score("So.\nAnswer: 3", "3, 4") == -1.0  # one answer, the set {3, 4}

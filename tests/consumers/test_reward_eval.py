@@ -61,3 +61,22 @@ def test_eval_bad_input_names_the_line_and_field(tmp_path):
     assert res.exit_code == 1 and "row 1: m is not a JSON object" in res.output
     res, _ = _eval("gsm8k_strict", str(data), "--response-field", "out")
     assert res.exit_code == 2 and "valid: math" in res.output
+
+
+# ---- a list label (issue 57): any of its answers, as publish and `relax reward eval` write it
+
+@pytest.mark.parametrize("reward, values", [("math", (1, 1, 0)), ("gsm8k", (1, 1, 0)),
+                                            ("dapo", (1, 1, -1))])
+def test_eval_a_list_label_scores_any_of(tmp_path, reward, values):
+    data = tmp_path / "d.jsonl"
+    rows = [{"out": f"#### {n}\n\\boxed{{{n}}}\nAnswer: {n}", "gold": gold}
+            for n, gold in ((4, ["3", "4"]), (3, [3, 4]), (5, ["3", "4"]))]
+    data.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    res, lines = _eval(reward, str(data), "--response-field", "out", "--label-field", "gold",
+                       "--workers", "1")
+    assert res.exit_code == 0, res.output
+    assert lines[-1] == f"scored=3 mean={round(sum(values) / 3, 4)} errors=0"
+    data.write_text(json.dumps({"out": "1", "gold": [[1]]}) + "\n")
+    res, _ = _eval(reward, str(data), "--response-field", "out", "--label-field", "gold")
+    assert res.exit_code == 1
+    assert "row 1: expected a list of texts and numbers, got a list holding [1]" in res.output

@@ -25,3 +25,12 @@ def test_full_and_contains_modes():
     with pytest.raises(ValueError, match="exact reward mode 'fuzzy'; valid: first_word, full"):
         exact_reward(["x"], ["x"], [{}], mode="fuzzy")
     assert load_reward_fn("exact") is exact_reward
+
+
+# ---- a list label (issue 57): any of its answers, as publish and `relax reward eval` write it
+
+def test_a_list_label_is_any_of_its_answers():
+    labels = ['["circle", "round"]'] * 3
+    assert _values(["Round.", "circle, I think", "square"], labels) == [1.0, 1.0, 0.0]
+    assert _values(["it is round"] * 2, labels[:2], mode="contains") == [1.0, 1.0]
+    assert _values(["circle"], ["circle, round"], mode="full") == [0.0]  # text: one answer

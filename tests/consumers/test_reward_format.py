@@ -45,3 +45,11 @@ def test_answer_tag_and_regex_patterns_and_errors():
         format_reward([], [], [], pattern="xml")
     with pytest.raises(ValueError, match="regex"):
         format_reward([], [], [], pattern="regex")
+
+
+# ---- a list label (issue 57): any of its answers, as publish and `relax reward eval` write it
+
+def test_a_list_label_changes_nothing():
+    responses = ["</think> \\boxed{3}", "no box"]
+    got = format_reward(responses, ['["3", "4"]'] * 2, [{}] * 2)
+    assert [s.value for s in got] == values(responses) == [1.0, 0.0]

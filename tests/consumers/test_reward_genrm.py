@@ -148,3 +148,11 @@ def test_genrm_tiny_llama_through_the_worker_pool():
         verdict = parse_verdict(r.details["judge"])
         assert r.value == (None if verdict is None else float(verdict))
         assert r.details["verdict"] == {None: None, True: "correct", False: "incorrect"}[verdict]
+
+
+# ---- a list label (issue 57): any of its answers, as publish and `relax reward eval` write it
+
+def test_a_list_label_is_shown_to_the_judge_as_any_of():
+    p = judge_prompt(DEFAULT_TEMPLATE, '["3", "4"]', "so \\boxed{4}")
+    assert "Reference answer: 3 or 4 (any one of these is correct)\n" in p
+    assert judge_prompt("{label}", "3, 4", "x") == "3, 4"  # text: one answer, as it is

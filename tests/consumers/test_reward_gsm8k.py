@@ -103,3 +103,15 @@ def test_real_gsm8k_gold_solutions_score_one_and_changed_answers_zero():
     finals = [re.sub(r"[,\s]", "", s.rpartition("####")[2]) for s in sols]
     assert [s.value for s in gsm8k_reward(changed, finals, [{}] * 1319)] == [0.0] * 1319
     assert [s.value for s in gsm8k_reward(sols, finals, [{}] * 1319)] == [1.0] * 1319
+
+
+# ---- a list label (issue 57): any of its answers, as publish and `relax reward eval` write it
+
+def test_a_list_label_is_any_of_its_numbers():
+    assert [score(f"#### {n}", '["3", "4"]') for n in (3, 4, 5)] == [1.0, 1.0, 0.0]
+    [s] = gsm8k_reward(["#### 4"], ['["3", "4"]'], [{}])
+    assert s.details == {"extracted": "4", "label": ["3", "4"]}
+    # the text "3, 4" is one label and no number: a per-row error, as is a list item
+    for label, named in (("3, 4", "'3, 4'"), ('["3", "three"]', "'three'")):
+        [s] = gsm8k_reward(["#### 3"], [label], [{}])
+        assert s.value is None and f"gsm8k label {named} is not a number" in s.error

@@ -125,3 +125,13 @@ def test_registry_names_and_unknown_name_lists_valid_ones():
         load_reward_fn("relax.no_such_module:fn")
     assert load_reward_fn("relax.consumers.reward.math:math_reward") is math_reward
     assert math_reward([], [], []) == []
+
+
+# ---- a list label (issue 57): any of its answers, as publish and `relax reward eval` write it
+
+def test_a_list_label_is_any_of_its_answers():
+    answers = ("3", "4", r"\frac{8}{2}", "5")
+    assert [score(rf"\boxed{{{a}}}", '["3", "4"]') for a in answers] == [1.0, 1.0, 1.0, 0.0]
+    # the text "3, 4" is one answer, the set {3, 4}; "[1, 2]" (no quotes) the interval
+    assert [score(r"\boxed{3, 4}", "3, 4"), score(r"\boxed{3}", "3, 4")] == [1.0, 0.0]
+    assert [score(r"\boxed{[1, 2]}", "[1, 2]"), score(r"\boxed{1}", "[1, 2]")] == [1.0, 0.0]

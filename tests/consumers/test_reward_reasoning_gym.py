@@ -53,3 +53,11 @@ def test_missing_keys_and_unknown_task_are_row_errors():
 def test_scorer_is_cached_without_generating_items():
     assert scorer("chain_sum") is scorer("chain_sum")
     assert reasoning_gym_reward([], [], []) == []
+
+
+# ---- a list label (issue 57): any of its answers, as publish and `relax reward eval` write it
+
+def test_a_list_label_changes_nothing():
+    e = rg.create_dataset("basic_arithmetic", size=1, seed=3)[0]
+    meta, right = _metadata("basic_arithmetic", e), [f"<answer>{e['answer']}</answer>"]
+    assert reasoning_gym_reward(right, ['["3", "4"]'], [meta])[0].value == 1.0  # the entry's

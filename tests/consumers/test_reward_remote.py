@@ -103,3 +103,11 @@ def test_bad_answers_and_missing_url():
     with pytest.raises(ValueError, match="url="):
         remote_reward([], [], [])
     assert remote_reward([], [], [], url="http://127.0.0.1:9/") == []
+
+
+# ---- a list label (issue 57): any of its answers, as publish and `relax reward eval` write it
+
+def test_a_list_label_is_sent_as_its_json_text():
+    with FlakyService() as svc:
+        remote_reward(["4"], ['["3", "4"]'], [{}], url=svc.url)
+        assert svc.requests[-1]["labels"] == ['["3", "4"]']

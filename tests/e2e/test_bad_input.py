@@ -55,7 +55,7 @@ EXPECTED = {
     "invalid_utf8.jsonl": ([1, 6], {
         2: "invalid UTF-8 at byte 15", 3: "invalid UTF-8 at byte 40",
         4: "not valid JSON: Unexpected UTF-8 BOM", 5: "invalid UTF-8 at byte 16"}, 0),
-    "wrong_types.jsonl": ([10], {
+    "wrong_types.jsonl": ([9, 10], {
         1: "field 'prompt': expected text or a list of chat messages, got int",
         2: "field 'prompt': expected text or a list of chat messages, got float",
         3: "field 'prompt' item 0: expected {role: str, content: str or a list of parts}, got \"What\"",
@@ -63,8 +63,7 @@ EXPECTED = {
         5: "field 'prompt': expected text or a list of chat messages, got bool",
         6: "field 'prompt': expected text or a list of chat messages, got NoneType",
         7: "field 'prompt' item 0: expected {role: str, content: str or a list of parts}",
-        8: "field 'answer': expected text or a number, got dict",
-        9: "field 'answer': expected text or a number, got list",
+        8: "field 'answer': expected text, a number or a list of them, got dict",
         11: "field 'answer' (the label field) is null"}, 0),
     "empty_prompt.jsonl": ([1], {
         2: "field 'prompt': expected non-empty text, got an empty string",
@@ -123,6 +122,8 @@ def test_publish_routes_every_bad_row_of_the_corpus(broker, unique, tmp_path, ta
             (name, outcome)
         good, errs = _published_and_errors(cfg, topic)
         assert sorted(json.loads(g["metadata"])["line"] for g in good) == good_lines, name
+        labels = {json.loads(g["metadata"])["line"]: g["label"] for g in good}
+        assert name != "wrong_types.jsonl" or labels[9] == '["9"]', labels  # a list label
         assert sorted(errs) == sorted(bad), name
         raw = _lines(src)
         for line, words in bad.items():
