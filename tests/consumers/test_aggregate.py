@@ -1,4 +1,4 @@
-"""The aggregator on both brokers (Tansu, Kafka): join, emit, duplicates, restart recovery."""
+"""The aggregator: join, emit, duplicates, restart recovery."""
 
 from __future__ import annotations
 

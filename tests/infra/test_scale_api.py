@@ -2,7 +2,7 @@
 test broker): requests without the token are refused, then the rollout instances go
 1 -> 2 -> 1 through ``relax scale``'s client while the run trains (the instance that
 stays is never restarted), and the run still accounts for every rollout with none
-trained twice. On the embedded Tansu and on Apache Kafka."""
+trained twice."""
 
 from __future__ import annotations
 
@@ -46,10 +46,9 @@ def _wait_rows_from(broker: str, run: str, engine: str, proc, log, timeout_s=180
 
 def test_scale_rollouts_1_2_1_in_a_live_run(broker, tmp_path):
     """Scaling used to restart the instance that stays (its fixed credit share changed);
-    on Tansu that restart, or a stage that failed a commit during the rebalance
+    that restart, or a stage that failed a commit during the rebalance
     (REBALANCE_IN_PROGRESS, now skipped), could leave a member whose JoinGroup completed
-    after its LeaveGroup, and the group never synced again."""
-    broker = broker
+    after its LeaveGroup on the broker of the time, and the group never synced again."""
     run = "scale" + uuid.uuid4().hex[:6]
     run_dir = tmp_path / run
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(

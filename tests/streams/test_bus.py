@@ -1,4 +1,4 @@
-"""Integration tests of producer, consumer and stage loop on both brokers (Tansu, Kafka)."""
+"""Integration tests of producer, consumer and stage loop on Apache Kafka."""
 
 from __future__ import annotations
 

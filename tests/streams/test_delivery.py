@@ -1,4 +1,4 @@
-"""Delivery contract on both brokers (Tansu, Apache Kafka): C28 (oversize records), C29
+"""Delivery contract on Apache Kafka: C28 (oversize records), C29
 (commit = next offset)."""
 
 from __future__ import annotations
@@ -63,9 +63,7 @@ def test_row_over_the_limit_fails_at_send_naming_row_key_and_limit(broker, uniqu
 def test_a_topics_own_smaller_limit_is_the_limit(broker, unique):
     """A topic made with a smaller max.message.bytes than this producer's (another run's
     settings, another tool): the producer splits under the topic's limit and refuses at
-    send what Kafka would refuse, naming the limit; never counted delivered. Kafka only:
-    Tansu keeps no topic configs (it drops the connection on DescribeConfigs), so there
-    max_message_bytes stays the limit (and Tansu stores the value)."""
+    send what Kafka would refuse, naming the limit; never counted delivered."""
     topic = topics.run_topic(unique, "rollouts")
     ensure_topics(BusConfig(bootstrap_servers=broker, max_message_bytes=256 * 1024),
                   {topic: 1})  # max.message.bytes = 320 KiB

@@ -1,5 +1,4 @@
-"""Group joins that finish while no poll waits are kept (``streams/kafka_join.py``), on
-both brokers."""
+"""Group joins that finish while no poll waits are kept (``streams/kafka_join.py``)."""
 
 from __future__ import annotations
 
@@ -25,7 +24,7 @@ def test_a_join_that_finishes_between_polls_is_kept(bus, unique):
             c.poll(timeout_ms=0)
             if len(c.assignment()) == 2:
                 break
-            time.sleep(4.0)  # Tansu holds a JoinGroup 3 s (half the session timeout)
+            time.sleep(4.0)  # longer than a JoinGroup is held: it finishes between polls
         assert {tp.partition for tp in c.assignment()} == {0, 1}
     finally:
         c.close()
@@ -34,8 +33,8 @@ def test_a_join_that_finishes_between_polls_is_kept(bus, unique):
 def test_two_members_polling_in_turn_settle(bus, unique):
     """Two members of one group that poll in turn (0.2 s each) split two partitions
     within 30 s (two JoinGroup holds are 6 s: the rest is for a loaded machine), three
-    times in a row (before the fix: 13 of 19 such rebalances on Tansu had not settled
-    after 40 s)."""
+    times in a row (before the fix: 13 of 19 such rebalances had not settled after 40 s,
+    on the broker of the time)."""
     from kafka import KafkaConsumer
 
     topic = unique + ".rollouts"
@@ -64,8 +63,7 @@ def test_a_leader_join_started_by_new_metadata_is_kept(broker, tmp_path, unique)
     partitions: the topic came later) finishes while no poll waits. The leader's
     assignment records the metadata it used, so kafka-python 3.0 alone sees no more
     reason to rejoin, never collects the finished join and keeps no partitions (the
-    restarted trainer of ``test_seeded_chaos_run[kafka-11]`` waited 300 s for data).
-    Kafka only: Tansu creates a topic when a consumer asks for its metadata."""
+    restarted trainer of ``test_seeded_chaos_run[11]`` waited 300 s for data)."""
     from kafka import KafkaConsumer
     from kafka.coordinator.base import MemberState
 

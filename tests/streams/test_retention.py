@@ -1,12 +1,7 @@
 """Losses to retention are never silent (issue 53): records deleted below a consumer
 group's committed offset give a WARNING naming topic, partition, committed offset, log
 start and count, the ``lost_to_retention`` counter and metric row, and the group reads
-the rest exactly once.
-
-On Apache Kafka only: Tansu 0.6.0 has no DeleteRecords (it drops the connection on the
-request, as on DescribeConfigs) and no retention of its own (memory, kept until it stops),
-so nothing can be deleted below a group there.
-"""
+the rest exactly once."""
 
 from __future__ import annotations
 
