@@ -43,7 +43,7 @@ import pyarrow.compute as pc
 import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from relax.trainer.advantage import ADVANTAGE_ESTIMATORS, compute_advantages
+from relax.trainer.advantage import check_estimator, compute_advantages
 from relax.trainer.advantage.distill import distill_advantages
 from relax.trainer.advantage.filters import (TRUNCATED_REASONS, keep_groups_with_variance,
                                                soft_overlong_penalty)
@@ -98,9 +98,7 @@ class AdvantageConfig(BaseModel):
 
     @model_validator(mode="after")
     def _check(self):
-        if self.estimator not in ADVANTAGE_ESTIMATORS:
-            raise ValueError(f"unknown advantage estimator {self.estimator!r}; valid: "
-                             f"{', '.join(ADVANTAGE_ESTIMATORS)}")
+        check_estimator(self.estimator)  # gae: refused, naming the missing critic
         if not self.rewards:
             raise ValueError("rewards: at least one counted reward name is needed")
         if self.kl_estimator not in KL_ESTIMATOR_NAMES:

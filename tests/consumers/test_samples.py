@@ -142,6 +142,12 @@ def test_unknown_estimator_lists_valid():
         AdvantageConfig(estimator="nope")
 
 
+def test_gae_is_refused_naming_the_missing_critic():
+    with pytest.raises(ValueError, match=r"'gae' needs per-token values from a critic stage "
+                                         r"\(<run>\.values\).*use one of grpo"):
+        AdvantageConfig(estimator="gae")
+
+
 def test_distillation_adds_the_teachers_reverse_kl_per_loss_token():
     """distill_coef c: every kept row's token advantage is the outcome advantage minus
     c x (logprobs - teacher_logprobs) on loss tokens, the outcome advantage alone on the

@@ -9,10 +9,17 @@ Reference values are worked out by hand from Schulman et al. 2016 (arXiv 1506.02
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
-from relax.trainer.advantage.gae import gae_advantages, masked_whiten, outcome_token_rewards
+from relax.trainer.advantage import compute_advantages
+from relax.trainer.advantage.gae import (
+    gae_advantages,
+    gae_for_rows,
+    masked_whiten,
+    outcome_token_rewards,
+)
 from relax.trainer.losses import ValueLossConfig, aggregate, compute_value_loss
 from relax.trainer.losses.value import clipped_value_loss
 
@@ -147,6 +154,25 @@ def test_outcome_token_rewards_go_on_the_last_loss_token():
     mask = torch.tensor([[1, 1, 1, 0], [1, 0, 1, 0], [0, 0, 0, 0]])
     close(outcome_token_rewards(t([2.0, -1.0, 5.0]), mask),
           [[0.0, 0.0, 2.0, 0.0], [0.0, 0.0, -1.0, 0.0], [0.0, 0.0, 0.0, 0.0]])
+
+
+def test_gae_for_rows_of_different_lengths():
+    # row 0: the gamma .9, lam .5 case above (reward 1 on its last token); row 1: mask
+    # [1, 0], so its reward 2 sits on token 0, which is terminal: A0 = 2 - .5 = 1.5
+    adv, ret = gae_for_rows(np.array([1.0, 2.0]),
+                            [np.array([0.5, 0.6, 0.7]), np.array([0.5, 3.0])],
+                            [np.array([1, 1, 1]), np.array([1, 0])], gamma=0.9, lam=0.5)
+    assert np.concatenate(adv).tolist() == pytest.approx([0.11425, 0.165, 0.3, 1.5, 0.0])
+    assert np.concatenate(ret).tolist() == pytest.approx([0.61425, 0.765, 1.0, 2.0, 0.0])
+    assert [len(a) for a in adv] == [len(r) for r in ret] == [3, 2]
+    with pytest.raises(ValueError, match="rollout 1: 1 values for 2 response tokens"):
+        gae_for_rows(np.array([1.0, 2.0]), [np.zeros(1), np.zeros(1)],
+                     [np.ones(1), np.ones(2)], gamma=1.0, lam=1.0)
+
+
+def test_gae_is_not_a_group_estimator_and_says_what_is_missing():
+    with pytest.raises(ValueError, match="needs per-token values from a critic stage"):
+        compute_advantages("gae", torch.ones(2), torch.zeros(2, dtype=torch.int64))
 
 
 def test_masked_whiten_unbiased_over_loss_tokens():

@@ -199,3 +199,33 @@ def test_ties_drop_a_whole_prefix_of_the_order():
     # (log r)^2 all .09: no tail mean is under .05 -> keep exactly one token
     keep = m2po_keep_mask(torch.tensor([[0.3, -0.3, 0.3]]), torch.ones(1, 3), 0.05)
     assert int(keep.sum()) == 1
+
+
+def test_a_trainer_step_with_m2po_reports_the_masked_share():
+    # the torch back end on the tiny model: rollout log-probs = the model's own plus noise
+    # of std .15 on each token, so (log r)^2 averages ~.0225 and the largest few are dropped
+    import dataclasses
+
+    from testdata import train_sample_table
+
+    from relax.streams.codec import group_by_key
+    from relax.trainer.backends.torch_backend import TorchBackend
+    from relax.trainer.batching import micro_batches
+
+    b = TorchBackend(TrainerConfig(optim={"lr": 1e-3},
+                                   loss=LossConfig(policy_loss="m2po", m2_threshold=0.01)))
+    groups = [g for _, g in group_by_key(train_sample_table(3, seed=4), "group_id")]
+    [mb] = micro_batches(groups, 100_000)
+    with torch.no_grad():
+        lp = b.logprobs(mb)[0]
+    noise = torch.randn(lp.shape, generator=torch.Generator().manual_seed(0)) * 0.15
+    mb = dataclasses.replace(mb, rollout_logprobs=lp + noise)
+    mask = mb.loss_mask.bool()
+    want = m2po_keep_mask(-noise, mask, 0.01)
+    before = {k: v.clone() for k, v in b.named_tensors().items()}
+    stats = b.train_step([mb])
+    share = int((mask & ~want).sum()) / int(mask.sum())
+    assert 0 < share < 0.5
+    assert stats["m2po_masked_frac"] == pytest.approx(share, abs=1e-6)
+    assert stats["m2"] == pytest.approx(float(noise[mask].square().mean()), rel=1e-3)
+    assert any(not torch.equal(v, before[k]) for k, v in b.named_tensors().items())

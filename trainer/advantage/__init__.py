@@ -13,10 +13,18 @@ from __future__ import annotations
 import torch
 
 from relax.trainer.advantage.distill import distill_advantages
-from relax.trainer.advantage.gae import gae_advantages, masked_whiten, outcome_token_rewards
+from relax.trainer.advantage.gae import (
+    CRITIC_ESTIMATORS,
+    gae_advantages,
+    gae_for_rows,
+    masked_whiten,
+    outcome_token_rewards,
+)
 from relax.trainer.advantage.grpo import dr_grpo_advantages, grpo_advantages
-from relax.trainer.advantage.reinforce_pp import (reinforce_pp_advantages,
-                                                    reinforce_pp_baseline_advantages)
+from relax.trainer.advantage.reinforce_pp import (
+    reinforce_pp_advantages,
+    reinforce_pp_baseline_advantages,
+)
 from relax.trainer.advantage.rloo import rloo_advantages, rloo_std_advantages
 
 ADVANTAGE_ESTIMATORS = {
@@ -43,13 +51,29 @@ def compute_advantages(name: str, rewards: torch.Tensor, group_ids: torch.Tensor
         ``[N]`` float32 advantages.
 
     Raises:
-        ValueError: for an unknown name, listing the valid ones.
+        ValueError: for an estimator that needs a critic (:data:`CRITIC_ESTIMATORS`),
+            saying what is missing; for an unknown name, listing the valid ones.
     """
-    if name not in ADVANTAGE_ESTIMATORS:
-        raise ValueError(f"unknown advantage estimator {name!r}; valid: "
-                         f"{', '.join(ADVANTAGE_ESTIMATORS)}")
+    check_estimator(name)
     return ADVANTAGE_ESTIMATORS[name](rewards, group_ids, **options)
 
 
-__all__ = ["ADVANTAGE_ESTIMATORS", "compute_advantages", "distill_advantages",
-           "gae_advantages", "masked_whiten", "outcome_token_rewards"]
+def check_estimator(name: str) -> str:
+    """``name`` if it is a key of ``ADVANTAGE_ESTIMATORS``.
+
+    Raises:
+        ValueError: for ``gae`` (:data:`CRITIC_ESTIMATORS`: it needs a critic's values,
+            and says which), or an unknown name (listing the valid ones).
+    """
+    if name in CRITIC_ESTIMATORS:
+        raise ValueError(f"advantage estimator {name!r} needs {CRITIC_ESTIMATORS[name]}; "
+                         f"use one of {', '.join(ADVANTAGE_ESTIMATORS)}")
+    if name not in ADVANTAGE_ESTIMATORS:
+        raise ValueError(f"unknown advantage estimator {name!r}; valid: "
+                         f"{', '.join(ADVANTAGE_ESTIMATORS)}")
+    return name
+
+
+__all__ = ["ADVANTAGE_ESTIMATORS", "CRITIC_ESTIMATORS", "check_estimator",
+           "compute_advantages", "distill_advantages", "gae_advantages", "gae_for_rows",
+           "masked_whiten", "outcome_token_rewards"]

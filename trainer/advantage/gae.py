@@ -25,14 +25,29 @@ unpadded tokens); it has no holes.
 Both veRL and TRL then whiten the advantages over the whole batch's loss tokens
 (:func:`masked_whiten`); that is a separate call here, because it needs the global
 batch (like :mod:`relax.trainer.advantage.batch`), not one group.
+
+Where it runs (``advantage.estimator: gae``, :data:`CRITIC_ESTIMATORS`): GAE needs the
+critic's per-token values of each rollout. The aggregator would join them
+(``<run>.values``) and call :func:`gae_for_rows` per group (GAE has no statistic across
+rows); the trainer would whiten over its global batch and train the critic on the
+returns with :func:`relax.trainer.losses.compute_value_loss`. The critic stage is not
+built yet, so a recipe naming ``gae`` is refused with that reason.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 WHITEN_EPS = 1e-8
 """Added to the variance before the square root (veRL and TRL ``masked_whiten``)."""
+
+CRITIC_ESTIMATORS = {
+    "gae": "per-token values from a critic stage (<run>.values), which relax does not have "
+           "yet (issue 57: only GAE and the value loss exist, trainer/advantage/gae.py and "
+           "trainer/losses/value.py)",
+}
+"""Estimators that need a critic, and what is missing for each."""
 
 
 def gae_advantages(rewards: torch.Tensor, values: torch.Tensor, loss_mask: torch.Tensor, *,
@@ -78,6 +93,45 @@ def gae_advantages(rewards: torch.Tensor, values: torch.Tensor, loss_mask: torch
         adv[:, t] = torch.where(m, step_adv, zero)
     returns = torch.where(mask, adv + v, zero)
     return adv.to(torch.float32), returns.to(torch.float32)
+
+
+def gae_for_rows(rewards: np.ndarray, values: list[np.ndarray], loss_masks: list[np.ndarray],
+                 *, gamma: float, lam: float) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """GAE of rollouts of any lengths, as the aggregator holds them: each rollout's
+    outcome reward on its last loss token (:func:`outcome_token_rewards`), then
+    :func:`gae_advantages`.
+
+    Args:
+        rewards: ``[N]`` float final rewards.
+        values: per rollout, ``[T_i]`` float critic values of its response tokens.
+        loss_masks: per rollout, ``[T_i]`` 0/1 loss_mask.
+        gamma, lam: as :func:`gae_advantages`.
+
+    Returns:
+        ``(advantages, returns)``: per rollout, ``[T_i]`` float32 each (0 off the mask).
+
+    Raises:
+        ValueError: a rollout's values and loss_mask differ in length, or the counts of
+            rewards, values and masks differ (naming the rollout).
+    """
+    if not len(rewards) == len(values) == len(loss_masks):
+        raise ValueError(f"{len(rewards)} rewards, {len(values)} value rows and "
+                         f"{len(loss_masks)} loss_masks: expected one of each per rollout")
+    for i, (v, m) in enumerate(zip(values, loss_masks)):
+        if len(v) != len(m):
+            raise ValueError(f"rollout {i}: {len(v)} values for {len(m)} response tokens")
+    lengths = [len(m) for m in loss_masks]
+    width = max(lengths, default=0)
+    pad_v = np.zeros((len(lengths), width), dtype=np.float32)
+    pad_m = np.zeros((len(lengths), width), dtype=bool)
+    for i, (v, m) in enumerate(zip(values, loss_masks)):
+        pad_v[i, :len(v)] = v
+        pad_m[i, :len(m)] = np.asarray(m, dtype=bool)
+    mask = torch.from_numpy(pad_m)
+    token_rewards = outcome_token_rewards(torch.as_tensor(np.asarray(rewards)), mask)
+    adv, ret = gae_advantages(token_rewards, torch.from_numpy(pad_v), mask, gamma=gamma, lam=lam)
+    return ([adv[i, :n].numpy() for i, n in enumerate(lengths)],
+            [ret[i, :n].numpy() for i, n in enumerate(lengths)])
 
 
 def outcome_token_rewards(scores: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
