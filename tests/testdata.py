@@ -465,3 +465,41 @@ def kill_when(ready: Callable[[], bool], pids: Callable[[], list[int]], poll_s: 
     finally:
         stop.set()
         killer.join()
+
+
+def tiny_model(family: str = "llama", layers: int = 3):
+    """A random fp32 causal LM of ``family`` (``llama`` or ``qwen2``) built from its
+    transformers config class: the tiny trunk (``TINY_CONFIG``), ``layers`` decoder layers,
+    a 256-token vocabulary (what :func:`train_sample_table` draws from), fixed seed."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    from relax.trainer.model_store import TINY_CONFIG
+
+    config_cls, model_cls = {"llama": (LlamaConfig, LlamaForCausalLM),
+                             "qwen2": (Qwen2Config, Qwen2ForCausalLM)}[family]
+    config = config_cls(vocab_size=256, bos_token_id=1, eos_token_id=2, pad_token_id=2,
+                        **{**TINY_CONFIG, "num_hidden_layers": layers})
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(7)
+        return model_cls(config).to(torch.float32)
+
+
+def policy_grads(backend, mbs) -> tuple[float, dict]:
+    """``(loss, {parameter name: gradient})`` of the micro-batches' summed policy loss
+    under ``backend`` (a torch back end), as its step computes them."""
+    from relax.trainer.losses import compute_policy_loss
+    from relax.trainer.losses.aggregate import mask_counts
+
+    backend.optimizer.zero_grad(set_to_none=True)
+    counts = [mask_counts(mb.loss_mask) for mb in mbs]
+    tokens, seqs = sum(c[0] for c in counts), sum(c[1] for c in counts)
+    total = 0.0
+    for mb in mbs:
+        lp, _ = backend.logprobs(mb)
+        loss, _ = compute_policy_loss(backend.cfg.loss, lp, mb.rollout_logprobs, mb.advantages,
+                                      mb.loss_mask, global_tokens=tokens, global_seqs=seqs)
+        loss.backward()
+        total += float(loss.detach())
+    return total, {n: p.grad.clone() for n, p in backend.model.named_parameters()
+                   if p.grad is not None}

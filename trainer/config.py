@@ -43,6 +43,28 @@ class MegatronConfig(BaseModel):
     pp: int = Field(1, ge=1)
 
 
+class LoraConfig(BaseModel):
+    """Low-rank adapters (LoRA, Hu et al., arXiv 2106.09685) trained instead of the
+    model's weights, with ``peft`` (``trainer.lora``).
+
+    Attributes:
+        r: rank of each adapter (``A: [r, in]``, ``B: [out, r]``).
+        alpha: scale numerator: the update is ``(alpha / r) * B @ A``.
+        dropout: dropout on the adapters' input while training (0 = none: the trainer's
+            log-probs are then the engines' for the same merged weights).
+        target_modules: names (last component, e.g. ``q_proj``) of the linear layers that
+            get an adapter, or ``["all-linear"]`` (every linear layer but the LM head).
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    r: int = Field(8, ge=1)
+    alpha: float = Field(16.0, gt=0)
+    dropout: float = Field(0.0, ge=0, lt=1)
+    target_modules: tuple[str, ...] = Field(
+        ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
+        min_length=1)
+
+
 class TrainerConfig(BaseModel):
     """The trainer stage.
 
@@ -96,6 +118,12 @@ class TrainerConfig(BaseModel):
             e.g. ``model.audio_tower.*``) that are not trained: no gradient, no optimizer
             state; they are still published. What VLM/audio RL recipes use to keep a
             pretrained encoder (or the whole text model) fixed. Torch back end only.
+        gradient_checkpointing: recompute each decoder layer's activations in the
+            backward instead of keeping them (about one more forward of compute, a
+            fraction of the activation memory; same gradients). Torch back end only
+            (:mod:`relax.trainer.checkpointing`).
+        lora: train low-rank adapters instead of the weights (:class:`LoraConfig`,
+            :mod:`relax.trainer.lora`); None = full fine-tuning. Torch back end only.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -124,6 +152,8 @@ class TrainerConfig(BaseModel):
     weights_shm: bool = True
     checkpoint_store: str | None = None
     freeze: tuple[str, ...] = ()
+    gradient_checkpointing: bool = False
+    lora: LoraConfig | None = None
 
     @model_validator(mode="after")
     def _check(self):
@@ -144,6 +174,13 @@ class TrainerConfig(BaseModel):
         if self.freeze and self.backend != "torch":
             raise ValueError(f"trainer.freeze: the {self.backend} back end trains every "
                              "parameter; freeze needs backend 'torch'")
+        for key in ("gradient_checkpointing", "lora"):
+            if getattr(self, key) and self.backend != "torch":
+                raise ValueError(f"trainer.{key}: not supported by the {self.backend} back "
+                                 f"end; it needs backend 'torch'")
+        if self.lora is not None and self.freeze:
+            raise ValueError("trainer.freeze with trainer.lora: LoRA already trains only the "
+                             "adapters (trainer.lora.target_modules chooses where they go)")
         if self.loss.is_mode is not None and self.old_logprobs == "rollout":
             raise ValueError("loss.is_mode corrects between trainer and rollout log-probs: it "
                              "needs old_logprobs 'recompute' (with 'rollout' the weight is 1)")

@@ -51,7 +51,9 @@ from relax.trainer.backends.step import (
     to_device,
 )
 from relax.trainer.batching import MicroBatch
-from relax.trainer.multimodal import cache_arg, kv_cache, media_inputs_of
+from relax.trainer import checkpointing, lora
+from relax.trainer.checkpointing import PrefixCache
+from relax.trainer.multimodal import cache_arg, media_inputs_of
 from relax.trainer.config import TrainerConfig
 from relax.trainer.logprobs import token_logprobs
 from relax.trainer.losses.aggregate import mask_counts
@@ -81,12 +83,12 @@ def response_logits(model, mb: MicroBatch) -> torch.Tensor:
     else:
         base = model.get_decoder() if hasattr(model, "get_decoder") else model.base_model
     ppos = (mb.prompt_mask.cumsum(-1) - 1).clamp(min=0)
+    cache = PrefixCache(model.config)  # replay-safe: see relax.trainer.checkpointing
     out = base(input_ids=mb.prompt_ids, attention_mask=mb.prompt_mask, position_ids=ppos,
-               use_cache=True, **(mb.media_inputs or {}))
-    cache = kv_cache(out)
+               use_cache=True, **{cache_arg(base): cache}, **(mb.media_inputs or {}))
     last = out.last_hidden_state[:, -1]                       # [U, H] (left padding)
     rows = mb.prompt_of_row
-    cache.batch_select_indices(rows)
+    cache = cache.selected(rows)
     p_len = mb.prompt_mask.sum(-1)[rows]                      # [B]
     r = mb.response_ids.shape[1]
     rpos = p_len[:, None] + torch.arange(r, device=p_len.device)[None, :]
@@ -152,6 +154,10 @@ class TorchBackend:
         if cfg.freeze:
             left = freeze(self.model, cfg.freeze)
             log.info("trainer.freeze %s: %d parameters left to train", list(cfg.freeze), left)
+        self.lora = lora.apply(self.model, cfg.lora) if cfg.lora is not None else None
+        self._lora_scales = lora.scales(self.model) if self.lora is not None else {}
+        if cfg.gradient_checkpointing:
+            checkpointing.enable(self.model)
         self.processor = load_processor(cfg.model)
         if getattr(self.model.config, "final_logit_softcapping", None):
             raise ValueError(f"{cfg.model}: final logit soft-capping is not supported by "
@@ -271,31 +277,55 @@ class TorchBackend:
 
     def named_tensors(self) -> dict[str, torch.Tensor]:
         """The weights to publish, ``{name: tensor}`` (detached views, no copy; with
-        FSDP2 rank 0's unsharded copy from the last step, ``{}`` on the other ranks)."""
+        FSDP2 rank 0's unsharded copy from the last step, ``{}`` on the other ranks). With
+        LoRA the merged weights under the base model's names (:func:`.lora.merged`: new
+        tensors for the adapted layers)."""
+        state = self._state()
+        return lora.merged(state, self._lora_scales) if self.lora is not None and state \
+            else state
+
+    def _state(self) -> dict[str, torch.Tensor]:
+        """The model's state dict (with LoRA: base layers and adapters), detached; with
+        FSDP2 rank 0's unsharded copy."""
         if self.fsdp:
             return self._full
         return {k: v.detach() for k, v in self.model.state_dict().items()}
 
     def save_model(self, folder: Path) -> None:
         """The model as HF safetensors + config in ``folder`` (rank 0). With FSDP2, from
-        the unsharded copy, less tied duplicates (a tied LM head), as HF saves them."""
+        the unsharded copy, less tied duplicates (a tied LM head), as HF saves them. With
+        LoRA, the merged model, and the adapter as peft saves it in ``folder/adapter``."""
         state = None
+        if self.lora is not None:
+            self._save_adapter(folder / lora.ADAPTER_DIR)
+            self.model.save_pretrained(folder, safe_serialization=True,
+                                       state_dict=self.named_tensors())
+            return
         if self.fsdp:
             own = {n for n, _ in self.model.named_parameters()}  # one name per tensor
             own |= {n for n, _ in self.model.named_buffers()}
             state = {k: v for k, v in self._full.items() if k in own}
         self.model.save_pretrained(folder, safe_serialization=True, state_dict=state)
 
+    def _save_adapter(self, folder: Path) -> None:
+        """The LoRA adapter as peft saves it (``adapter_model.safetensors``,
+        ``adapter_config.json``) in ``folder`` (rank 0)."""
+        self.lora.save_pretrained(folder, state_dict=lora.to_peft_names(self._state()))
+
     def save(self, folder: Path) -> None:
-        """Model as HF safetensors + config, optimizer state as a torch file (local only,
-        never on the bus), in ``folder``. Rank 0 only.
+        """Model as HF safetensors + config (with LoRA only the adapter, in
+        ``folder/adapter``), optimizer state as a torch file (local only, never on the
+        bus), in ``folder``. Rank 0 only.
 
         Raises:
             RuntimeError: with FSDP2, the last step did not gather the optimizer state
                 (``train_step(..., gather_optimizer=True)``).
         """
         folder.mkdir(parents=True, exist_ok=True)
-        self.save_model(folder)
+        if self.lora is not None:
+            self._save_adapter(folder / lora.ADAPTER_DIR)
+        else:
+            self.save_model(folder)
         if self.fsdp and self._full_optimizer is None:
             raise RuntimeError("FSDP2: the optimizer state was not gathered by the last step "
                                "(train_step(gather_optimizer=True) before a checkpoint)")
@@ -339,8 +369,9 @@ class TorchBackend:
         self._full = fsdp.full_model_state(self.module)
 
     def load(self, folder: Path) -> None:
-        """Restore model weights and optimizer state saved by :meth:`save` (with FSDP2,
-        rank 0 reads them and :meth:`broadcast_state` hands every rank its shards).
+        """Restore model weights (with LoRA the adapter: the base weights are the model's
+        own) and optimizer state saved by :meth:`save` (with FSDP2, rank 0 reads them and
+        :meth:`broadcast_state` hands every rank its shards).
 
         Raises:
             ValueError: the checkpoint's tensors are not the model's (names them).
@@ -348,9 +379,13 @@ class TorchBackend:
         from safetensors.torch import load_file
 
         state = {}
-        for f in sorted(folder.glob("*.safetensors")):
+        where = folder / lora.ADAPTER_DIR if self.lora is not None else folder
+        for f in sorted(where.glob("*.safetensors")):
             state.update(load_file(f, device="cpu" if self.fsdp else str(self.device)))
         names = set(self.model.state_dict())
+        if self.lora is not None:
+            state = lora.from_peft_names(state)
+            names = {k for k in names if lora.is_adapter(k)}
         missing, unexpected = names - set(state), set(state) - names
         tied = {k for k in missing if "lm_head" in k}
         if missing - tied or unexpected:

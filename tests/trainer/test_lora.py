@@ -1,0 +1,189 @@
+"""``trainer.lora``: only the adapters are trained and checkpointed, the weight channel
+gets merged weights under the base model's names that give the peft model's log-probs,
+a checkpoint resumes the same training, ``final_model/`` loads with transformers and its
+``adapter/`` with peft, and bad settings are refused by name."""
+
+from __future__ import annotations
+
+import copy
+
+import pydantic
+import pytest
+import torch
+from testdata import policy_grads, tiny_model, train_sample_table
+
+from relax.streams.codec import group_by_key
+from relax.trainer import checkpoint
+from relax.trainer.backends.torch_backend import TorchBackend, response_logits
+from relax.trainer.batching import micro_batches
+from relax.trainer.config import TrainerConfig
+from relax.trainer.ledger import Ledger
+from relax.trainer.logprobs import token_logprobs
+
+LORA = {"r": 4, "alpha": 8.0, "target_modules": ["q_proj", "v_proj", "down_proj"]}
+
+
+def lora_cfg(**kw) -> TrainerConfig:
+    return TrainerConfig(lora=LORA, optim={"lr": 1e-2}, **kw)
+
+
+def batch(seed: int = 3):
+    t = train_sample_table(3, group_size=3, prompt_len=(4, 10), response_len=(2, 8), seed=seed,
+                           vocab=256)
+    return micro_batches([g for _, g in group_by_key(t, "group_id")], 10_000)
+
+
+def logprobs_of(model, mb) -> torch.Tensor:
+    """``[B, R]`` log-probs of ``mb``'s response tokens under a plain (or peft) model."""
+    with torch.no_grad():
+        return token_logprobs(response_logits(model, mb), mb.targets, mb.temperature)
+
+
+def trained(seed: int = 3, **kw) -> tuple[TorchBackend, torch.nn.Module]:
+    """A LoRA back end on a tiny Llama after two steps, and a copy of the base model."""
+    base = tiny_model("llama")
+    b = TorchBackend(lora_cfg(**kw), model=copy.deepcopy(base))
+    for s in (seed, seed + 1):
+        b.train_step(batch(s))
+    return b, base
+
+
+def test_only_the_adapters_are_trained():
+    base = tiny_model("llama")
+    b = TorchBackend(lora_cfg(), model=copy.deepcopy(base))
+    in_optimizer = {id(p) for g in b.optimizer.param_groups for p in g["params"]}
+    adapters = {n: p for n, p in b.model.named_parameters() if "lora_" in n}
+    assert in_optimizer == {id(p) for p in adapters.values()}
+    assert len(adapters) == 2 * 3 * 3  # A and B of 3 targets in each of 3 layers
+    n_adapter = sum(p.numel() for p in adapters.values())
+    n_base = sum(p.numel() for p in base.parameters())
+    print(f"trained: {n_adapter} of {n_base + n_adapter} parameters")
+    before = {k: v.clone() for k, v in b.model.state_dict().items()}
+    b.train_step(batch())
+    after = b.model.state_dict()
+    moved = {k for k in before if not torch.equal(before[k], after[k])}
+    assert moved and all("lora_" in k for k in moved)
+    assert any(".lora_B." in k for k in moved)  # B leaves zero: the model changed
+    assert set(b.optimizer.state) <= set(adapters.values())
+
+
+def test_published_weights_are_merged_and_give_the_peft_logprobs():
+    b, base = trained()
+    published = b.named_tensors()
+    plain = copy.deepcopy(base)
+    assert published.keys() == plain.state_dict().keys()  # same manifest as a full fine-tune
+    for k, v in plain.state_dict().items():
+        assert published[k].shape == v.shape and published[k].dtype == v.dtype, k
+    tied = published["lm_head.weight"], published["model.embed_tokens.weight"]
+    assert tied[0].data_ptr() == tied[1].data_ptr()  # still one tensor: sent once
+    plain.load_state_dict(published)
+    moved = [k for k, v in base.state_dict().items() if not torch.equal(v, published[k])]
+    assert sorted({k.split(".")[-2] for k in moved}) == ["down_proj", "q_proj", "v_proj"]
+    # peft's own merge gives the same tensors
+    peft_merged = copy.deepcopy(b.lora).merge_and_unload().state_dict()
+    for k, v in peft_merged.items():
+        assert torch.equal(v, published[k]), k
+    worst = 0.0
+    for mb in batch(seed=9):
+        b.model.eval()
+        diff = (logprobs_of(plain, mb) - logprobs_of(b.model, mb))[mb.response_mask.bool()]
+        worst = max(worst, float(diff.abs().max()))
+    print(f"merged vs peft log-probs: max |diff| {worst:.2e}")
+    assert worst <= 1e-5
+
+
+def test_the_first_published_weights_are_the_base_model():
+    base = tiny_model("llama")
+    b = TorchBackend(lora_cfg(), model=copy.deepcopy(base))
+    for k, v in base.state_dict().items():
+        assert torch.equal(b.named_tensors()[k], v), k
+
+
+def test_checkpoint_holds_the_adapter_and_resumes_the_same_training(tmp_path):
+    b, base = trained()
+    folder = checkpoint.save(tmp_path, b, checkpoint.TrainerState(2), Ledger())
+    files = sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file())
+    assert "adapter/adapter_model.safetensors" in files and "optimizer.pt" in files
+    assert not [f for f in files if f.endswith(".safetensors") and not f.startswith("adapter/")]
+    adapter_bytes = (folder / "adapter" / "adapter_model.safetensors").stat().st_size
+    model_bytes = sum(v.numel() * v.element_size() for v in base.state_dict().values())
+    print(f"checkpoint adapter {adapter_bytes} B, the model {model_bytes} B")
+    assert adapter_bytes < model_bytes / 10
+
+    resumed = TorchBackend(lora_cfg(seed=5), model=copy.deepcopy(base))  # other A init
+    state, _ = checkpoint.load(folder, resumed)
+    assert state.policy_version == 2 and resumed.steps_done == 2
+    for k, v in b.named_tensors().items():
+        assert torch.equal(v, resumed.named_tensors()[k]), k
+    mbs = batch(seed=11)
+    b.train_step(mbs)
+    resumed.train_step(mbs)  # same Adam moments: the same next step
+    for k, v in b.named_tensors().items():
+        assert torch.equal(v, resumed.named_tensors()[k]), k
+
+
+def test_a_checkpoint_of_another_adapter_is_refused(tmp_path):
+    b, base = trained()
+    folder = checkpoint.save(tmp_path, b, checkpoint.TrainerState(2), Ledger())
+    other = TorchBackend(TrainerConfig(lora={**LORA, "target_modules": ["q_proj"]}),
+                         model=copy.deepcopy(base))
+    with pytest.raises(ValueError, match="does not match the model: missing .*unexpected "
+                                         ".*v_proj"):
+        checkpoint.load(folder, other)
+
+
+def test_final_model_loads_with_transformers_and_its_adapter_with_peft(tmp_path):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    b, base = trained()
+    final = tmp_path / checkpoint.FINAL_MODEL
+    b.save_model(final)
+    merged = AutoModelForCausalLM.from_pretrained(final, dtype=torch.float32)
+    assert merged.config.model_type == "llama" and not hasattr(merged, "peft_config")
+    for k, v in b.named_tensors().items():
+        assert torch.equal(merged.state_dict()[k], v), k
+    adapted = PeftModel.from_pretrained(copy.deepcopy(base), final / "adapter")
+    b.model.eval()
+    for mb in batch(seed=12):
+        want = logprobs_of(b.model, mb)
+        assert torch.allclose(logprobs_of(merged, mb), want, atol=1e-5)
+        assert torch.allclose(logprobs_of(adapted.get_base_model(), mb), want, atol=1e-6)
+
+
+def test_checkpointing_with_lora_gives_the_same_adapter_gradients():
+    base = tiny_model("llama")
+    mbs = batch(seed=4)
+    plain = TorchBackend(lora_cfg(), model=copy.deepcopy(base))
+    ckpt = TorchBackend(lora_cfg(gradient_checkpointing=True), model=copy.deepcopy(base))
+    for b in (plain, ckpt):  # B != 0, so every adapter gets a gradient
+        with torch.no_grad():
+            for n, p in b.model.named_parameters():
+                if ".lora_B." in n:
+                    p.copy_(torch.linspace(-0.1, 0.1, p.numel()).view_as(p))
+    _, g_plain = policy_grads(plain, mbs)
+    _, g_ckpt = policy_grads(ckpt, mbs)
+    assert g_plain.keys() == g_ckpt.keys() and all("lora_" in n for n in g_plain)
+    assert max(float((g_plain[n] - g_ckpt[n]).abs().max()) for n in g_plain) <= 1e-6
+
+
+@pytest.mark.parametrize("lora, match", [
+    ({"r": 0}, "lora.r"),
+    ({"alpha": -1}, "lora.alpha"),
+    ({"dropout": 1.0}, "lora.dropout"),
+    ({"target_modules": []}, "lora.target_modules"),
+    ({"rank": 8}, "lora.rank"),
+])
+def test_bad_lora_settings_are_refused_by_name(lora, match):
+    with pytest.raises(pydantic.ValidationError, match=match):
+        TrainerConfig(lora=lora)
+
+
+def test_a_target_that_is_no_linear_layer_is_refused():
+    with pytest.raises(ValueError, match=r"target_modules \['qproj'\].*q_proj"):
+        TorchBackend(TrainerConfig(lora={"target_modules": ["qproj"]}),
+                     model=tiny_model("llama"))
+    with pytest.raises(ValueError, match="lora: not supported by the megatron"):
+        TrainerConfig(backend="megatron", lora={})
+    with pytest.raises(ValueError, match="freeze with trainer.lora"):
+        TrainerConfig(lora={}, freeze=("model.*",))
