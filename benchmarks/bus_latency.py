@@ -1,8 +1,8 @@
 """Read-after-write latency on the bus: how long a record takes to reach a reader.
 
-    python benchmarks/bus_latency.py                       # embedded broker (Tansu)
-    python benchmarks/bus_latency.py --bootstrap HOST:PORT --json out.json
-    python benchmarks/bus_latency.py --waits 200,250,10 --records 40
+    python -m relax.benchmarks.bus_latency                 # a local Apache Kafka
+    python -m relax.benchmarks.bus_latency --bootstrap HOST:PORT --json /tmp/out.json
+    python -m relax.benchmarks.bus_latency --waits 200,250,10 --records 40
 
 Two readers, at each fetch wait of ``--waits`` (default: ``relax.streams.client.
 FETCH_WAIT_MS`` and a short one), one wait after the other in one run:
@@ -21,13 +21,14 @@ Last line: ``hop_median_ms=.. hop_max_ms=.. claim_median_ms=..`` for each wait.
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import statistics
 import threading
 import time
 import uuid
 from pathlib import Path
+
+from relax.benchmarks.harness import RESULTS, broker, write_result
 
 
 def hop(bus, wait_ms: int, records: int) -> list[float]:
@@ -91,20 +92,19 @@ def summary(delays: list[float]) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--bootstrap", help="an existing cluster (default: start Tansu)")
+    ap.add_argument("--bootstrap", help="an existing cluster (default: a local Kafka "
+                    "started for the run)")
     ap.add_argument("--records", type=int, default=20)
     ap.add_argument("--waits", help="fetch waits to measure, ms, comma-separated "
                     "(default: FETCH_WAIT_MS,10)")
-    ap.add_argument("--json", type=Path)
+    ap.add_argument("--json", type=Path, default=RESULTS / "bus_latency.json")
     a = ap.parse_args()
-    from relax.infra.broker import start_broker, stop_broker
     from relax.streams.client import FETCH_WAIT_MS, BusConfig
 
-    handle = None if a.bootstrap else start_broker()
-    try:
-        bus = BusConfig(bootstrap_servers=a.bootstrap or handle.bootstrap)
-        res = {}
-        waits = [int(x) for x in a.waits.split(",")] if a.waits else [FETCH_WAIT_MS, 10]
+    waits = [int(x) for x in a.waits.split(",")] if a.waits else [FETCH_WAIT_MS, 10]
+    res = {}
+    with broker(a.bootstrap) as (bootstrap, _):
+        bus = BusConfig(bootstrap_servers=bootstrap)
         for wait in waits:
             res[f"wait_{wait}ms"] = {"hop": summary(hop(bus, wait, a.records)),
                                      "claim": summary(claims(bus, wait, a.records))}
@@ -112,12 +112,8 @@ def main() -> None:
             print(f"fetch_wait={wait}ms hop_median_ms={r['hop']['median_ms']} "
                   f"hop_max_ms={r['hop']['max_ms']} claim_median_ms={r['claim']['median_ms']}",
                   flush=True)
-    finally:
-        if handle is not None:
-            stop_broker(handle)
-    if a.json:
-        a.json.write_text(json.dumps(res, indent=1))
-
+    settings = {"bootstrap": a.bootstrap, "records": a.records, "waits": waits}
+    print(f"wrote {write_result(a.json, {'settings': settings, **res})}")
 
 if __name__ == "__main__":
     main()

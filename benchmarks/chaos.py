@@ -21,11 +21,10 @@ drawn after step 5 plus 0.9 s found the trainer finished.
   Apache Kafka, alternating: the single node SIGKILLed and restarted from its log dirs
   (``broker:restart``), then one node of a 3-node cluster (replication factor 3,
   ``min.insync.replicas`` 2), the leader of the trainer's input, lost for good
-  (``broker:node-lost``; started again between runs). The memory-only local broker
-  (Tansu) loses a run by design when killed, so it gets no broker faults.
+  (``broker:node-lost``; started again between runs).
 * every other run kills one stage, two stages, or one stage twice among rollout-0,
-  reward.parity, reference, aggregate and trainer, on one local Tansu (or ``--bootstrap``;
-  then no broker faults).
+  reward.parity, reference, aggregate and trainer, on one local Kafka shared by these
+  runs (or the cluster at ``--bootstrap``; then no broker faults).
 
 Reports runs finished, rollouts sampled / trained / stale / filtered / error, rollouts
 lost (sampled, in no ledger bucket) and trained twice, the faults that landed
@@ -42,13 +41,11 @@ import argparse
 import json
 import os
 import random
-import sys
 import time
 import uuid
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))  # testdata: the tiny recipe and the parity reward
+from relax.benchmarks.harness import RESULTS, tiny_recipe, write_result
 
 KEPT_SNAPSHOTS = 3
 """Weight snapshots the trainer keeps (streams/weights): the window is this many times
@@ -114,15 +111,13 @@ def main() -> None:
     ap.add_argument("--timeout-s", type=float, default=600.0, help="limit per run")
     ap.add_argument("--budget-s", type=float, default=None,
                     help="start no run that would likely end past this many seconds")
-    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "chaos.json"))
+    ap.add_argument("--out", default=str(RESULTS / "chaos.json"))
     ap.add_argument("--resume", action="store_true",
                     help="keep the runs --out holds (same seed and settings) and run the rest")
     a = ap.parse_args()
 
     import contextlib
     import tempfile
-
-    from testdata import tiny_recipe
 
     from relax.infra.broker import LocalBroker, stop_broker
     from relax.infra.chaos import (
@@ -138,11 +133,9 @@ def main() -> None:
     from relax.infra.kafka_broker import start_kafka
 
     t_start = time.monotonic()
-    os.environ["PYTHONPATH"] = os.pathsep.join(
-        [str(ROOT / "tests"), *filter(None, [os.environ.get("PYTHONPATH")])])
     os.environ.setdefault("RELAX_HOME", tempfile.mkdtemp(prefix="relax-chaos-home-"))
     start_local_ray(8)  # one Ray for every run (each run's controller finds it up), its
-    # stage processes with the environment above; saves a Ray start and stop per run
+    # stage processes with RELAX_HOME above; saves a Ray start and stop per run
     stages = STAGES + ("reference",)
     window = a.snapshot_every * KEPT_SNAPSHOTS
     extra = [f"trainer.steps={a.steps}", f"trainer.weights_snapshot_every={a.snapshot_every}",
@@ -172,7 +165,7 @@ def main() -> None:
     a.resumed_at = done.get("resumed_at_run") or len(results) if a.resume else None
     with contextlib.ExitStack() as stack:
         stack.callback(lambda: [stop_broker(h) for h in kafka.values()])
-        tansu = a.bootstrap or stack.enter_context(LocalBroker()).bootstrap
+        shared = a.bootstrap or stack.enter_context(LocalBroker()).bootstrap
         for i in range(a.runs + 1):
             fault = None
             if i and a.broker_every and not a.bootstrap and i % a.broker_every == 0:
@@ -190,7 +183,7 @@ def main() -> None:
                     break
             broker = kafka_for(fault) if fault else None
             run = f"chaos{i:02d}{uuid.uuid4().hex[:4]}"
-            recipe = tiny_recipe(broker.bootstrap if broker else tansu, root, run, *extra)
+            recipe = tiny_recipe(broker.bootstrap if broker else shared, root, run, *extra)
             r = chaos_run(recipe, kills, a.timeout_s, broker=broker)
             results.append(r)
             print(f"run {i:2d} {'ok ' if r.finished else 'FAIL'} wall_s={r.wall_s:6.1f} "
@@ -201,8 +194,7 @@ def main() -> None:
                   + (f"\n    broker: {r.broker_error.splitlines()[0]}" if r.broker_error else "")
                   + (f"\n    {r.error.splitlines()[0]}" if r.error else ""), flush=True)
             out = _summary(a, stages, window, results[0], results[1:], t_start)
-            Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-            Path(a.out).write_text(json.dumps(out, indent=1, default=str))
+            write_result(a.out, out)
     print(f"finished={out['finished']}/{out['runs']} lost={out['lost']} "
           f"trained_twice={out['trained_twice']} broker_kills={out['broker_kills']} "
           f"late_kills={out['late_kills']} wall_over_undisturbed={out['wall_over_undisturbed']} "

@@ -4,9 +4,9 @@ relax sync and relax async (max_staleness 1 and 2).
     python benchmarks/e2e_vs_trl.py                 # all systems, 8 steps each: ~35 min on 2 cores
     python benchmarks/e2e_vs_trl.py --steps 2 --systems loop,async1   # a quick look
     python benchmarks/e2e_vs_trl.py --steps 16 --systems loop,async1,trl --seed 2 \
-        --out benchmarks/results/e2e_seed2.json       # other samples: the reward's spread
-    python benchmarks/e2e_vs_trl.py --steps 12 --systems sync --bus kafka --fetch-wait-ms 1000 \
-        --out /tmp/sync_kafka.json                    # relax on Apache Kafka (make install)
+        --out /tmp/e2e_seed2.json                     # other samples: the reward's spread
+    python benchmarks/e2e_vs_trl.py --steps 12 --systems sync --bootstrap HOST:PORT \
+        --fetch-wait-ms 1000 --out /tmp/sync.json     # relax on a cluster of your own
     python benchmarks/e2e_vs_trl.py --steps 10 --systems async1 --trainer-processes 2 \
         --out /tmp/async_2ranks.json                  # two data-parallel trainer ranks
 
@@ -63,7 +63,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import resource
 import shutil
 import subprocess
@@ -73,9 +72,9 @@ import time
 from datetime import datetime
 from pathlib import Path
 
+from relax.benchmarks.harness import RESULTS, ROOT, write_result
 from relax.benchmarks.wait_floor import floor_pct
 
-ROOT = Path(__file__).resolve().parents[1]
 RECIPE = ROOT / "recipes" / "arith_grpo_smollm2.yaml"
 SYSTEMS = {
     "trl": "TRL GRPOTrainer",
@@ -338,11 +337,11 @@ def train_cpu(m: dict) -> dict:
 def run_relax(w: dict, mode: str, staleness: int, threads: int, run_root: str,
               shm: bool = True, bootstrap: str | None = None,
               fetch_wait_ms: int | None = None, trainer_processes: int = 1) -> dict:
-    """``relax train`` on the demo recipe (every stage its own process, a local Tansu or
-    the cluster at ``bootstrap``); ``shm=False`` sends the weights by the gloo broadcast
-    (``trainer.weights_shm``); ``fetch_wait_ms``: ``bus.fetch_wait_ms`` (None: default);
-    ``trainer_processes``: ``resources.trainer.processes`` (data-parallel ranks, each at
-    the stage's torch threads)."""
+    """``relax train`` on the demo recipe (every stage its own process, the run's own
+    local Kafka or the cluster at ``bootstrap``); ``shm=False`` sends the weights by the
+    gloo broadcast (``trainer.weights_shm``); ``fetch_wait_ms``: ``bus.fetch_wait_ms``
+    (None: default); ``trainer_processes``: ``resources.trainer.processes``
+    (data-parallel ranks, each at the stage's torch threads)."""
     import yaml
 
     from relax.infra.launch import train
@@ -398,10 +397,10 @@ def run_relax(w: dict, mode: str, staleness: int, threads: int, run_root: str,
                                                          "errors")}}
 
 
-def one(system: str, w: dict, threads: int, out: Path, bus: str = "tansu",
+def one(system: str, w: dict, threads: int, out: Path, bootstrap: str | None = None,
         fetch_wait_ms: int | None = None, trainer_processes: int = 1) -> None:
-    """Run one system and write its raw result to ``out``; relax systems on the ``bus``
-    (``tansu``: the run's own; ``kafka``: an Apache Kafka node started for it)."""
+    """Run one system and write its raw result to ``out``; relax systems on the cluster at
+    ``bootstrap`` (None: the run starts its own local Kafka, as ``relax train`` does)."""
     t0 = time.perf_counter()
     if system == "trl":
         res = run_trl(w, threads)
@@ -411,19 +410,9 @@ def one(system: str, w: dict, threads: int, out: Path, bus: str = "tansu",
         name = system.removesuffix("gloo")
         mode, s = ("sync", 0) if name.startswith("sync") else ("async", int(name[-1]))
         with tempfile.TemporaryDirectory(prefix="relax-bench-") as d:
-            broker = None
-            if bus == "kafka":
-                from relax.infra.broker import stop_broker
-                from relax.infra.kafka_broker import start_kafka
-                broker = start_kafka(Path(d) / "kafka")
-            try:
-                res = run_relax(w, mode, s, threads, d, shm=not system.endswith("gloo"),
-                                bootstrap=broker and broker.bootstrap,
-                                fetch_wait_ms=fetch_wait_ms,
-                                trainer_processes=trainer_processes)
-            finally:
-                if broker:
-                    stop_broker(broker)
+            res = run_relax(w, mode, s, threads, d, shm=not system.endswith("gloo"),
+                            bootstrap=bootstrap, fetch_wait_ms=fetch_wait_ms,
+                            trainer_processes=trainer_processes)
             png = Path(res.pop("run_dir")) / "timeline.png"  # the stages' CPU use
             if png.exists():
                 shutil.copy(png, out.parent / f"{out.stem.replace('raw_', 'timeline_')}.png")
@@ -614,14 +603,14 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--steps", type=int, default=8, help="optimizer steps per system")
     ap.add_argument("--systems", default="trl,loop,sync,sync1t,async1,async2")
-    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "e2e_vs_trl.json"))
+    ap.add_argument("--out", default=str(RESULTS / "e2e_vs_trl.json"))
     ap.add_argument("--timeout-s", type=float, default=1800, help="per system")
     ap.add_argument("--seed", type=int, default=1,
                     help="sampling seed of every system (same prompts); runs at other seeds "
                          "give the spread of reward_mean")
-    ap.add_argument("--bus", choices=("tansu", "kafka"), default="tansu",
-                    help="the relax systems' broker: the run's own Tansu, or an Apache Kafka "
-                         "node started for each system (make install)")
+    ap.add_argument("--bootstrap", default=None,
+                    help="a cluster shared by the relax systems (default: each run starts "
+                         "its own local Kafka, as relax train does)")
     ap.add_argument("--fetch-wait-ms", type=int, default=None,
                     help="the relax systems' bus.fetch_wait_ms (default: BusConfig's)")
     ap.add_argument("--trainer-processes", type=int, default=1,
@@ -633,7 +622,7 @@ def main() -> None:
     args = ap.parse_args()
     w = workload(args.steps, args.seed)
     if args.one:
-        one(args.one, w, args.threads, Path(args.raw), args.bus, args.fetch_wait_ms,
+        one(args.one, w, args.threads, Path(args.raw), args.bootstrap, args.fetch_wait_ms,
             args.trainer_processes)
         return
     systems = [s for s in args.systems.split(",") if s]
@@ -659,7 +648,8 @@ def main() -> None:
                 procs.append(subprocess.Popen(
                     [sys.executable, __file__, "--one", name.removesuffix("x2"), "--steps",
                      str(args.steps), "--seed", str(args.seed), "--threads", str(THREADS[name]),
-                     "--raw", str(r), "--bus", args.bus,
+                     "--raw", str(r),
+                     *(["--bootstrap", args.bootstrap] if args.bootstrap else []),
                      "--trainer-processes", str(args.trainer_processes),
                      *(["--fetch-wait-ms", str(args.fetch_wait_ms)]
                        if args.fetch_wait_ms is not None else [])],
@@ -679,14 +669,11 @@ def main() -> None:
               f"wall_s={r['wall_s']}", flush=True)
     rat = ratios(results)
     doc = {"workload": w, "threads": {k: THREADS[k] for k in systems},
-           "bus": {"broker": args.bus, "fetch_wait_ms": args.fetch_wait_ms},
+           "bus": {"broker": args.bootstrap or "own", "fetch_wait_ms": args.fetch_wait_ms},
            "trainer_processes": args.trainer_processes,
-           "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
-                       "processor": platform.processor() or platform.machine(),
-                       "python": platform.python_version()},
-           "date": time.strftime("%Y-%m-%d %H:%M"), "total_s": round(time.perf_counter() - t_all),
+           "total_s": round(time.perf_counter() - t_all),
            "systems": results, **rat}
-    out.write_text(json.dumps(doc, indent=1) + "\n")
+    write_result(out, doc)
     plot(results, out.with_suffix(".png"))
     print(f"wrote {out} and {out.with_suffix('.png')}")
     print(" ".join(f"{k}={v}" for k, v in rat.items()))

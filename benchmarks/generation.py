@@ -1,8 +1,9 @@
 """Generation throughput of the HF engine: ``--batch`` prompts x ``--tokens`` new tokens.
 
 Stop tokens are disabled so every row generates exactly ``--tokens`` tokens; the
-first call warms up and is not counted. Last line:
-``model=M batch=B new_tokens=T seconds=S tokens_per_s=X``
+first call warms up and is not counted; the best of ``--repeats`` calls counts. Last
+line: ``model=M batch=B new_tokens=T seconds=S tokens_per_s=X threads=N``; ``--json``
+writes the same figures.
 
     python benchmarks/generation.py --model tiny-llama
     python benchmarks/generation.py --model smollm2-135m --batch 8 --tokens 64
@@ -15,6 +16,7 @@ import time
 
 import torch
 
+from relax.benchmarks.harness import RESULTS, write_result
 from relax.consumers.engines.base import SamplingParams
 from relax.consumers.engines.hf import HFEngine
 
@@ -26,6 +28,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch's default)")
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--json", default=str(RESULTS / "generation.json"))
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -45,10 +48,11 @@ def main() -> None:
         best = min(best, time.perf_counter() - t0)
         assert all(len(g.token_ids) == args.tokens for g in gens)
     n = args.batch * args.tokens
-    print(
-        f"model={args.model} batch={args.batch} new_tokens={args.tokens} seconds={best:.2f} "
-        f"tokens_per_s={n / best:.1f} threads={torch.get_num_threads()}"
-    )
+    fig = {"model": args.model, "batch": args.batch, "new_tokens": args.tokens,
+           "seconds": round(best, 3), "tokens_per_s": round(n / best, 1),
+           "threads": torch.get_num_threads()}
+    write_result(args.json, {"settings": vars(args), **fig})
+    print(" ".join(f"{k}={v}" for k, v in fig.items()))
 
 
 if __name__ == "__main__":

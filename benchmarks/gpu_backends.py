@@ -46,16 +46,13 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-HERE = Path(__file__).resolve().parent
-sys.path[:0] = [str(HERE), str(HERE.parent / "tests")]
-
-import e2e_vs_trl as e2e  # noqa: E402
+from relax.benchmarks import e2e_vs_trl as e2e
+from relax.benchmarks.harness import write_result
 
 STEP = {"optim": {"lr": 1e-4, "grad_clip": 0.5}, "old_logprobs": "recompute",
         "loss": {"entropy_coef": 0.01}, "seed": 3}
@@ -148,10 +145,10 @@ def parity(model_dir: str, mbs: list, dtype: torch.dtype) -> dict:
 
 def tiny_parity(tmp: Path, dtype: torch.dtype) -> dict:
     """:func:`parity` on the tests' tiny Llama and Qwen2 with random token batches."""
-    from testdata import train_sample_table
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
     from relax.streams.codec import group_by_key
+    from relax.tests.testdata import train_sample_table
     from relax.trainer.batching import micro_batches
 
     t = train_sample_table(4, group_size=3, seed=5)
@@ -181,10 +178,10 @@ def arch_parity(tmp: Path, dtype: torch.dtype, groups: int = 8) -> dict:
     """:func:`parity` on SmolLM2-135M's architecture with random weights (no weights
     file needed) and a random batch of ``groups`` groups x 8 rows, prompts of 20-40
     tokens and responses of 60-120 (ids < 200, so the pad id 2 occurs)."""
-    from testdata import train_sample_table
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from relax.streams.codec import group_by_key
+    from relax.tests.testdata import train_sample_table
     from relax.trainer.batching import micro_batches
 
     d = tmp / "smollm2-arch"
@@ -336,7 +333,8 @@ def main() -> None:
     print("env", json.dumps(res["env"]), flush=True)
 
     def save():
-        a.json.write_text(json.dumps(res, indent=1))
+        write_result(a.json, res, transformers=transformers.__version__,
+                     megatron_core=megatron.core.__version__)
 
     w = {**e2e.workload(a.steps), "model": a.model, "batch_groups": a.groups,
          "group_size": a.group_size, "max_new_tokens": a.max_new_tokens, "budget": a.budget,

@@ -8,7 +8,8 @@ worker count on the same rows; pool start-up (spawn, imports, warm-up) is timed
 apart from scoring.
 
 Output: one line per (reward, workers):
-``reward=R workers=W rows=N startup_s=X score_s=Y rows_per_s=Z mean=M errors=E``.
+``reward=R workers=W rows=N startup_s=X score_s=Y rows_per_s=Z mean=M errors=E``;
+``--json`` writes them all.
 
     python benchmarks/reward_throughput.py                       # math, gsm8k x 1, 2 workers
     python benchmarks/reward_throughput.py --rewards math --workers 1 2 4 --repeat 3
@@ -21,6 +22,7 @@ import json
 import time
 from pathlib import Path
 
+from relax.benchmarks.harness import RESULTS, write_result
 from relax.consumers.reward.pool import RewardPool
 
 GSM8K_TEST = Path("/work/shared/data/gsm8k/test.jsonl")
@@ -63,12 +65,15 @@ def main() -> None:
     ap.add_argument("--workers", nargs="+", type=int, default=[1, 2])
     ap.add_argument("--repeat", type=int, default=1, help="repeat the 1,319 rows this many times")
     ap.add_argument("--batch-rows", type=int, default=64)
+    ap.add_argument("--json", default=str(RESULTS / "reward_throughput.json"))
     args = ap.parse_args()
+    runs = []
     for reward in args.rewards:
         responses, labels = rows_for(reward, args.repeat)
         for w in args.workers:
-            r = measure(reward, w, responses, labels, args.batch_rows)
-            print(" ".join(f"{k}={v}" for k, v in r.items()), flush=True)
+            runs.append(measure(reward, w, responses, labels, args.batch_rows))
+            print(" ".join(f"{k}={v}" for k, v in runs[-1].items()), flush=True)
+    write_result(args.json, {"settings": vars(args), "runs": runs})
 
 
 if __name__ == "__main__":

@@ -19,24 +19,16 @@ are the bottleneck). Writes ``benchmarks/results/rollout_scaling.json``.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
-import subprocess
-import sys
 import tempfile
 import time
 import uuid
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))  # testdata: the tiny recipe and the parity reward
+from relax.benchmarks.harness import RESULTS, broker, tiny_recipe, write_result
 
 
 def one_run(bootstrap: str, run_root: str, instances: int, a) -> dict:
     """The run with ``instances`` rollout processes: steady samples/s and its summary."""
-    from testdata import tiny_recipe
-
     from relax.infra.launch import train
 
     recipe = tiny_recipe(bootstrap, run_root, f"scale{instances}-" + uuid.uuid4().hex[:4],
@@ -75,18 +67,17 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--max-staleness", type=int, default=2)
     ap.add_argument("--timeout-s", type=float, default=900.0)
-    ap.add_argument("--out", default=str(ROOT / "benchmarks/results/rollout_scaling.json"))
+    ap.add_argument("--bootstrap", help="an existing cluster (default: a local Kafka started "
+                    "for the runs)")
+    ap.add_argument("--out", default=str(RESULTS / "rollout_scaling.json"))
     a = ap.parse_args()
 
-    from relax.infra.broker import LocalBroker
-
-    os.environ["PYTHONPATH"] = os.pathsep.join(
-        [str(ROOT / "tests"), *filter(None, [os.environ.get("PYTHONPATH")])])
     os.environ.setdefault("RELAX_HOME", tempfile.mkdtemp(prefix="relax-scale-home-"))
     runs = []
-    with LocalBroker() as broker, tempfile.TemporaryDirectory(prefix="relax-scale-") as root:
+    with broker(a.bootstrap) as (bootstrap, _), \
+            tempfile.TemporaryDirectory(prefix="relax-scale-") as root:
         for n in (int(x) for x in a.instances.split(",")):
-            r = one_run(broker.bootstrap, root, n, a)
+            r = one_run(bootstrap, root, n, a)
             runs.append(r)
             print(f"instances={n} samples/s={r['samples_per_s']:.2f} steady_s={r['steady_s']:.1f} "
                   f"trainer wait={r['trainer_wait_frac']:.0%} train={r['trainer_train_frac']:.0%} "
@@ -94,12 +85,7 @@ def main() -> None:
     base = runs[0]["samples_per_s"]
     for r in runs:
         r["ratio"] = r["samples_per_s"] / base
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
-                            capture_output=True, text=True, check=False).stdout.strip()
-    out = {"machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
-           "commit": commit, "date": time.strftime("%Y-%m-%d"), "settings": vars(a), "runs": runs}
-    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.out).write_text(json.dumps(out, indent=1))
+    write_result(a.out, {"settings": vars(a), "runs": runs})
     print(" ".join(f"x{r['instances']}={r['ratio']:.2f}" for r in runs))
 
 

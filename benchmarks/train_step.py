@@ -3,7 +3,8 @@ sequence (what a plain HF loss does), same batch, same model.
 
     python benchmarks/train_step.py --model smollm2-135m --groups 8 --group-size 8
 
-Last line: ``rows=B tokens_full=N tokens_shared=M full_s=X shared_s=Y speedup=R``.
+Last line: ``rows=B tokens_full=N tokens_shared=M full_s=X shared_s=Y speedup=R``;
+``--json`` writes the same figures (forward and backward seconds of one pass each).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import time
 
 import torch
 
+from relax.benchmarks.harness import RESULTS, write_result
 from relax.streams.codec import group_by_key
 from relax.trainer.backends.torch_backend import TorchBackend
 from relax.trainer.batching import micro_batches
@@ -40,11 +42,7 @@ def full_logprobs(model, table) -> list[torch.Tensor]:
 
 
 def main() -> None:
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-    from testdata import train_sample_table
+    from relax.tests.testdata import train_sample_table
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="tiny-llama")
@@ -53,6 +51,7 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=40)
     ap.add_argument("--response-len", type=int, default=12)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--json", default=str(RESULTS / "train_step.json"))
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     t = train_sample_table(args.groups, args.group_size, (args.prompt_len, args.prompt_len),
@@ -69,8 +68,11 @@ def main() -> None:
     full = time.perf_counter() - t0
     rows = t.num_rows
     tok_full = sum(len(r["prompt_ids"]) + len(r["response_ids"]) for r in t.to_pylist())
-    print(f"rows={rows} tokens_full={tok_full} tokens_shared={mbs[0].padded_tokens} "
-          f"full_s={full:.2f} shared_s={shared:.2f} speedup={full / shared:.2f}")
+    fig = {"rows": rows, "tokens_full": tok_full, "tokens_shared": mbs[0].padded_tokens,
+           "full_s": round(full, 3), "shared_s": round(shared, 3),
+           "speedup": round(full / shared, 2)}
+    write_result(args.json, {"settings": vars(args), **fig})
+    print(" ".join(f"{k}={v}" for k, v in fig.items()))
 
 
 if __name__ == "__main__":

@@ -44,7 +44,6 @@ figure.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import resource
 import statistics
@@ -58,6 +57,8 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import torch
+
+from relax.benchmarks.harness import broker, write_result
 
 
 def subscriber(args) -> None:
@@ -113,6 +114,9 @@ def subscriber(args) -> None:
         generated += sum(len(g.token_ids) for g in gens)
         sub.poll(0)
     sub.wait_for(args.versions, 300)
+    # the last version may land after "stop" ended the watch (a loaded machine): its time
+    # is when it is seen here
+    seen.setdefault(sub.version, time.time())
     engine.apply_pending()
     named = {n: p.detach() for n, p in engine.model.named_parameters()}
     m = build_manifest(named)
@@ -156,12 +160,9 @@ def memcpy_gbps(nbytes: int) -> float:
 def publisher(args) -> None:
     """Each transport of ``--transports`` in turn, on one broker; prints and writes the
     figures (module docstring)."""
-    from relax.infra.broker import LocalBroker
     from relax.trainer.models import load_model
 
-    ctx = LocalBroker() if not args.bootstrap else contextlib.nullcontext()
-    with ctx as broker:
-        bootstrap = args.bootstrap or broker.bootstrap
+    with broker(args.bootstrap) as (bootstrap, _):
         named = dict(load_model(args.model).named_parameters())
         out = {t: one_transport(args, bootstrap, named, t) for t in args.transports.split(",")}
     for name, new, old in (("shm_over_gloo", "shm", "gloo"),
@@ -175,7 +176,7 @@ def publisher(args) -> None:
             print(f"{name} " + " ".join(f"{k}={v:.3f}" for k, v in out[name].items()))
     if args.json:
         out["args"] = vars(args)
-        Path(args.json).write_text(json.dumps(out, indent=1) + "\n")
+        write_result(args.json, out)
 
 
 def one_transport(args, bootstrap: str, named: dict, transport: str) -> dict:
