@@ -22,10 +22,18 @@ def broker_start(port: Optional[int] = typer.Option(None, help="TCP port of the 
                  data_dir: Optional[str] = typer.Option(
                      None, "--dir", help="folder for its configs, logs and data (default "
                      "$RELAX_HOME/kafka); a folder that holds a cluster starts it again as it "
-                     "was, with its topics")
+                     "was, with its topics"),
+                 secure: bool = typer.Option(
+                     False, "--secure", help="clients connect with SASL_SSL: user 'relax' "
+                     "(SCRAM-SHA-256) with a random password, TLS from a CA made here; the "
+                     "password file and CA go in --dir, the settings to use are printed")
                  ) -> None:
     """Start a local Apache Kafka in the background and record it in
     $RELAX_HOME/broker.json.
+
+    With --secure it prints the recipe settings of a SASL_SSL client (bus.security_protocol
+    ... bus.ssl_cafile); the relax commands (topics, tail, monitor, ...) use them on their
+    own for this broker. A folder made with --secure starts again secure.
 
     With --port, a broker recorded on another port may keep running: each is recorded
     (`relax broker stop --port` stops one)."""
@@ -50,13 +58,20 @@ def broker_start(port: Optional[int] = typer.Option(None, help="TCP port of the 
         data_dir = handle.data_dir  # start its stopped nodes again
     t0 = time.monotonic()
     try:
-        h = start_kafka(data_dir or default_data_dir(), brokers=brokers, port=port, host=host)
+        h = start_kafka(data_dir or default_data_dir(), brokers=brokers, port=port, host=host,
+                        secure=True if secure else None)
     except (FileNotFoundError, ValueError, OSError, TimeoutError) as e:
         typer.echo(f"broker not started: {e}", err=True)
         raise typer.Exit(1) from None
     save_state(h)
     typer.echo(f"broker started: pid={','.join(map(str, h.pids))} bootstrap={h.bootstrap} "
                f"dir={h.data_dir} ({time.monotonic() - t0:.1f}s)")
+    if h.security:
+        from relax.infra.kafka_secure import settings_line
+
+        typer.echo(f"settings to use (recipe keys; the relax commands take them for this "
+                   f"broker on their own): bootstrap_servers={h.bootstrap} "
+                   f"{settings_line(h.security)}")
 
 
 @broker_app.command("stop")
@@ -109,7 +124,8 @@ def broker_status(port: Optional[int] = typer.Option(
         raise typer.Exit(1)
     typer.echo(f"{'running' if running else 'not running'}: "
                f"pid={','.join(map(str, h.pids))} bootstrap={h.bootstrap}"
-               + (f" dir={h.data_dir}" if h.data_dir else ""))
+               + (f" dir={h.data_dir}" if h.data_dir else "")
+               + (f" security={h.security['security_protocol']}" if h.security else ""))
     for n in h.nodes:
         up = pid_alive(n.pid) and port_open(h.host, n.port)
         typer.echo(f"  node {n.node_id}: {'up' if up else 'down'} pid={n.pid} "

@@ -43,6 +43,9 @@ class KafkaNode:
     """KRaft controller listener"""
     pid: int = 0
     log_path: str = ""
+    internal_port: int = 0
+    """a ``--secure`` node's PLAINTEXT listener on 127.0.0.1, between brokers and for the
+    readiness check (0: none; ``port`` is then the SASL_SSL client listener)"""
 
 
 @dataclass
@@ -61,6 +64,8 @@ class BrokerHandle:
     data_dir: str | None = None
     """the folder with the nodes' configs, logs and data (:func:`start_kafka`)"""
     security: dict = field(default_factory=dict)
+    """a ``--secure`` broker's ``BusConfig`` settings (``security_protocol``,
+    ``sasl_mechanism``, ``sasl_username``, ``sasl_password_file``, ``ssl_cafile``)"""
 
     def __post_init__(self):
         self.nodes = [n if isinstance(n, KafkaNode) else KafkaNode(**n) for n in self.nodes]
@@ -70,6 +75,14 @@ class BrokerHandle:
         """``host:port[,host:port...]`` for ``bootstrap_servers`` (every node)."""
         ports = [n.port for n in self.nodes] or [self.port]
         return ",".join(f"{self.host}:{p}" for p in ports)
+
+    @property
+    def internal_bootstrap(self) -> str:
+        """``bootstrap`` of the PLAINTEXT listeners on 127.0.0.1 of a ``--secure`` broker
+        (the readiness check's), else ``bootstrap``."""
+        if not self.nodes or not all(n.internal_port for n in self.nodes):
+            return self.bootstrap
+        return ",".join(f"127.0.0.1:{n.internal_port}" for n in self.nodes)
 
     @property
     def pids(self) -> list[int]:

@@ -394,9 +394,10 @@ def dashboard_cmd(run: str = typer.Option(..., "--run", help="run to show"),
     """Serve a self-refreshing web page of the run (no internet needed), behind a token:
     open the printed URL (it carries the token once, then a cookie does)."""
     from relax.infra.dashboard import serve
-    from relax.streams.http_token import WideBindError
+    from relax.streams.http_token import WideBindError, check_bind
 
     try:
+        check_bind(host, "the dashboard")  # before the bus is asked
         serve(bus_config(bootstrap), run, port=port, interval_s=interval, host=host)
     except WideBindError as e:
         typer.echo(f"error: {e}", err=True)

@@ -15,6 +15,7 @@ import uuid
 from dataclasses import asdict
 from pathlib import Path
 
+from relax.infra import kafka_secure
 from relax.infra.broker_handle import BrokerHandle, KafkaNode, pid_alive, stop_pids
 from relax.streams.ports import free_port, port_open
 
@@ -102,8 +103,11 @@ def _kafka_cmd(main: str, *args: str, log_dir: Path | None = None,
     return [java(), *jvm_opts, *props, "-cp", str(kafka_home() / "lib" / "*"), main, *args]
 
 
-def _kafka_properties(node: KafkaNode, nodes: list[KafkaNode], host: str, node_dir: Path) -> str:
-    """``server.properties`` of one combined KRaft node of a local cluster of ``nodes``."""
+def _kafka_properties(node: KafkaNode, nodes: list[KafkaNode], host: str, node_dir: Path,
+                      secure: bool = False) -> str:
+    """``server.properties`` of one combined KRaft node of a local cluster of ``nodes``;
+    ``secure``: SASL_SSL clients (:func:`relax.infra.kafka_secure.listener_properties`,
+    files in ``node_dir``'s parent)."""
     n = len(nodes)
     rf = min(3, n)
     min_isr = 2 if rf >= 3 else 1
@@ -117,6 +121,9 @@ def _kafka_properties(node: KafkaNode, nodes: list[KafkaNode], host: str, node_d
         "listener.security.protocol.map": "PLAINTEXT:PLAINTEXT,CONTROLLER:PLAINTEXT",
         "controller.listener.names": "CONTROLLER",
         "inter.broker.listener.name": "PLAINTEXT",
+        **(kafka_secure.listener_properties(host, node.port, node.internal_port,
+                                            node.controller_port, node_dir.parent)
+           if secure else {}),
         "log.dirs": node_dir / "data",
         # relax creates every topic with its partition count and settings; a produce to a
         # missing topic must fail (after max_block_ms), not make a 1-partition topic
@@ -155,59 +162,80 @@ def _kafka_cluster_id() -> str:
 
 
 def _kafka_layout(data_dir: Path, brokers: int | None, port: int | None,
-                  host: str) -> tuple[str, list[KafkaNode]]:
-    """The cluster id and nodes recorded in ``data_dir/cluster.json``, or a new layout of
-    ``brokers`` nodes (default 1; ports ``port, port+1, ...`` or free ones; configs
-    written, storage formatted)."""
+                  host: str, secure: bool | None = None) -> tuple[bool, list[KafkaNode]]:
+    """Whether the cluster is secure, and its nodes: those recorded in
+    ``data_dir/cluster.json``, or a new layout of ``brokers`` nodes (default 1; ports
+    ``port, port+1, ...`` or free ones; configs written, storage formatted; with
+    ``secure``, the files of :mod:`relax.infra.kafka_secure` made first).
+    ``secure`` None: as recorded (a new cluster: not secure)."""
     layout = data_dir / "cluster.json"
     if layout.exists():
         rec = json.loads(layout.read_text())
         nodes = [KafkaNode(**n) for n in rec["nodes"]]
+        was_secure = rec.get("secure", False)
         if ((brokers is not None and len(nodes) != brokers) or rec["host"] != host
-                or (port is not None and nodes[0].port != port)):
+                or (port is not None and nodes[0].port != port)
+                or (secure is not None and secure != was_secure)):
+            kind = {True: "SASL_SSL", False: "PLAINTEXT"}
             raise ValueError(
-                f"{data_dir} holds a {len(nodes)}-node Kafka cluster on {rec['host']}:"
-                f"{nodes[0].port}, not the {brokers or len(nodes)}-node cluster asked for on "
+                f"{data_dir} holds a {len(nodes)}-node {kind[was_secure]} Kafka cluster on "
+                f"{rec['host']}:{nodes[0].port}, not the {brokers or len(nodes)}-node "
+                f"{kind[secure if secure is not None else was_secure]} cluster asked for on "
                 f"{host}{f':{port}' if port else ''}: use another folder (--dir) or delete "
                 f"this one")
-        return rec["cluster_id"], nodes
+        return was_secure, nodes
+    secure = bool(secure)
     brokers = brokers or 1
     ports = [port + i for i in range(brokers)] if port else []
     while len(ports) < brokers:
         p = free_port(host)
         if p not in ports:
             ports.append(p)
-    cports: list[int] = []
-    while len(cports) < brokers:
-        p = free_port(host)
-        if p not in ports and p not in cports:
-            cports.append(p)
-    nodes = [KafkaNode(i + 1, ports[i], cports[i]) for i in range(brokers)]
+    taken = set(ports)
+    cports, iports = [], []
+    for more in [cports] + ([iports] if secure else []):
+        while len(more) < brokers:
+            p = free_port(host if more is cports else "127.0.0.1")
+            if p not in taken:
+                more.append(p)
+                taken.add(p)
+    nodes = [KafkaNode(i + 1, ports[i], cports[i], internal_port=iports[i] if secure else 0)
+             for i in range(brokers)]
     cluster_id = _kafka_cluster_id()
+    extra: list[str] = []
+    password = ""
+    if secure:
+        kafka_secure.make_tls(data_dir, host)
+        password = kafka_secure.make_password(data_dir)
+        extra = ["--add-scram", kafka_secure.scram_arg(password)]
     formats = []
     for node in nodes:
         node_dir = data_dir / f"node-{node.node_id}"
         node_dir.mkdir(parents=True, exist_ok=True)
         (node_dir / "server.properties").write_text(
-            _kafka_properties(node, nodes, host, node_dir))
+            _kafka_properties(node, nodes, host, node_dir, secure))
         cmd = _kafka_cmd("kafka.tools.StorageTool", "format", "--cluster-id", cluster_id,
-                         "--config", str(node_dir / "server.properties"), "--ignore-formatted")
+                         "--config", str(node_dir / "server.properties"), "--ignore-formatted",
+                         *extra)
         formats.append((node, subprocess.Popen(cmd, stdout=subprocess.PIPE,
                                                stderr=subprocess.STDOUT,
                                                stdin=subprocess.DEVNULL)))
     for node, proc in formats:  # in parallel: each is a JVM start (~1-2 s)
         out, _ = proc.communicate(timeout=120)
         if proc.returncode != 0:
+            tail = out.decode(errors="replace")[-2000:]
             raise RuntimeError(f"formatting Kafka node {node.node_id} in {data_dir} failed "
-                               f"(exit {proc.returncode}):\n{out.decode(errors='replace')[-2000:]}")
-    layout.write_text(json.dumps({"cluster_id": cluster_id, "host": host,
+                               f"(exit {proc.returncode}):\n"
+                               + (tail.replace(password, "***") if password else tail))
+    layout.write_text(json.dumps({"cluster_id": cluster_id, "host": host, "secure": secure,
                                   "nodes": [asdict(n) for n in nodes]}, indent=1))
-    return cluster_id, nodes
+    return secure, nodes
 
 
 def start_kafka(data_dir: Path | str, brokers: int | None = None, port: int | None = None,
                 host: str = "127.0.0.1", wait_s: float = 120.0,
-                jvm_opts: tuple[str, ...] = KAFKA_JVM_OPTS) -> BrokerHandle:
+                jvm_opts: tuple[str, ...] = KAFKA_JVM_OPTS,
+                secure: bool | None = None) -> BrokerHandle:
     """Start Apache Kafka in KRaft mode: ``brokers`` combined controller+broker nodes
     (default 1) on ``host``, client ports ``port, port+1, ...`` (free ones if None),
     configs, logs (``node-<id>/server.log``) and data under ``data_dir``; wait until
@@ -218,9 +246,14 @@ def start_kafka(data_dir: Path | str, brokers: int | None = None, port: int | No
     ports and cluster id, every topic and committed offset kept; ``brokers`` None means
     as many as it has); only its nodes that are not running are started.
 
+    ``secure``: clients connect with SASL_SSL, SCRAM-SHA-256 user ``relax``
+    (:mod:`relax.infra.kafka_secure`: its CA, certificate and password made in
+    ``data_dir``; the handle's ``security`` holds the client settings); None: as the
+    folder's cluster was made (a new one: PLAINTEXT).
+
     Raises:
         FileNotFoundError: no java, or Kafka is not installed (:func:`kafka_missing`).
-        ValueError: ``data_dir`` holds a cluster of another size or port.
+        ValueError: ``data_dir`` holds a cluster of another size, port or security.
         OSError: a port of the cluster is in use by something else.
         TimeoutError: the cluster was not ready within ``wait_s`` seconds (the nodes
             started here are stopped; each node's log tail is included).
@@ -232,7 +265,7 @@ def start_kafka(data_dir: Path | str, brokers: int | None = None, port: int | No
         raise FileNotFoundError(reason)
     data_dir = Path(data_dir).resolve()
     data_dir.mkdir(parents=True, exist_ok=True)
-    _, nodes = _kafka_layout(data_dir, brokers, port, host)
+    secure, nodes = _kafka_layout(data_dir, brokers, port, host, secure)
     previous = _nodes_pids(data_dir)
     started = []
     for node in nodes:
@@ -242,9 +275,10 @@ def start_kafka(data_dir: Path | str, brokers: int | None = None, port: int | No
         if prev and pid_alive(prev) and port_open(host, node.port):
             node.pid = prev  # still running: keep it
             continue
-        for p in (node.port, node.controller_port):
-            if port_open(host, p):
-                raise OSError(f"port {host}:{p} of Kafka node {node.node_id} is already in use")
+        for h, p in ((host, node.port), (host, node.controller_port),
+                     ("127.0.0.1", node.internal_port)):
+            if p and port_open(h, p):
+                raise OSError(f"port {h}:{p} of Kafka node {node.node_id} is already in use")
         with open(node.log_path, "ab") as log:
             proc = subprocess.Popen(
                 _kafka_cmd("kafka.Kafka", str(node_dir / "server.properties"),
@@ -255,7 +289,8 @@ def start_kafka(data_dir: Path | str, brokers: int | None = None, port: int | No
         started.append(node)
     (data_dir / "pids.json").write_text(json.dumps({n.node_id: n.pid for n in nodes}))
     handle = BrokerHandle(nodes[0].pid, host, nodes[0].port, nodes[0].log_path, time.time(),
-                          nodes=nodes, data_dir=str(data_dir))
+                          nodes=nodes, data_dir=str(data_dir),
+                          security=kafka_secure.client_settings(data_dir) if secure else {})
     try:
         wait_kafka_ready(handle, wait_s)
     except TimeoutError:
@@ -271,7 +306,8 @@ def _nodes_pids(data_dir: Path) -> dict[int, int]:
 
 def wait_kafka_ready(handle: BrokerHandle, wait_s: float = 120.0) -> float:
     """Wait until every node of a local Kafka accepts connections and is registered with
-    the cluster; returns the seconds waited.
+    the cluster (asked on its PLAINTEXT listener: a ``--secure`` node's internal one);
+    returns the seconds waited.
 
     Raises:
         TimeoutError: not ready within ``wait_s`` seconds, or a node exited (with the
@@ -295,7 +331,7 @@ def wait_kafka_ready(handle: BrokerHandle, wait_s: float = 120.0) -> float:
             raise TimeoutError(f"Kafka on {handle.bootstrap}: {why}{tails}")
         if all(port_open(handle.host, n.port) for n in handle.nodes):
             try:
-                a = KafkaAdminClient(bootstrap_servers=handle.bootstrap.split(","),
+                a = KafkaAdminClient(bootstrap_servers=handle.internal_bootstrap.split(","),
                                      request_timeout_ms=5000,
                                      client_id=f"relax-ready-{uuid.uuid4().hex[:6]}")
                 try:

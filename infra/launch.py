@@ -35,7 +35,7 @@ import yaml
 from relax.infra.broker import BROKER_DIR, BrokerHandle, LocalBroker, stop_broker
 from relax.infra.controller import Controller
 from relax.infra.cpu_timeline import CpuTimeline, run_processes
-from relax.infra.preflight import preflight
+from relax.infra.preflight import check_bus, preflight
 from relax.infra.recipe import ENVIRONMENT_REWARD, Recipe, RecipeError, RewardSpec
 from relax.infra.report import step_rows
 from relax.infra.resume import DRIVER_FILE, EVAL_BEFORE_FILE, Resumed
@@ -199,7 +199,8 @@ def train(recipe: Recipe, *, say: Callable[[str], None] = print,
             which stage and why, then the latest metrics of every stage.
         RunTimeout: ``timeout_s`` passed (the same report).
         relax.infra.recipe.RecipeError: before anything starts, when a name in the recipe
-            does not resolve (:func:`relax.infra.preflight.preflight`), ``eval.source``
+            does not resolve (:func:`relax.infra.preflight.preflight`), the recipe's
+            cluster cannot be used (:func:`relax.infra.preflight.check_bus`), ``eval.source``
             has fewer than ``eval.size`` prompts outside the training data, or the eval
             reward fails to load or warm up (with ``eval.before``).
     """
@@ -211,6 +212,7 @@ def train(recipe: Recipe, *, say: Callable[[str], None] = print,
     with contextlib.ExitStack() as stack:
         pool = (None if resumed.eval_before  # a reward that cannot work: a recipe error too
                 else _warm_eval_pool(recipe, held_out, stack))
+        check_bus(recipe)  # the recipe's cluster answers with its credentials
         run_dir = _run_folder(recipe, say)
         summary["run_dir"] = str(run_dir)
         broker: dict[str, int] = {}

@@ -28,7 +28,12 @@ recipe key, as ``rewards.0.fn: ...``):
    host (one ``pass`` run in bubblewrap; :mod:`relax.consumers.environments.sandbox`).
 
 Not checked here: reasoning-gym task names (importing reasoning-gym takes a second or
-more), whether a Kafka cluster or Ray address answers, and a Hub data set's existence.
+more), whether a Ray address answers, and a Hub data set's existence.
+
+:func:`check_bus` (``relax train`` calls it after :func:`preflight`, before the run folder
+or any topic is made) checks that the recipe's Kafka cluster answers with its
+``bus.security_protocol`` and credentials, in seconds
+(:func:`relax.streams.bus_check.check_bus`).
 """
 
 from __future__ import annotations
@@ -75,6 +80,35 @@ def preflight(recipe: Recipe) -> None:
         _check_megatron_split(recipe)
     if recipe.teacher is not None:
         _check_model("teacher.model", recipe.teacher.model)
+
+
+def check_bus(recipe: Recipe) -> None:
+    """Check that the run's bus can be used before anything is made: the recipe's
+    ``bootstrap_servers`` answers a Kafka request with the ``bus`` section's security
+    settings (a few seconds at most); a run without ``bootstrap_servers`` starts its own
+    PLAINTEXT Kafka, so its ``bus.security_protocol`` must be PLAINTEXT.
+
+    Raises:
+        RecipeError: one line, ``bus: <cause>`` (nothing listening, a certificate its CA
+            did not sign, a PLAINTEXT client on a TLS port, a refused password, ...), or
+            ``bus.security_protocol: ...``.
+    """
+    from relax.infra.stages import run_bus
+    from relax.streams.bus_check import BusUnreachable
+    from relax.streams.bus_check import check_bus as check_cluster
+
+    if not recipe.bootstrap_servers:
+        if recipe.bus.security_protocol != "PLAINTEXT":
+            raise _fail("bus.security_protocol", f"{recipe.bus.security_protocol} needs "
+                        f"bootstrap_servers: a run without them starts its own PLAINTEXT "
+                        f"Kafka (for a secure local one: `relax broker start --secure`, then "
+                        f"the settings it prints)")
+        return
+    try:
+        check_cluster(run_bus(recipe, recipe.bootstrap_servers,
+                              Path(recipe.run_root) / recipe.run))
+    except BusUnreachable as e:
+        raise _fail("bus", str(e)) from None
 
 
 def _fail(key: str, message: str) -> RecipeError:
@@ -225,4 +259,4 @@ def _check_hub_model(key: str, repo_id: str, expected: str) -> None:
                     f"the Hub cannot be reached ({type(e).__name__}: {e}); {expected}") from None
 
 
-__all__ = ["preflight"]
+__all__ = ["check_bus", "preflight"]

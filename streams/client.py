@@ -16,13 +16,24 @@ Reads that must see every record up to now (lag, record counts, state recovery) 
 the *fetch* high watermark (``streams/lag.py``, ``streams/read.py::read_partition``),
 which is right on every Kafka; commit metadata is not relied on (the rollout epoch lives
 on ``<run>.rollout_state``).
+
+Security: ``BusConfig.security_protocol`` (PLAINTEXT, SSL, SASL_PLAINTEXT, SASL_SSL), the
+SASL mechanism and user, the CA and client certificate files; every client relax makes
+takes them from :func:`security_kwargs`. The password is never a setting: it is read
+from ``sasl_password_file`` (else ``$RELAX_BUS_SASL_PASSWORD``) each time a client is
+made (:func:`sasl_password`), so it is in no recipe copy, stage spec, log or error.
+:func:`relax.streams.bus_check.check_bus` says in one line why a cluster cannot be
+reached with these settings.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import os
 import time
 import uuid
+from pathlib import Path
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -51,6 +62,14 @@ after it died, against the 60 s a stage rides through an outage for
 or a late draw of the jitter, failed a stage (issue 59). At 1 s a client finds the broker
 within about 1.2 s of its return, for one refused connection a second while it is away."""
 
+PASSWORD_ENV = "RELAX_BUS_SASL_PASSWORD"
+"""Environment variable with the SASL password when ``BusConfig.sasl_password_file`` is
+not set (read by every process that makes a client: a stage on another host needs it
+in its own environment; a file every host mounts is simpler)."""
+
+TLS_PROTOCOLS = frozenset({"SSL", "SASL_SSL"})
+SASL_PROTOCOLS = frozenset({"SASL_PLAINTEXT", "SASL_SSL"})
+
 
 class BusConfig(BaseModel):
     """How to reach the bus and how large its messages may be.
@@ -73,6 +92,18 @@ class BusConfig(BaseModel):
             replication factor is 3 or more, else 1.
         retention_ms: ``retention.ms`` of each non-compacted topic relax creates (ms; -1 =
             keep forever); None = the broker's default (Kafka: 7 days).
+        security_protocol: ``PLAINTEXT``, ``SSL`` (TLS), ``SASL_PLAINTEXT`` or
+            ``SASL_SSL`` (user and password over TLS: what managed Kafkas ask for).
+        sasl_mechanism: ``PLAIN``, ``SCRAM-SHA-256`` or ``SCRAM-SHA-512`` (SASL_* only,
+            and then required).
+        sasl_username: the SASL user (SASL_* only, and then required).
+        sasl_password_file: a file holding the SASL password (one line; mode 600 is
+            advised); None = ``$RELAX_BUS_SASL_PASSWORD`` (:data:`PASSWORD_ENV`).
+        ssl_cafile: PEM file of the CA(s) that signed the brokers' certificates (SSL and
+            SASL_SSL only); None = the system's CAs.
+        ssl_certfile / ssl_keyfile: PEM client certificate and its key, for brokers that
+            ask for one (mutual TLS); the key may be inside the certificate file.
+        ssl_check_hostname: the broker's certificate must name the host connected to.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -88,6 +119,14 @@ class BusConfig(BaseModel):
     replication_factor: int | None = Field(None, ge=1)
     min_insync_replicas: int | None = Field(None, ge=1)
     retention_ms: int | None = Field(None, ge=-1)
+    security_protocol: Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"] = "PLAINTEXT"
+    sasl_mechanism: Literal["PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512"] | None = None
+    sasl_username: str | None = None
+    sasl_password_file: str | None = None
+    ssl_cafile: str | None = None
+    ssl_certfile: str | None = None
+    ssl_keyfile: str | None = None
+    ssl_check_hostname: bool = True
 
     @model_validator(mode="after")
     def _check_replicas(self):
@@ -95,6 +134,31 @@ class BusConfig(BaseModel):
         if rf is not None and isr is not None and isr > rf:
             raise ValueError(f"min_insync_replicas {isr} exceeds replication_factor {rf}: "
                              f"no write could succeed")
+        return self
+
+    @model_validator(mode="after")
+    def _check_security(self):
+        proto = self.security_protocol
+        sasl = {k: getattr(self, k) for k in ("sasl_mechanism", "sasl_username",
+                                              "sasl_password_file")}
+        tls = {k: getattr(self, k) for k in ("ssl_cafile", "ssl_certfile", "ssl_keyfile")}
+        if proto in SASL_PROTOCOLS:
+            missing = [k for k in ("sasl_mechanism", "sasl_username") if not sasl[k]]
+            if missing:
+                raise ValueError(f"security_protocol {proto} needs {' and '.join(missing)} "
+                                 f"(mechanism: PLAIN, SCRAM-SHA-256 or SCRAM-SHA-512)")
+        else:
+            given = [k for k, v in sasl.items() if v]
+            if given:
+                raise ValueError(f"{', '.join(given)} set but security_protocol is {proto}: "
+                                 f"SASL settings need SASL_PLAINTEXT or SASL_SSL")
+        if proto not in TLS_PROTOCOLS:
+            given = [k for k, v in tls.items() if v]
+            if given:
+                raise ValueError(f"{', '.join(given)} set but security_protocol is {proto}: "
+                                 f"TLS settings need SSL or SASL_SSL")
+        if self.ssl_keyfile and not self.ssl_certfile:
+            raise ValueError("ssl_keyfile set without ssl_certfile (the client certificate)")
         return self
 
     @property
@@ -109,10 +173,56 @@ def _check_crc32c() -> None:
                            "record CRCs in pure Python at ~3 MB/s instead of ~42 MB/s")
 
 
+def sasl_password(cfg: BusConfig) -> str:
+    """The SASL password of ``cfg``: the first line of ``sasl_password_file``, else
+    ``$RELAX_BUS_SASL_PASSWORD``.
+
+    Raises:
+        ValueError: the file cannot be read or is empty, or neither is given (the
+            message names the setting, never the password).
+    """
+    if cfg.sasl_password_file:
+        path = Path(cfg.sasl_password_file).expanduser()
+        try:
+            lines = path.read_text().splitlines()
+        except OSError as e:
+            raise ValueError(f"bus.sasl_password_file {str(path)!r}: cannot read it "
+                             f"({e.strerror})") from None
+        if not lines or not lines[0]:
+            raise ValueError(f"bus.sasl_password_file {str(path)!r}: its first line is empty")
+        return lines[0]
+    password = os.environ.get(PASSWORD_ENV)
+    if not password:
+        raise ValueError(f"security_protocol {cfg.security_protocol} needs a password: set "
+                         f"bus.sasl_password_file (a file holding it) or ${PASSWORD_ENV}")
+    return password
+
+
+def security_kwargs(cfg: BusConfig) -> dict:
+    """kafka-python's security keyword arguments from ``cfg`` (every relax client takes
+    them): ``security_protocol``, and as it needs, ``sasl_mechanism``,
+    ``sasl_plain_username``, ``sasl_plain_password`` (:func:`sasl_password`),
+    ``ssl_cafile``, ``ssl_certfile``, ``ssl_keyfile``, ``ssl_check_hostname``.
+
+    Raises:
+        ValueError: a SASL password cannot be found (:func:`sasl_password`).
+    """
+    kw: dict = {"security_protocol": cfg.security_protocol}
+    if cfg.security_protocol in SASL_PROTOCOLS:
+        kw.update(sasl_mechanism=cfg.sasl_mechanism, sasl_plain_username=cfg.sasl_username,
+                  sasl_plain_password=sasl_password(cfg))
+    if cfg.security_protocol in TLS_PROTOCOLS:
+        kw.update(ssl_cafile=cfg.ssl_cafile, ssl_certfile=cfg.ssl_certfile,
+                  ssl_keyfile=cfg.ssl_keyfile, ssl_check_hostname=cfg.ssl_check_hostname)
+    return kw
+
+
 def producer_kwargs(cfg: BusConfig, client_id: str | None = None) -> dict:
-    """Keyword arguments for ``kafka.KafkaProducer`` from a :class:`BusConfig`."""
+    """Keyword arguments for ``kafka.KafkaProducer`` from a :class:`BusConfig`
+    (security from :func:`security_kwargs`)."""
     _check_crc32c()
     return dict(
+        **security_kwargs(cfg),
         bootstrap_servers=cfg.bootstrap_servers.split(","),
         client_id=client_id or f"relax-{uuid.uuid4().hex[:8]}",
         compression_type=cfg.compression,
@@ -137,6 +247,7 @@ def consumer_kwargs(cfg: BusConfig, group_id: str | None, client_id: str | None 
     _check_crc32c()
     kafka_join.apply()
     return dict(
+        **security_kwargs(cfg),
         bootstrap_servers=cfg.bootstrap_servers.split(","),
         client_id=client_id or f"relax-{uuid.uuid4().hex[:8]}",
         group_id=group_id,
@@ -156,7 +267,8 @@ def admin(cfg: BusConfig):
     """A ``kafka.KafkaAdminClient`` for the configured cluster (caller closes it)."""
     from kafka import KafkaAdminClient
 
-    return KafkaAdminClient(bootstrap_servers=cfg.bootstrap_servers.split(","),
+    return KafkaAdminClient(**security_kwargs(cfg),
+                            bootstrap_servers=cfg.bootstrap_servers.split(","),
                             client_id=f"relax-admin-{uuid.uuid4().hex[:6]}",
                             reconnect_backoff_max_ms=RECONNECT_BACKOFF_MAX_MS)
 

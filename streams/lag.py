@@ -18,6 +18,7 @@ from relax.streams.client import (
     BusConfig,
     admin,
     list_topics,
+    security_kwargs,
     topic_partitions,
 )
 
@@ -36,7 +37,8 @@ def high_watermarks(cfg: BusConfig, topics: list[str], timeout_s: float = 10.0,
     tps = [TopicPartition(t, p) for t in topics for p in range(counts.get(t, 0))]
     if not tps:
         return {}
-    c = KafkaConsumer(bootstrap_servers=cfg.bootstrap_servers.split(","), group_id=None,
+    c = KafkaConsumer(**security_kwargs(cfg),
+                      bootstrap_servers=cfg.bootstrap_servers.split(","), group_id=None,
                       enable_auto_commit=False, max_partition_fetch_bytes=1, fetch_max_bytes=1,
                       fetch_max_wait_ms=10,  # 0 lets a broker omit empty partitions
                       client_id=f"relax-lag-{uuid.uuid4().hex[:6]}",
