@@ -5,7 +5,12 @@ a checkpoint resumes the same training, ``final_model/`` loads with transformers
 
 from __future__ import annotations
 
+import argparse
 import copy
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pydantic
 import pytest
@@ -187,3 +192,78 @@ def test_a_target_that_is_no_linear_layer_is_refused():
         TrainerConfig(backend="megatron", lora={})
     with pytest.raises(ValueError, match="freeze with trainer.lora"):
         TrainerConfig(lora={}, freeze=("model.*",))
+
+
+def _ranks_worker(out: Path, mode: str) -> None:
+    """The trainer stage's 2-rank path with LoRA and gradient checkpointing (``ddp`` or
+    ``fsdp2``) against 1 process:
+    a 1-process adapter checkpoint after step 0, restored by rank 0 of 2 (the child gets
+    it by ``broadcast_state``) and by 1 process; both train the same 2 steps, then save.
+    Writes ``out/ranks.pt``."""
+    from relax.trainer.batching import loss_counts, split_groups
+    from relax.trainer.ranks import Ranks
+
+    torch.set_num_threads(1)
+    cfg = TrainerConfig(lora=LORA, optim={"lr": 1e-2}, max_tokens_per_microbatch=60,
+                        data_parallel=mode, gradient_checkpointing=True)
+    batches = [[g for _, g in group_by_key(train_sample_table(4, group_size=3, seed=20 + s),
+                                           "group_id")] for s in range(3)]
+    first = TorchBackend(cfg, device="cpu")
+    first.train_step(micro_batches(batches[0], 60))
+    first.save(out / "ckpt")
+    ranks = Ranks(2, cfg, out, torch_threads=1)
+    b = TorchBackend(cfg, device="cpu")
+    b.load(out / "ckpt")
+    b.broadcast_state()
+    for i, groups in enumerate(batches[1:]):
+        last = i == len(batches) - 2
+        share, counts = ranks.scatter(split_groups(groups, 2), loss_counts(groups), last)
+        b.train_step(micro_batches(share, 60), counts=counts, gather_optimizer=last)
+    b.save(out / "after")
+    ranks.close()
+    ref = TorchBackend(cfg, device="cpu")
+    ref.load(out / "ckpt")
+    for groups in batches[1:]:
+        ref.train_step(micro_batches(groups, 60))
+    ref.save(out / "ref_after")
+    torch.save({"weights": dict(b.named_tensors()), "ref_weights": ref.named_tensors(),
+                "first": first.named_tensors()}, out / "ranks.pt")
+
+
+@pytest.mark.parametrize("mode", ["ddp", "fsdp2"])
+def test_two_ranks_with_lora_match_one_process(tmp_path, mode):
+    """2 data-parallel ranks (the stage's own path; checkpointed layers) train the adapters
+    as 1 process does: merged weights and the saved adapter within 1e-6, the same
+    optimizer state (FSDP2 saved it keyed by the index of the trained parameters)."""
+    from safetensors.torch import load_file
+
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH", "")]))
+    p = subprocess.run([sys.executable, __file__, "--ranks-out", str(tmp_path), "--mode", mode],
+                       env=env, capture_output=True, text=True, timeout=300)
+    child = (tmp_path / "trainer-rank1.log").read_text(errors="replace")
+    assert p.returncode == 0, f"{p.stdout[-2000:]}{p.stderr[-3000:]}\nrank 1:\n{child[-3000:]}"
+    r = torch.load(tmp_path / "ranks.pt", weights_only=False)
+
+    def worst(a, b):
+        assert a.keys() == b.keys()
+        return max(float((a[k] - b[k]).abs().max()) for k in a)
+
+    assert worst(r["weights"], r["ref_weights"]) <= 1e-6
+    assert worst(r["ref_weights"], r["first"]) > 1e-4  # the steps moved the merged weights
+    adapter = "adapter/adapter_model.safetensors"
+    assert worst(load_file(tmp_path / "after" / adapter),
+                 load_file(tmp_path / "ref_after" / adapter)) <= 1e-6
+    opt, ref_opt = (torch.load(tmp_path / d / "optimizer.pt", weights_only=True)["optimizer"]
+                    for d in ("after", "ref_after"))
+    assert opt["param_groups"][0]["params"] == ref_opt["param_groups"][0]["params"]
+    for i, st in ref_opt["state"].items():
+        assert float((opt["state"][i]["exp_avg"] - st["exp_avg"]).abs().max()) <= 1e-6, i
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--ranks-out", type=Path, required=True)
+    ap.add_argument("--mode", choices=["ddp", "fsdp2"], required=True)
+    a = ap.parse_args()
+    _ranks_worker(a.ranks_out, a.mode)

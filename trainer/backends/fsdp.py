@@ -75,7 +75,7 @@ def full_optimizer_state(module: torch.nn.Module, optimizer: torch.optim.Optimiz
         full_state_dict=True, cpu_offload=True))
     if dist.get_rank() != 0:
         return {}
-    return to_index_optimizer_state(sd, [n for n, _ in module.named_parameters()])
+    return to_index_optimizer_state(sd, trained_names(module))
 
 
 def load_full_state(module: torch.nn.Module, optimizer: torch.optim.Optimizer,
@@ -92,7 +92,7 @@ def load_full_state(module: torch.nn.Module, optimizer: torch.optim.Optimizer,
     )
 
     opts = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
-    names = [n for n, _ in module.named_parameters()]
+    names = trained_names(module)
     msd = {} if model_state is None else {prefix + k: v for k, v in model_state.items()}
     # not strict: a tied LM head is not in a checkpoint (its names were checked on load)
     set_model_state_dict(module, msd, options=StateDictOptions(
@@ -101,11 +101,18 @@ def load_full_state(module: torch.nn.Module, optimizer: torch.optim.Optimizer,
     set_optimizer_state_dict(module, optimizer, osd, options=opts)
 
 
+def trained_names(module: torch.nn.Module) -> list[str]:
+    """Names of ``module``'s parameters that require a gradient, in ``named_parameters()``
+    order: the optimizer's parameters and their order (frozen ones, ``trainer.freeze`` or
+    a LoRA base model, are not in it)."""
+    return [n for n, p in module.named_parameters() if p.requires_grad]
+
+
 def to_index_optimizer_state(state: dict, names: list[str]) -> dict:
     """A name-keyed optimizer state (``{"state": {name: {...}}, "param_groups":
     [{"params": [name, ...], ...}]}``) keyed by parameter index instead, the index of a
-    name being its place in ``names`` (the order of ``named_parameters()``, which is
-    the optimizer's parameter order).
+    name being its place in ``names`` (:func:`trained_names`: the optimizer's
+    parameter order).
 
     Raises:
         KeyError: a name not in ``names``.
