@@ -67,11 +67,13 @@ def broker_start(port: Optional[int] = typer.Option(None, help="TCP port of the 
     typer.echo(f"broker started: pid={','.join(map(str, h.pids))} bootstrap={h.bootstrap} "
                f"dir={h.data_dir} ({time.monotonic() - t0:.1f}s)")
     if h.security:
-        from relax.infra.kafka_secure import settings_line
+        from relax.infra.kafka_secure import TOOLS_CONFIG, settings_line
 
         typer.echo(f"settings to use (recipe keys; the relax commands take them for this "
                    f"broker on their own): bootstrap_servers={h.bootstrap} "
                    f"{settings_line(h.security)}")
+        typer.echo(f"Kafka's tools: relax broker tool NAME --bootstrap-server {h.bootstrap} "
+                   f"--command-config {Path(h.data_dir) / TOOLS_CONFIG} ...")
 
 
 @broker_app.command("stop")

@@ -11,7 +11,9 @@ In the cluster's folder, made once when its storage is formatted:
   name (Kafka reads it as ``ssl.keystore.type=PEM``);
 - ``client.password``: the user's password (mode 600, ``bus.sasl_password_file``); Kafka
   keeps only its salted SCRAM hash, written at format time
-  (``StorageTool format --add-scram``).
+  (``StorageTool format --add-scram``);
+- ``client.properties``: the same settings for Apache Kafka's own tools (mode 600: it
+  holds the password), ``relax broker tool topics ... --command-config DIR/client.properties``.
 
 Each node also listens on an ``INTERNAL`` PLAINTEXT listener on 127.0.0.1 (its
 ``internal_port``) for traffic between brokers and for the readiness check; clients
@@ -35,6 +37,9 @@ MECHANISM = "SCRAM-SHA-256"
 
 PASSWORD_FILE = "client.password"
 """In the cluster's folder: :data:`USER`'s password (mode 600)."""
+
+TOOLS_CONFIG = "client.properties"
+"""In the cluster's folder: the client settings of Kafka's Java tools (mode 600)."""
 
 CA_FILE = "tls/ca.pem"
 """In the cluster's folder: the CA certificate (PEM) that signed the nodes' certificate."""
@@ -92,10 +97,18 @@ def make_tls(data_dir: Path, host: str) -> None:
 
 
 def make_password(data_dir: Path) -> str:
-    """A new random password for :data:`USER`, written to :data:`PASSWORD_FILE` (mode
-    600); returned for the format command only (never logged)."""
-    password = secrets.token_urlsafe(24)
+    """A new random password for :data:`USER`, written to :data:`PASSWORD_FILE` and into
+    :data:`TOOLS_CONFIG` (both mode 600); returned for the format command only (never
+    logged)."""
+    password = secrets.token_urlsafe(24)  # [A-Za-z0-9_-]: nothing to quote anywhere
     _write_private(data_dir / PASSWORD_FILE, password.encode() + b"\n")
+    _write_private(data_dir / TOOLS_CONFIG, (
+        "security.protocol=SASL_SSL\n"
+        f"sasl.mechanism={MECHANISM}\n"
+        "sasl.jaas.config=org.apache.kafka.common.security.scram.ScramLoginModule required "
+        f'username="{USER}" password="{password}";\n'
+        "ssl.truststore.type=PEM\n"
+        f"ssl.truststore.location={data_dir / CA_FILE}\n").encode())
     return password
 
 

@@ -22,7 +22,13 @@ from relax.infra import kafka_secure
 from relax.infra.broker import save_state, stop_broker
 from relax.infra.kafka_broker import start_kafka
 from relax.streams.bus_check import BusUnreachable, check_bus
-from relax.streams.client import BusConfig, list_topics, sasl_password, security_kwargs
+from relax.streams.client import (
+    BusConfig,
+    ensure_topics,
+    list_topics,
+    sasl_password,
+    security_kwargs,
+)
 from relax.streams.ports import free_port
 
 CLI = [sys.executable, "-m", "relax.infra.cli"]
@@ -262,10 +268,19 @@ def test_relax_broker_start_secure_prints_the_settings_the_tools_then_use(tmp_pa
                 f"bus.sasl_username=relax bus.sasl_password_file={d / 'client.password'} "
                 f"bus.ssl_cafile={d / 'tls' / 'ca.pem'}") in r.stdout
         assert (d / "client.password").read_text().strip() not in r.stdout + r.stderr
+        assert (d / "client.properties").stat().st_mode & 0o777 == 0o600
         assert "security=SASL_SSL" in relax("broker", "status").stdout
+        bootstrap = r.stdout.split("bootstrap=")[1].split()[0]
+        ensure_topics(BusConfig(bootstrap_servers=bootstrap, **kafka_secure.client_settings(d)),
+                      {"secured.topic": 2})
         # the recorded broker's settings, with no option at all
         t = relax("topics")
-        assert t.returncode == 0, t.stdout + t.stderr
+        assert t.returncode == 0 and "secured.topic" in t.stdout, t.stdout + t.stderr
+        # Kafka's own tools with the settings file it prints
+        assert f"--command-config {d / 'client.properties'}" in r.stdout
+        t = relax("broker", "tool", "topics", "--bootstrap-server", bootstrap, "--list",
+                  "--command-config", str(d / "client.properties"))
+        assert t.returncode == 0 and "secured.topic" in t.stdout, t.stdout + t.stderr
         # the environment's settings win: a plaintext client is refused in one line
         t0 = time.monotonic()
         t = relax("topics", extra_env={"RELAX_BUS_SECURITY_PROTOCOL": "PLAINTEXT"})
