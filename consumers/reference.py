@@ -10,8 +10,8 @@ decides later which count).
 
 Batching: rows of one delivery with the same temperature are packed with the prompt
 left-padded and the response right-padded, so every response starts at the same
-column and only the response positions' logits are computed
-(``logits_to_keep``). Attention mask and position ids come from the lengths, never
+column, and only the real response tokens' hidden states go through the LM head, in
+chunks (:func:`relax.trainer.logprobs.head_logprobs`). Attention mask and position ids come from the lengths, never
 from token values (public case C24: pad id == EOS id). Batches are capped at
 ``max_batch_tokens`` padded tokens.
 
@@ -46,7 +46,7 @@ from relax.schemas import topics
 from relax.schemas.v1 import SCHEMAS
 from relax.schemas.validate import validate
 from relax.streams.client import BusConfig, ensure_topics
-from relax.trainer.logprobs import token_logprobs
+from relax.trainer.logprobs import CHUNK_TOKENS, head_logprobs, token_logprobs
 from relax.trainer.multimodal import media_inputs, stack_media
 
 
@@ -93,9 +93,14 @@ class ReferenceConfig(BaseModel):
 @torch.no_grad()
 def response_logprobs(
     model, prompts: list[list[int]], responses: list[list[int]], temperature: float,
-    media_inputs: dict[str, torch.Tensor] | None = None,
+    media_inputs: dict[str, torch.Tensor] | None = None, chunk_tokens: int = CHUNK_TOKENS,
 ) -> list[list[float]]:
     """Log-probs of each response given its prompt, from ``logits / temperature``.
+
+    Only the real response tokens go through the LM head, ``chunk_tokens`` at a time
+    (:func:`relax.trainer.logprobs.head_logprobs`; 0 = all at once), so the ``[B, R,
+    vocab]`` logits are never whole (a model with final logit soft-capping takes its
+    own ``logits`` instead).
 
     Args:
         model: a causal LM (a transformers model; ``logits_to_keep`` used where taken).
@@ -104,6 +109,7 @@ def response_logprobs(
         temperature: > 0.
         media_inputs: a multimodal model's inputs of every row's media, in the order they
             stand in the rows (:func:`relax.trainer.multimodal.stack_media`), or None.
+        chunk_tokens: response tokens per LM-head chunk.
 
     Returns:
         ``[B][R_b]`` float log-probs (nats).
@@ -136,12 +142,25 @@ def response_logprobs(
     start = (pmax - p_len)[:, None]
     attn = ((col >= start) & (col < pmax + r_len[:, None])).long()  # from lengths (C24)
     pos = (col - start).clamp(min=0)
-    logits = model(
-        input_ids=ids, attention_mask=attn, position_ids=pos, logits_to_keep=rmax + 1,
-        **(media_inputs or {}),
-    ).logits[:, -(rmax + 1):-1]  # predicts cols pmax.. (all kept where not supported)
-    lp = token_logprobs(logits, ids[:, pmax:], temperature)
-    return [lp[b, : len(r)].tolist() for b, r in enumerate(responses)]
+    if getattr(model.config, "final_logit_softcapping", None):  # logits past the LM head
+        logits = model(
+            input_ids=ids, attention_mask=attn, position_ids=pos, logits_to_keep=rmax + 1,
+            **(media_inputs or {}),
+        ).logits[:, -(rmax + 1):-1]  # predicts cols pmax.. (all kept where not supported)
+        lp = token_logprobs(logits, ids[:, pmax:], temperature)
+        return [lp[b, : len(r)].tolist() for b, r in enumerate(responses)]
+    base = model.model if media_inputs else model.get_decoder()
+    hidden = base(input_ids=ids, attention_mask=attn, position_ids=pos,
+                  **(media_inputs or {})).last_hidden_state[:, pmax - 1:-1]  # predicts pmax..
+    valid = col[:, :rmax] < r_len[:, None]                    # [B, rmax] real responses
+    lp, _ = head_logprobs(hidden[valid], model.get_output_embeddings(), ids[:, pmax:][valid],
+                          temperature, chunk_tokens=chunk_tokens)
+    lp = lp.tolist()
+    out, at = [], 0
+    for r in responses:
+        out.append(lp[at:at + len(r)])
+        at += len(r)
+    return out
 
 
 def _batches(rows: list[dict], max_batch_tokens: int):

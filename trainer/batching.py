@@ -79,6 +79,52 @@ class MicroBatch:
         return int(self.prompt_ids.numel() + self.response_ids.numel())
 
 
+@dataclass
+class PackedRow:
+    """A micro-batch's rows laid end to end in one row, no padding (``trainer.packing``).
+
+    Row b of the micro-batch contributes its prompt then its response (``L_b = P_b + R_b``
+    tokens); ``N = sum(L_b)``. Position ids restart at 0 for each row, which is how
+    transformers' packed-sequence path (SDPA and eager masks from
+    ``masking_utils.find_packed_sequence_indices``, flash-attention's ``cu_seqlens``)
+    keeps attention inside each row when no attention mask and no cache are given.
+
+    Attributes:
+        input_ids: ``[1, N]`` int64 tokens.
+        position_ids: ``[1, N]`` int64, ``0 .. L_b - 1`` per row.
+        predict_at: ``[n]`` int64 index into N of the token whose hidden state predicts
+            each real response token, in the row-major order of ``response_mask``'s ones
+            (row b's response token t at ``start_b + P_b - 1 + t``).
+    """
+
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+    predict_at: torch.Tensor
+
+
+def packed_row(mb: MicroBatch) -> PackedRow:
+    """Pack ``mb``'s (prompt, response) rows into one :class:`PackedRow`, on the device of
+    ``mb``'s tensors. Shared prompts are repeated in every row that has them (the packed
+    forward computes ``sum(P_b + R_b)`` tokens against the padded path's ``U x P + B x
+    R``)."""
+    rows = mb.prompt_of_row
+    p_mask = mb.prompt_mask[rows].bool()                       # [B, P] left-padded
+    r_mask = mb.response_mask.bool()                           # [B, R] right-padded
+    p_len, r_len = p_mask.sum(-1), r_mask.sum(-1)
+    seq_len = p_len + r_len
+    start = seq_len.cumsum(0) - seq_len                        # [B]
+    n = int(seq_len.sum())
+    p_pos = p_mask.long().cumsum(-1) - 1                       # 0.. on real prompt tokens
+    r_pos = p_len[:, None] + torch.arange(r_mask.shape[1], device=r_mask.device)[None, :]
+    dest = torch.cat([(start[:, None] + p_pos)[p_mask], (start[:, None] + r_pos)[r_mask]])
+    ids = torch.zeros(n, dtype=torch.int64, device=r_mask.device)
+    pos = torch.zeros_like(ids)
+    ids[dest] = torch.cat([mb.prompt_ids[rows][p_mask], mb.response_ids[r_mask]])
+    pos[dest] = torch.cat([p_pos[p_mask], r_pos[r_mask]])
+    predict_at = (start[:, None] + r_pos - 1)[r_mask]
+    return PackedRow(input_ids=ids[None], position_ids=pos[None], predict_at=predict_at)
+
+
 def pack_groups(group_lengths: list[list[int]], max_tokens: int) -> list[list[int]]:
     """Assign whole groups to micro-batches under a padded-token budget.
 

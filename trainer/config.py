@@ -124,6 +124,15 @@ class TrainerConfig(BaseModel):
             (:mod:`relax.trainer.checkpointing`).
         lora: train low-rank adapters instead of the weights (:class:`LoraConfig`,
             :mod:`relax.trainer.lora`); None = full fine-tuning. Torch back end only.
+        logits_chunk_tokens: response tokens per LM-head chunk in the torch back end
+            (:func:`relax.trainer.logprobs.head_logprobs`): the ``[tokens, vocab]`` logits
+            are built, turned into log-probs and entropy, and recomputed in the backward,
+            one chunk at a time. 0 = all response tokens of a micro-batch at once.
+        packing: the torch back end runs each micro-batch's (prompt, response) rows laid
+            end to end in one row with position ids restarting per row (no padding;
+            :func:`relax.trainer.batching.packed_row`) instead of padded rows sharing
+            each group's prompt. Pays off when response lengths are skewed; micro-batches
+            with media (images, audio) keep the padded path.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -154,6 +163,8 @@ class TrainerConfig(BaseModel):
     freeze: tuple[str, ...] = ()
     gradient_checkpointing: bool = False
     lora: LoraConfig | None = None
+    logits_chunk_tokens: int = Field(1024, ge=0)
+    packing: bool = False
 
     @model_validator(mode="after")
     def _check(self):
@@ -174,6 +185,9 @@ class TrainerConfig(BaseModel):
         if self.freeze and self.backend != "torch":
             raise ValueError(f"trainer.freeze: the {self.backend} back end trains every "
                              "parameter; freeze needs backend 'torch'")
+        if self.packing and self.backend != "torch":
+            raise ValueError(f"trainer.packing: the {self.backend} back end runs padded rows; "
+                             "packing needs backend 'torch'")
         for key in ("gradient_checkpointing", "lora"):
             if getattr(self, key) and self.backend != "torch":
                 raise ValueError(f"trainer.{key}: not supported by the {self.backend} back "

@@ -12,11 +12,25 @@ reports ``log p - log S`` where ``S`` is the kept mass; :func:`top_p_log_mass`
 returns ``log S`` so such values can be converted back
 (``full = truncated + log S``), and the ratio between the two conventions is
 exactly ``S`` for every token.
+
+:func:`head_logprobs` goes one step earlier: it takes the hidden states and the LM head
+and builds the logits a chunk of tokens at a time (each chunk under
+``torch.utils.checkpoint``), so the ``[tokens, V]`` logits are never whole in memory,
+in the forward or the backward.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
+from torch.utils.checkpoint import checkpoint
+
+from relax.trainer.losses.entropy import token_entropy
+
+CHUNK_TOKENS = 1024
+"""Default tokens per LM-head chunk of :func:`head_logprobs` (``trainer.logits_chunk_tokens``):
+``CHUNK_TOKENS * V * 4`` bytes of float32 logits at once (0.2 GB at SmolLM2's V = 49k)."""
 
 CHUNK_ROWS = 1024
 """``[V]`` rows (batch x positions) processed at once: bounds the float32 copy of the
@@ -98,3 +112,67 @@ def top_p_log_mass(logits: torch.Tensor, temperature: float, top_p: float) -> to
         mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
         kept = torch.where(mass_before < top_p, sorted_probs, torch.zeros_like(sorted_probs))
         return kept.sum(dim=-1).log()
+
+
+def head_logprobs(hidden: torch.Tensor, head: Callable[[torch.Tensor], torch.Tensor],
+                  token_ids: torch.Tensor, temperature: float, *,
+                  chunk_tokens: int = CHUNK_TOKENS, with_entropy: bool = False,
+                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probs (and entropy) of ``token_ids`` from hidden states, the LM head applied
+    ``chunk_tokens`` tokens at a time.
+
+    Each chunk's logits ``head(hidden[i:i + chunk_tokens])`` give its log-probs by
+    :func:`token_logprobs` and entropy by
+    :func:`relax.trainer.losses.entropy.token_entropy`, then are dropped. With autograd,
+    each chunk runs under ``torch.utils.checkpoint`` (non-reentrant): the backward
+    recomputes one chunk's logits at a time instead of keeping all of them, so at most
+    one chunk's ``[chunk_tokens, V]`` logits (and their float32 softmax temporaries)
+    exist at once, for one extra LM-head matmul per token. Same values and gradients as
+    the whole logits at once (float rounding of the matmul aside: ~1e-7 in float32).
+
+    Args:
+        hidden: ``[N, H]`` float hidden states, row i the state that predicts
+            ``token_ids[i]`` (already shifted).
+        head: the LM head (``model.get_output_embeddings()``), ``[n, H] -> [n, V]``.
+        token_ids: ``[N]`` int64 tokens.
+        temperature: the sampling temperature (> 0).
+        chunk_tokens: tokens per chunk; ``0`` builds the whole ``[N, V]`` logits at once
+            (the unchunked path).
+        with_entropy: also return the entropy of ``softmax(logits / temperature)``. Ask
+            for it only when the loss differentiates it (or without autograd): the
+            backward recomputes a chunk whole, and the entropy's share of a chunk whose
+            gradient never comes stays held until the backward ends.
+
+    Returns:
+        ``([N] float32 log-probs, [N] float32 entropies in nats or None)``,
+        differentiable.
+
+    Raises:
+        ValueError: ``hidden`` not 2-D, ``token_ids`` not ``[N]``, a negative
+            ``chunk_tokens`` or a temperature <= 0.
+    """
+    if hidden.dim() != 2 or token_ids.shape != hidden.shape[:1]:
+        raise ValueError(f"hidden must be [N, H] and token_ids [N], got "
+                         f"{tuple(hidden.shape)} and {tuple(token_ids.shape)}")
+    if chunk_tokens < 0:
+        raise ValueError(f"chunk_tokens must be >= 0, got {chunk_tokens}")
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+
+    def chunk(h: torch.Tensor, ids: torch.Tensor):
+        logits = head(h)[None]                               # [1, n, V]
+        lp = token_logprobs(logits, ids[None], temperature)[0]
+        if not with_entropy:
+            return lp, None
+        return lp, token_entropy(logits, temperature=temperature)[0]
+
+    n = hidden.shape[0]
+    step = chunk_tokens or max(n, 1)
+    if n <= step:
+        return chunk(hidden, token_ids)
+    recompute = torch.is_grad_enabled()
+    parts = [checkpoint(chunk, hidden[i:i + step], token_ids[i:i + step], use_reentrant=False)
+             if recompute else chunk(hidden[i:i + step], token_ids[i:i + step])
+             for i in range(0, n, step)]
+    lp = torch.cat([p[0] for p in parts])
+    return lp, torch.cat([p[1] for p in parts]) if with_entropy else None

@@ -3,7 +3,7 @@
 ``torch.distributed.fsdp.fully_shard`` shards every parameter (and so its gradient and
 its AdamW moments) over the ranks along dim 0: each decoder layer is its own group
 (gathered for its forward and backward, resharded after) and the root
-(:class:`~relax.trainer.backends.torch_backend.ResponseLogits`) holds the rest
+(:class:`~relax.trainer.backends.torch_backend.ResponseLogprobs`) holds the rest
 (embeddings, final norm, LM head). Gradients are reduce-scattered (averaged, as DDP
 all-reduces), so the same loss scaling serves both. Works over gloo on the CPU and
 nccl on GPUs (https://pytorch.org/docs/stable/distributed.fsdp.fully_shard.html).

@@ -1,12 +1,13 @@
 """The ``torch`` trainer back end: a Hugging Face causal LM, AdamW, gradient
 accumulation over micro-batches, gradient clipping, DDP when several processes.
 
-Log-probs of the response tokens come from :func:`relax.trainer.logprobs.token_logprobs`
+Log-probs of the response tokens come from :func:`relax.trainer.logprobs.head_logprobs`
 (the same temperature-scaled computation the rollout engines use, public case
-C12). Only response positions go through the LM head: the hidden states of the
-prompt are computed (they condition the response) but their ``[T, vocab]`` logits
-are never built, which on a 135M model with a 49k vocabulary is most of the
-memory of a step.
+C12). Only real response tokens go through the LM head, ``trainer.logits_chunk_tokens``
+at a time (checkpointed, so the backward too holds one chunk's logits): the ``[B, R,
+vocab]`` logits, on a 135M model with a 49k vocabulary most of the memory of a step,
+are never whole. With ``trainer.packing`` a micro-batch's rows run packed end to end in
+one row (:func:`packed_hidden`) instead of padded.
 
 Each micro-batch loss is normalised by the global token/sequence counts of the
 step, so gradients are summed over micro-batches (no division by the number of
@@ -16,7 +17,7 @@ multiplied by the world size to keep the sum.
 Data parallelism (``torch.distributed`` initialised, see
 :mod:`relax.trainer.distributed`): each rank trains on its own rows of the global
 batch. The differentiable forward goes through a ``DistributedDataParallel``
-wrapper of :class:`ResponseLogits` (DDP only all-reduces after a backward whose
+wrapper of :class:`ResponseLogprobs` (DDP only all-reduces after a backward whose
 forward it ran), inside ``no_sync()`` for every micro-batch but the last, so the
 gradients are all-reduced once per optimizer step. Ranks may hold different numbers
 of micro-batches (or none): they first agree on the largest count and a rank that
@@ -50,21 +51,20 @@ from relax.trainer.backends.step import (
     set_learning_rate,
     to_device,
 )
-from relax.trainer.batching import MicroBatch
+from relax.trainer.batching import MicroBatch, packed_row
 from relax.trainer import checkpointing, lora
 from relax.trainer.checkpointing import PrefixCache
 from relax.trainer.multimodal import cache_arg, media_inputs_of
 from relax.trainer.config import TrainerConfig
-from relax.trainer.logprobs import token_logprobs
+from relax.trainer.logprobs import CHUNK_TOKENS, head_logprobs
 from relax.trainer.losses.aggregate import mask_counts
-from relax.trainer.losses.entropy import token_entropy
 
 log = logging.getLogger(__name__)
 
 
-def response_logits(model, mb: MicroBatch) -> torch.Tensor:
-    """``[B, R, V]`` logits that predict each response token, the prompt computed once per
-    group.
+def response_hidden(model, mb: MicroBatch) -> torch.Tensor:
+    """``[B, R, H]`` hidden states that predict each response token (before the LM head),
+    the prompt computed once per group.
 
     The U distinct prompts (left-padded) go through the decoder once with a key/value
     cache; the cache is expanded to the B rows (``prompt_of_row``) and the responses run
@@ -96,20 +96,59 @@ def response_logits(model, mb: MicroBatch) -> torch.Tensor:
     hr = base(input_ids=mb.response_ids, attention_mask=attn, position_ids=rpos,
               use_cache=True, **{cache_arg(base): cache},
               **(mb.response_media_inputs or {})).last_hidden_state  # [B, R, H]
-    h = torch.cat([last[rows][:, None, :], hr[:, :-1]], dim=1)
-    return model.get_output_embeddings()(h)
+    return torch.cat([last[rows][:, None, :], hr[:, :-1]], dim=1)
 
 
-class ResponseLogits(torch.nn.Module):
-    """:func:`response_logits` as a module, so that a ``DistributedDataParallel`` wrapper
-    runs it: ``forward(mb)`` -> ``[B, R, V]`` float logits of the response tokens."""
+def response_logits(model, mb: MicroBatch) -> torch.Tensor:
+    """``[B, R, V]`` logits that predict each response token: the LM head over
+    :func:`response_hidden` at once (the unchunked reference of :class:`ResponseLogprobs`)."""
+    return model.get_output_embeddings()(response_hidden(model, mb))
 
-    def __init__(self, model: torch.nn.Module):
+
+def packed_hidden(model, mb: MicroBatch) -> torch.Tensor:
+    """``[n, H]`` hidden states that predict the real response tokens of ``mb`` (row-major
+    over ``response_mask``), from one forward of its rows packed end to end
+    (:func:`relax.trainer.batching.packed_row`): no attention mask and no cache, so
+    transformers derives a block-diagonal causal mask from the restarting position ids
+    and no token attends across rows. Text models only (no media inputs)."""
+    base = model.get_decoder() if hasattr(model, "get_decoder") else model.base_model
+    row = packed_row(mb)
+    h = base(input_ids=row.input_ids, position_ids=row.position_ids, attention_mask=None,
+             use_cache=False).last_hidden_state[0]          # [N, H]
+    return h[row.predict_at]
+
+
+class ResponseLogprobs(torch.nn.Module):
+    """The differentiable forward of a micro-batch as a module, so that a
+    ``DistributedDataParallel`` (or FSDP2) wrapper runs it: ``forward(mb, with_entropy)``
+    -> ``([B, R] float32 log-probs, [B, R] float32 entropy or None)`` of the response
+    tokens, 0 at padding. Hidden states come from :func:`response_hidden` (padded rows,
+    shared prompts) or, with ``packing``, :func:`packed_hidden` (a micro-batch with media
+    keeps the padded path); only the real response tokens go through the LM head,
+    ``chunk_tokens`` at a time (:func:`relax.trainer.logprobs.head_logprobs`)."""
+
+    def __init__(self, model: torch.nn.Module, chunk_tokens: int = CHUNK_TOKENS,
+                 packing: bool = False):
         super().__init__()
         self.model = model
+        self.chunk_tokens = chunk_tokens
+        self.packing = packing
 
-    def forward(self, mb: MicroBatch) -> torch.Tensor:
-        return response_logits(self.model, mb)
+    def forward(self, mb: MicroBatch, with_entropy: bool = False):
+        valid = mb.response_mask.bool()
+        if self.packing and not (mb.media_inputs or mb.response_media_inputs):
+            h = packed_hidden(self.model, mb)
+        else:
+            h = response_hidden(self.model, mb)[valid]
+        lp, ent = head_logprobs(h, self.model.get_output_embeddings(), mb.targets[valid],
+                                mb.temperature, chunk_tokens=self.chunk_tokens,
+                                with_entropy=with_entropy)
+
+        def padded(x: torch.Tensor) -> torch.Tensor:
+            return torch.zeros(valid.shape, dtype=x.dtype, device=x.device).masked_scatter(
+                valid, x)
+
+        return padded(lp), padded(ent) if ent is not None else None
 
 
 def idle_batch(temperature: float = 1.0) -> MicroBatch:
@@ -164,7 +203,8 @@ class TorchBackend:
                              f"response_logits")
         self.world_size = dist.get_world_size() if dist.is_initialized() else 1
         self.rank = dist.get_rank() if dist.is_initialized() else 0
-        self.module: torch.nn.Module = ResponseLogits(self.model)
+        self.module: torch.nn.Module = ResponseLogprobs(self.model, cfg.logits_chunk_tokens,
+                                                        cfg.packing)
         self.fsdp = self.world_size > 1 and cfg.data_parallel == "fsdp2"
         if self.fsdp:
             self._broadcast_tensors(0)  # FSDP2 shards what each rank holds
@@ -191,10 +231,7 @@ class TorchBackend:
             of = functools.partial(media_inputs_of, self.processor, mb.media, self.cfg.model)
             mb = dataclasses.replace(mb, media_inputs=of(),
                                      response_media_inputs=of(mb.prompt_of_row))
-        logits = self.module(to_device(mb, self.device))
-        lp = token_logprobs(logits, mb.targets.to(self.device), mb.temperature)
-        ent = token_entropy(logits, temperature=mb.temperature) if with_entropy else None
-        return lp, ent
+        return self.module(to_device(mb, self.device), with_entropy=with_entropy)
 
     def train_step(self, mbs: list[MicroBatch], counts: tuple[int, int] | None = None,
                    gather_optimizer: bool = False) -> dict[str, float]:
