@@ -12,10 +12,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pyarrow as pa
 import pydantic
 import pytest
 import torch
-from testdata import policy_grads, tiny_model, train_sample_table
+from testdata import policy_grads, tiny_model, tiny_recipe, train_sample_table
 
 from relax.streams.codec import group_by_key
 from relax.trainer import checkpoint
@@ -267,3 +268,70 @@ if __name__ == "__main__":
     ap.add_argument("--mode", choices=["ddp", "fsdp2"], required=True)
     a = ap.parse_args()
     _ranks_worker(a.ranks_out, a.mode)
+
+
+@pytest.mark.e2e
+def test_a_lora_run_through_the_broker(broker, local_ray, tmp_path):
+    """recipes/tiny_ci.yaml with ``trainer.lora``, every stage its own process: the run
+    finishes balanced, each checkpoint holds only the adapter, the rollout engine's
+    log-probs equal the trainer's at the version that generated them (merged weights
+    arrived), and ``final_model/`` loads with transformers and its adapter with peft."""
+    import uuid
+
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from relax.infra.launch import train
+    from relax.streams.client import BusConfig
+    from relax.streams.read import read_table
+    from relax.trainer.models import load_model
+
+    run = "lora" + uuid.uuid4().hex[:6]
+    recipe = tiny_recipe(broker, tmp_path, run, "trainer.lora={r: 4, alpha: 8}",
+                         "trainer.keep_checkpoints=10", "trainer.optim.lr=0.01")
+    s = train(recipe, say=lambda line: None, timeout_s=400)
+    assert s["steps"] == 3 and s["balanced"], s
+    run_dir = Path(s["run_dir"])
+    bus = BusConfig(bootstrap_servers=broker)
+    weights = read_table(bus, f"{run}.weights")
+    assert sorted(set(weights.column("policy_version").to_pylist())) == [0, 1, 2, 3]
+    ckpts = sorted(checkpoint.checkpoints_dir(run_dir).glob("step_*"))
+    assert [c.name for c in ckpts] == ["step_000001", "step_000002", "step_000003"]
+    for c in ckpts:
+        assert (c / "adapter" / "adapter_model.safetensors").exists()
+        assert not list(c.glob("*.safetensors"))
+
+    samples = read_table(bus, f"{run}.train_samples")
+    by_version: dict[int, list] = {}
+    for row in samples.to_pylist():
+        if row["policy_version_start"] == row["policy_version_end"] and row["drop_reason"] is None:
+            by_version.setdefault(row["policy_version_start"], []).append(row)
+    assert len(by_version) >= 2, sorted(by_version)  # at least one version after 0
+    base = TorchBackend(recipe.trainer)  # policy_version 0: the adapters' B is zero
+    base.model.eval()
+    worst, moved = 0.0, 0.0
+    for version, rows in sorted(by_version.items()):
+        b = TorchBackend(recipe.trainer)
+        if version:
+            b.load(checkpoint.checkpoints_dir(run_dir) / f"step_{version:06d}")
+        b.model.eval()
+        t = pa.Table.from_pylist(rows, schema=samples.schema)
+        for mb in micro_batches([g for _, g in group_by_key(t, "group_id")], 10_000):
+            mask = mb.loss_mask.bool()
+            with torch.no_grad():
+                lp, _ = b.logprobs(mb)
+                lp0, _ = base.logprobs(mb)
+            worst = max(worst, float((lp - mb.rollout_logprobs)[mask].abs().max()))
+            if version:  # the engine's log-probs are not the base model's
+                moved = max(moved, float((lp0 - mb.rollout_logprobs)[mask].abs().max()))
+    print(f"rollout vs trainer log-probs, versions {sorted(by_version)}: max |diff| "
+          f"{worst:.2e} (vs the base model {moved:.2e})")
+    assert worst <= 1e-5 and moved > 1e-3
+
+    final = run_dir / checkpoint.FINAL_MODEL
+    merged = AutoModelForCausalLM.from_pretrained(final, dtype=torch.float32)
+    adapted = PeftModel.from_pretrained(load_model("tiny-llama"), final / "adapter")
+    ids = torch.tensor([[1, 17, 230, 5, 99]])
+    with torch.no_grad():
+        assert torch.allclose(merged(input_ids=ids).logits, adapted(input_ids=ids).logits,
+                              atol=1e-5)
