@@ -1,4 +1,5 @@
-"""Greedy held-out accuracy of a model: the "before and after" numbers of a run.
+"""Greedy held-out accuracy of a model: the "before and after" numbers of a run, and the
+curve of ``eval.every`` (the eval stage, :mod:`relax.infra.eval_stage`).
 
 Prompts are rendered exactly as the rollout stage renders them (prompt template,
 then the chat template with the generation prompt; a prompt with images or audio
@@ -18,6 +19,7 @@ from dataclasses import dataclass, field
 
 from relax.producers.media import MediaOptions, media_digest
 from relax.producers.prompt_rows import usable_rows
+from relax.schemas import metric_names as M
 
 
 class TooFewEvalRows(ValueError):
@@ -103,8 +105,6 @@ def greedy_accuracy(model: str, rows: list[dict], *, reward_fn: str | None = Non
             fails its warm-up call on an empty batch.
         ValueError: the model takes no media and a row has some.
     """
-    from relax.consumers.engines.base import SamplingParams
-    from relax.consumers.engines.hf import HFEngine
     from relax.consumers.reward.pool import RewardPool
     from relax.trainer.models import load, load_processor
 
@@ -113,19 +113,65 @@ def greedy_accuracy(model: str, rows: list[dict], *, reward_fn: str | None = Non
     processor = load_processor(model)
     if processor is None and any(r["media"] for r in rows):
         raise ValueError(f"{model} takes no images or audio, and the eval rows have media")
-    engine = HFEngine(m, tok, engine_id="eval")
-    params = SamplingParams(max_new_tokens=max_new_tokens, temperature=1.0, top_k=1)
-    correct, examples, errors = 0, [], []
     with contextlib.ExitStack() as stack:
         if pool is None:
             pool = stack.enter_context(RewardPool(reward_fn, reward_options or {}, workers=1,
                                                   batch_rows=batch_size))
-        for i in range(0, len(rows), batch_size):
-            correct += _score_chunk(engine, processor, tok, pool, rows[i:i + batch_size], params,
-                                    prompt_template, threshold, examples, errors)
+        r = greedy_accuracy_of(m, tok, rows, pool, processor=processor,
+                               prompt_template=prompt_template, max_new_tokens=max_new_tokens,
+                               batch_size=batch_size, threshold=threshold)
+    r.seconds = time.perf_counter() - t0  # with the model's load
+    return r
+
+
+def greedy_accuracy_of(model, tokenizer, rows: list[dict], pool, *, processor=None,
+                       prompt_template: str = "{prompt}", max_new_tokens: int = 16,
+                       batch_size: int = 50, threshold: float = 0.5) -> EvalResult:
+    """:func:`greedy_accuracy` of a loaded ``model`` (a transformers causal LM, on its
+    device, its weights used as they are: the eval stage installs each policy_version into
+    it) with its ``tokenizer`` and ``processor`` (a multimodal model's, else None), scored
+    through a started :class:`RewardPool` ``pool`` (left open). ``seconds``: generation and
+    scoring only.
+
+    Raises:
+        ValueError: the model takes no media (``processor`` None) and a row has some.
+    """
+    from relax.consumers.engines.base import SamplingParams
+    from relax.consumers.engines.hf import HFEngine
+
+    if processor is None and any(r["media"] for r in rows):
+        raise ValueError("the model takes no images or audio, and the eval rows have media")
+    t0 = time.perf_counter()
+    engine = HFEngine(model, tokenizer, engine_id="eval")
+    params = SamplingParams(max_new_tokens=max_new_tokens, temperature=1.0, top_k=1)
+    correct, examples, errors = 0, [], []
+    for i in range(0, len(rows), batch_size):
+        correct += _score_chunk(engine, processor, tokenizer, pool, rows[i:i + batch_size],
+                                params, prompt_template, threshold, examples, errors)
     n = len(rows)
     return EvalResult(correct / n if n else 0.0, n, correct, time.perf_counter() - t0, examples,
                       len(errors), errors[0] if errors else None)
+
+
+def eval_metrics(r: EvalResult) -> dict[str, float]:
+    """The metric rows of one evaluation (component ``eval`` in ``<run>.metrics``, names in
+    :mod:`relax.schemas.metric_names`): accuracy in [0, 1], prompts, correct prompts, rows
+    whose reward failed, and wall seconds of generation and scoring."""
+    return {M.EVAL_ACCURACY: r.accuracy, M.EVAL_N: r.n, M.EVAL_CORRECT: r.correct,
+            M.EVAL_REWARD_ERRORS: r.errors, M.EVAL_S: r.seconds}
+
+
+def next_due(version: int, every: int) -> int:
+    """The first policy_version after ``version`` that ``eval.every`` = ``every`` evaluates:
+    the next multiple of ``every`` (``next_due(0, 2) == 2``, ``next_due(3, 2) == 4``).
+
+    Raises:
+        ValueError: ``every`` < 1 or ``version`` < 0.
+    """
+    if every < 1 or version < 0:
+        raise ValueError(f"next_due: every must be >= 1 and version >= 0, got every={every}, "
+                         f"version={version}")
+    return (version // every + 1) * every
 
 
 def _score_chunk(engine, processor, tok, pool, chunk: list[dict], params, prompt_template: str,

@@ -35,8 +35,10 @@ import yaml
 from relax.infra.broker import BROKER_DIR, BrokerHandle, LocalBroker, stop_broker
 from relax.infra.controller import Controller
 from relax.infra.cpu_timeline import CpuTimeline, run_processes
+from relax.infra.eval_stage import publish_eval
+from relax.infra.evaluate import eval_metrics
 from relax.infra.preflight import check_bus, preflight
-from relax.infra.recipe import ENVIRONMENT_REWARD, Recipe, RecipeError, RewardSpec
+from relax.infra.recipe import Recipe, RecipeError, RewardSpec
 from relax.infra.report import step_rows
 from relax.infra.resume import DRIVER_FILE, EVAL_BEFORE_FILE, Resumed
 from relax.infra.run_watch import (
@@ -119,11 +121,7 @@ def _training_keys(recipe: Recipe) -> set[tuple]:
 def _eval_reward(recipe: Recipe) -> tuple[str, RewardSpec]:
     """The eval reward and its recipe key: ``eval.reward``, else the first counted reward
     not given by the environment."""
-    ev = recipe.eval
-    if ev.reward is not None:
-        return "eval.reward", ev.reward
-    return next((f"rewards.{i}", r) for i, r in enumerate(recipe.rewards)
-                if r.weight and r.fn != ENVIRONMENT_REWARD)
+    return recipe.eval_reward()
 
 
 def eval_pool(recipe: Recipe):
@@ -218,7 +216,7 @@ def train(recipe: Recipe, *, say: Callable[[str], None] = print,
         broker: dict[str, int] = {}
         bus = _bus(recipe, run_dir, stack, say, broker, resumed.broker)  # broker, topics, prompts
         stack.callback(remove_run_files, SHM_ROOT, recipe.run)  # after the stages stop
-        eval_rows = _eval_before(recipe, held_out, pool, summary, say, run_dir,
+        eval_rows = _eval_before(recipe, held_out, pool, summary, say, run_dir, bus,
                                  resumed.eval_before)
         follower = stack.enter_context(contextlib.closing(MetricsFollower(bus, recipe.run)))
         controller = Controller(stage_specs(recipe, bus, run_dir), bus, run_dir,
@@ -334,12 +332,13 @@ def held_out_rows(recipe: Recipe) -> list[dict] | None:
 
 
 def _eval_before(recipe: Recipe, rows: list[dict] | None, pool, summary: dict,
-                 say: Callable[[str], None], run_dir: Path,
+                 say: Callable[[str], None], run_dir: Path, bus: BusConfig,
                  known: dict | None = None) -> list[dict] | None:
     """``rows`` (the held-out rows, None without ``eval``); the initial model's accuracy
     on them when ``eval.before``: ``known`` (a dead driver of the run measured it), else
     scored through ``pool``, which is then closed (its worker would idle through the run),
-    and saved to :data:`EVAL_BEFORE_FILE`."""
+    saved to :data:`EVAL_BEFORE_FILE` and written to ``<run>.metrics`` at policy_version 0
+    (component ``eval``, the first point of the ``eval.every`` curve)."""
     if known is not None:
         summary["eval_before"] = known
         say(f"eval before: greedy held-out accuracy {known['correct']}/{known['n']} = "
@@ -350,6 +349,7 @@ def _eval_before(recipe: Recipe, rows: list[dict] | None, pool, summary: dict,
             r = evaluate_held_out(recipe, recipe.model, rows, pool)
         summary["eval_before"] = _eval_summary(r)
         (run_dir / EVAL_BEFORE_FILE).write_text(json.dumps(summary["eval_before"]))
+        publish_eval(bus, recipe.run, eval_metrics(r), 0)
         say(eval_line("before", r))
     return rows
 

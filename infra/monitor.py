@@ -16,7 +16,8 @@ Three layers, so the numbers can be tested without a terminal or a browser:
   counts from 0); the staleness histogram (sum of the trainer's
   ``staleness_hist.<k>`` rows); reward and accuracy per policy_version (the
   trainer's ``reward_mean`` / ``accuracy`` rows, else computed from
-  ``train_samples`` grouped by ``policy_version_start``); trainer step time and
+  ``train_samples`` grouped by ``policy_version_start``); greedy held-out accuracy per
+  policy_version (the ``eval`` rows: ``eval.before`` and ``eval.every``); trainer step time and
   data-wait %; error records per ``<topic>.errors``; input records lost to retention
   per stage (the sum of its ``lost_to_retention`` rows).
 * :func:`render` (pure) draws a snapshot with rich; :func:`watch` refreshes it live.
@@ -33,6 +34,7 @@ import time
 from collections import deque
 
 from relax.infra.monitor_reader import MetricsFold, Reading, RunReader, SamplesFold
+from relax.schemas import metric_names as mn
 from relax.schemas import topics as topic_names
 from relax.streams.client import BusConfig
 
@@ -59,7 +61,9 @@ def build_snapshot(reading: Reading, previous: Reading | None = None) -> dict:
         "lost_to_retention": {component: records}, "lost_to_retention_total",
         "groups": {group: {lag, topics: {topic: lag}, partitions: {"topic[p]": lag}}},
         "lag_total", "staleness_hist": {"k": samples}, "versions": [{policy_version,
-        reward_mean, accuracy, samples, source}], "trainer": {steps, policy_version,
+        reward_mean, accuracy, samples, source}], "evals": [{policy_version, accuracy, n,
+        correct, reward_errors, seconds}] (oldest first; accuracy in [0, 1]), "eval": the
+        newest of them or None, "trainer": {steps, policy_version,
         step_s, step_s_mean, data_wait_s, data_wait_pct}, "latest": {component:
         {name: value}}, "timeline": {component: [[ts, busy_frac], ...]}}``. Rates are per second (MB = 10**6 bytes); lag counts
         Kafka messages (records), not rows.
@@ -112,6 +116,8 @@ def build_snapshot(reading: Reading, previous: Reading | None = None) -> dict:
         "staleness_hist": {str(k): reading.metrics.staleness[k]
                            for k in sorted(reading.metrics.staleness)},
         "versions": _versions(reading.metrics, reading.samples),
+        "evals": (evals := eval_points(reading.metrics.evals)),
+        "eval": evals[-1] if evals else None,
         "trainer": _trainer(reading.metrics),
         "latest": {c: dict(sorted(v.items())) for c, v in sorted(reading.metrics.latest.items())},
         "timeline": {c: [list(p) for p in pts]
@@ -136,6 +142,20 @@ def _versions(metrics: MetricsFold, samples: SamplesFold) -> list[dict]:
     return [{"policy_version": v, "reward_mean": s[1] / s[0], "accuracy": s[2] / s[0],
              "samples": s[0], "source": "train_samples"}
             for v, s in sorted(samples.versions.items())]
+
+
+def eval_points(evals: dict[int, dict[str, float]]) -> list[dict]:
+    """The held-out evals of a run, oldest policy_version first, from
+    :attr:`MetricsFold.evals` (a version without its ``eval_accuracy`` row is left out;
+    ``n``, ``correct``, ``reward_errors`` and ``seconds`` are None when their row is
+    missing)."""
+    def count(v):
+        return int(v) if v is not None else None
+
+    return [{"policy_version": v, "accuracy": e[mn.EVAL_ACCURACY], "n": count(e.get(mn.EVAL_N)),
+             "correct": count(e.get(mn.EVAL_CORRECT)),
+             "reward_errors": count(e.get(mn.EVAL_REWARD_ERRORS)), "seconds": e.get(mn.EVAL_S)}
+            for v, e in sorted(evals.items()) if mn.EVAL_ACCURACY in e]
 
 
 def _trainer(metrics: MetricsFold) -> dict:
@@ -216,13 +236,13 @@ def _short(name: str, run: str) -> str:
 
 def render(snap: dict):
     """A rich renderable of a snapshot: topics, consumer groups, staleness histogram,
-    reward/accuracy per policy_version, trainer timings, errors. Fits 80 columns: the
+    reward/accuracy per policy_version, held-out evals, trainer timings, errors. Fits 80 columns: the
     head's items flow onto more lines, and names drop the run's prefix and fold."""
     from rich.columns import Columns
     from rich.console import Group
     from rich.table import Column, Table
 
-    tr, run = snap["trainer"], snap["run"]
+    tr, run, ev = snap["trainer"], snap["run"], snap["eval"]
     head = Columns([f"[b]run[/b] {run}",
                     f"[b]policy_version[/b] {_fmt(tr['policy_version'])}",
                     f"[b]step_s[/b] {_fmt(tr['step_s_mean'])}",
@@ -230,6 +250,8 @@ def render(snap: dict):
                     f"[b]lag[/b] {snap['lag_total']}",
                     f"[b]errors[/b] {snap['errors_total']}",
                     f"[b]lost to retention[/b] {snap['lost_to_retention_total']}",
+                    f"[b]eval[/b] {_fmt(ev['accuracy'], 3)} at v{ev['policy_version']}"
+                    if ev else "[b]eval[/b] -",
                     time.strftime("%H:%M:%S", time.localtime(snap["ts"]))], padding=(0, 3))
     topics = Table(Column("topic", overflow="fold"), "partitions", "records", "records/s",
                    "rows/s", "MB/s", "errors", title=f"topics ({run}.*)", title_justify="left")
@@ -257,7 +279,12 @@ def render(snap: dict):
     for v in snap["versions"][-10:]:
         versions.add_row(str(v["policy_version"]), _fmt(v["reward_mean"], 3),
                          _fmt(v["accuracy"], 3), _fmt(v["samples"]), v["source"])
-    return Group(head, topics, groups, hist, versions)
+    evals = Table("policy_version", "eval accuracy", "correct", "n", "seconds",
+                  title="greedy held-out accuracy (last 10)", title_justify="left")
+    for e in snap["evals"][-10:]:
+        evals.add_row(str(e["policy_version"]), _fmt(e["accuracy"], 3), _fmt(e["correct"]),
+                      _fmt(e["n"]), _fmt(e["seconds"], 1))
+    return Group(head, topics, groups, hist, versions, *([evals] if snap["evals"] else []))
 
 
 def watch(cfg: BusConfig, run: str, interval_s: float = 2.0, should_stop=None) -> None:

@@ -40,6 +40,8 @@ class MetricsFold:
             their error set, not records of an error topic.
         lost_to_retention: ``{component: records}``: input records deleted by retention
             before the stage read them (its ``lost_to_retention`` rows, summed).
+        evals: ``{policy_version: {name: value}}`` of the eval rows (component ``eval``:
+            ``eval.before`` at 0, ``eval.every``'s after; the newest row of a name wins).
         rows: metric rows folded.
     """
 
@@ -53,6 +55,7 @@ class MetricsFold:
     timeline: dict[str, list] = field(default_factory=dict)
     reward_errors: dict[str, float] = field(default_factory=dict)
     lost_to_retention: dict[str, float] = field(default_factory=dict)
+    evals: dict[int, dict[str, float]] = field(default_factory=dict)
     rows: int = 0
 
     def add(self, rows: list[dict]) -> None:
@@ -76,6 +79,8 @@ class MetricsFold:
                 if k.isdigit():
                     self.staleness[int(k)] = self.staleness.get(int(k), 0.0) + value
                 continue
+            if comp == mn.EVAL_COMPONENT and v is not None:
+                self.evals.setdefault(v, {})[name] = value
             if v is None or not comp.startswith("trainer"):
                 continue
             if name == mn.REWARD_MEAN:

@@ -56,7 +56,7 @@ from relax.streams.http_token import check_bind
 from relax.trainer.config import TrainerConfig
 from relax.trainer.telemetry import TelemetryConfig
 
-STAGES = ("rollout", "reward", "reference", "teacher", "aggregate", "trainer")
+STAGES = ("rollout", "reward", "reference", "teacher", "aggregate", "trainer", "eval")
 """Stage names of a run (each one or more processes)."""
 
 
@@ -77,7 +77,10 @@ class DataConfig(StrictModel):
 
 
 class EvalConfig(StrictModel):
-    """Greedy held-out accuracy before and after training.
+    """Greedy held-out accuracy before and after training, and every ``every`` policy_versions
+    during it (``every`` 0 = never; else the eval stage, :mod:`relax.infra.eval_stage`,
+    evaluates the trainer's versions every, 2 * every, ... as the run goes on; each result
+    is a row of ``<run>.metrics``, component ``eval``, as ``before``'s is at version 0).
 
     ``source`` is read like a data source; prompts that also appear in the training
     data are removed (the same text and the same media), then the first ``size`` are used.
@@ -97,6 +100,7 @@ class EvalConfig(StrictModel):
     threshold: float = 0.5
     before: bool = True
     after: bool = True
+    every: int = Field(0, ge=0)
 
 
 class ApiSection(StrictModel):
@@ -244,6 +248,14 @@ class Recipe(StrictModel):
             raise ValueError(f"trainer.model {self.trainer.model!r} differs from model "
                              f"{self.model!r}: set only model")
         return self
+
+    def eval_reward(self) -> tuple[str, RewardSpec]:
+        """The eval reward and its recipe key: ``eval.reward``, else the first counted
+        reward not given by the environment (``("rewards.<i>", spec)``)."""
+        if self.eval is not None and self.eval.reward is not None:
+            return "eval.reward", self.eval.reward
+        return next((f"rewards.{i}", r) for i, r in enumerate(self.rewards)
+                    if r.weight and r.fn != ENVIRONMENT_REWARD)
 
     def environment_reward(self) -> str | None:
         """The name of the reward with ``fn: environment``, or None."""

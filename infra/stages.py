@@ -1,7 +1,7 @@
 """The processes of a run: what each stage is, how it is configured and started.
 
 :func:`stage_specs` turns a recipe into one :class:`StageSpec` per process
-(``rollout-0``, ``reward.<name>``, ``reference``, ``aggregate``, ``trainer``);
+(``rollout-0``, ``reward.<name>``, ``reference``, ``eval``, ``aggregate``, ``trainer``);
 :func:`run_stage` builds the stage from its JSON config inside whatever process
 runs it (a Ray actor, a plain subprocess, a test) and runs it until told to
 stop. Each stage is an independent consumer of the bus, so any of them can be
@@ -100,6 +100,9 @@ def stage_specs(recipe: Recipe, bus: BusConfig, run_dir: Path) -> list[StageSpec
             "stage teacher (reference)", ReferenceConfig,
             dict(recipe.teacher.model_dump(), bus=busd, run=run, role="teacher",
                  member_id="teacher-0")), recipe.resources_of("teacher")))
+    if recipe.eval is not None and recipe.eval.every:
+        specs.append(StageSpec("eval", "eval", _eval_config(recipe, busd, run_dir),
+                               recipe.resources_of("eval")))
     specs.append(StageSpec("aggregate", "aggregate", _checked(
         "stage aggregate (aggregate)", AggregateConfig, dict(
             recipe.aggregate.model_dump(), run=run, partitions=recipe.partitions,
@@ -116,6 +119,23 @@ def stage_specs(recipe: Recipe, bus: BusConfig, run_dir: Path) -> list[StageSpec
         telemetry=recipe.telemetry.model_dump()))
     specs.append(StageSpec("trainer", "trainer", config, recipe.resources_of("trainer")))
     return specs
+
+
+def _eval_config(recipe: Recipe, busd: dict, run_dir: Path) -> dict:
+    """The eval stage's config (``eval.every``): the ``eval`` section, the training
+    prompts to leave out, the eval reward, the rollout's prompt template."""
+    from relax.infra.eval_stage import EvalStageConfig
+
+    ev, d = recipe.eval, recipe.data
+    media = {"prompt_field", "label_field", "image_field", "audio_field"}
+    return _checked("stage eval (eval)", EvalStageConfig, dict(
+        bus=busd, run=recipe.run, run_dir=str(run_dir), model=recipe.model, every=ev.every,
+        held_out=ev.model_dump(include=media | {"source"}), size=ev.size,
+        training=d.model_dump(include=media | {"source", "limit"}) if d.source else None,
+        reward=recipe.eval_reward()[1].model_dump(),
+        prompt_template=recipe.rollout.prompt_template, max_new_tokens=ev.max_new_tokens,
+        batch_size=ev.batch_size, threshold=ev.threshold,
+        telemetry=recipe.telemetry.model_dump()))
 
 
 def run_topics(recipe: Recipe) -> dict[str, int]:
@@ -212,6 +232,12 @@ def _aggregate(config: dict, bus: BusConfig, should_stop: Callable[[], bool]) ->
     AggregateStage(AggregateConfig(**config), bus).run(should_stop)
 
 
+def _eval(config: dict, bus: BusConfig, should_stop: Callable[[], bool]) -> None:
+    from relax.infra.eval_stage import EvalStage, EvalStageConfig
+
+    EvalStage(EvalStageConfig(**config)).run(should_stop)
+
+
 def _trainer(config: dict, bus: BusConfig, should_stop: Callable[[], bool]) -> None:
     from relax.trainer.loop import TrainerStage, TrainerStageConfig
 
@@ -223,6 +249,7 @@ RUNNERS: dict[str, Callable[[dict, BusConfig, Callable[[], bool]], None]] = {
     "reward": _reward,
     "reference": _reference,
     "aggregate": _aggregate,
+    "eval": _eval,
     "trainer": _trainer,
 }
 

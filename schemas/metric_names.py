@@ -76,8 +76,14 @@ OLDEST_PARTIAL_S = "oldest_partial_s"    # age of the oldest of them (0 when non
 REWARD_WEIGHT_PREFIX = "reward_weight."  # + reward name: weight from the row's policy_version
 # on, written when a live reward change (relax reward attach --weight / detach) is applied
 
-# evaluation (component "eval")
-EVAL_ACCURACY = "eval_accuracy"        # greedy held-out accuracy at policy_version
+# evaluation (component "eval"): eval.before writes policy_version 0 (the driver), eval.every
+# each evaluated policy_version (the eval stage, infra/eval_stage.py); one row each per eval
+EVAL_COMPONENT = "eval"                 # the component of these rows
+EVAL_ACCURACY = "eval_accuracy"        # greedy held-out accuracy at policy_version, in [0, 1]
+EVAL_N = "eval_n"                      # held-out prompts evaluated (eval.size)
+EVAL_CORRECT = "eval_correct"          # of them, judged correct
+EVAL_REWARD_ERRORS = "eval_reward_errors"  # of them, rows whose reward failed (counted wrong)
+EVAL_S = "eval_s"                      # wall time of the generation and scoring
 
 
 def staleness_hist_name(k: int) -> str:

@@ -1,0 +1,290 @@
+"""The eval stage (``eval.every: N``): greedy held-out accuracy of the trainer's weights
+every N policy_versions, while the run goes on.
+
+Where it runs, and why: its own process, subscribed to the weight channel as the
+reference stage is (:class:`~relax.streams.weights.subscriber.WeightSubscriber`).
+
+* Not in the trainer: an eval there stops training for its length (it is generation,
+  not a forward pass), the trainer layer may not import the engine and the reward pool
+  (they are consumers), and a sharded trainer (FSDP, Megatron) holds no whole model to
+  generate with.
+* Not in the reference stage: the reference is off in most recipes (``kl`` 0), and an
+  eval there holds back the ref log-probs the aggregator waits for.
+
+What it costs: one more member of the weight broadcast, one more copy of the model (and
+of each version waiting for its eval), the eval reward's one-worker pool, and the CPU or
+GPU time of each eval, taken beside the other stages (on a CPU-only host the run slows
+while an eval runs; ``resources.eval`` places and limits it like any stage).
+
+Which versions: the subscriber hands every received version to :class:`DueVersions`
+(its background thread, so versions arrive while an eval runs), which keeps a copy of
+each one that is a multiple of N (0 is ``eval.before``'s); the loop evaluates them
+oldest first. Evaluated are exactly N, 2N, ... of the versions this stage received:
+a version published before the stage joined the broadcast (a start later than version
+N, a restart) is evaluated only when it is the weight snapshot the subscriber catches up
+from (``trainer.weights_snapshot_every``). At most ``max_pending`` versions wait: when
+evaluating is slower than N training steps, the oldest waiting one is dropped (a WARNING
+names it). On stop (the run's end, after the trainer's last step: its last version was
+broadcast to this stage before the trainer wrote ``done``) the versions still waiting
+are evaluated before the stage ends, within the controller's stop wait (60 s).
+
+Writes, per eval: the rows of :func:`relax.infra.evaluate.eval_metrics` (component
+``eval``, with the policy_version evaluated) to ``<run>.metrics``, flushed at once
+(``relax monitor``, the dashboard's curve, ``metrics.jsonl``); the same values as
+TensorBoard scalars in ``<run_dir>/tensorboard`` (the trainer's folder: one view) and,
+with W&B on, to the W&B run ``<run>-eval`` (the trainer's W&B run takes history rows in
+step order only, and an eval of version 2 may arrive after step 3); no Prometheus
+endpoint. Delivery: at least once per version (a restarted stage may evaluate a version
+again; readers keep the newest row of each version).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from relax.infra.evaluate import eval_metrics, eval_rows, greedy_accuracy_of, source_keys
+from relax.infra.sections import RewardSpec
+from relax.producers.media import MediaOptions
+from relax.schemas import metric_names as M
+from relax.streams.client import BusConfig
+from relax.trainer.telemetry import TelemetryConfig
+
+log = logging.getLogger(__name__)
+
+EVAL_COMPONENT = M.EVAL_COMPONENT
+"""The ``component`` of every eval row in ``<run>.metrics``."""
+
+
+class PromptSource(BaseModel):
+    """A prompt source as ``relax publish`` reads it (``data`` and ``eval`` keys of the
+    same names): ``limit`` rows at most (None = all)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    source: str
+    prompt_field: str = "question"
+    label_field: str | None = "answer"
+    image_field: str | None = None
+    audio_field: str | None = None
+    limit: int | None = Field(None, ge=1)
+
+    def media(self) -> MediaOptions:
+        """The media columns to read."""
+        return MediaOptions(fields=tuple((f, k) for f, k in ((self.image_field, "image"),
+                                                              (self.audio_field, "audio")) if f))
+
+
+class EvalStageConfig(BaseModel):
+    """Settings of the eval stage (made from the recipe's ``eval`` section; see
+    :class:`relax.infra.recipe.EvalConfig`).
+
+    Attributes:
+        bus: bus settings. run: run name. run_dir: the run folder (TensorBoard, W&B).
+        model: the policy model (its architecture; the weights come from the channel).
+        every: evaluate every policy_version that is a multiple of this (>= 1).
+        held_out: the eval prompts' source; ``size``: how many of its prompts.
+        training: the training prompts' source (its prompts are left out), or None.
+        reward: the eval reward (``eval.reward``, else the first counted reward).
+        prompt_template, max_new_tokens (tokens), batch_size (prompts per engine call),
+        threshold (a reward value > threshold is correct): as ``eval.*``.
+        telemetry: TensorBoard and W&B settings (the Prometheus port is the trainer's).
+        member_id: id in the weight group. device: default cuda if available.
+        weights_rendezvous: ``tcp://host:port`` of the publisher (None: learnt from the
+            first announcement).
+        max_pending: versions kept waiting for their eval (each a copy of the model).
+        poll_timeout_s: seconds per loop turn waiting for a version.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    bus: BusConfig
+    run: str
+    run_dir: str
+    model: str
+    every: int = Field(ge=1)
+    held_out: PromptSource
+    size: int = Field(ge=1)
+    training: PromptSource | None = None
+    reward: RewardSpec
+    prompt_template: str = "{prompt}"
+    max_new_tokens: int = Field(16, ge=1)
+    batch_size: int = Field(50, ge=1)
+    threshold: float = 0.5
+    telemetry: TelemetryConfig = Field(default_factory=TelemetryConfig)
+    member_id: str = "eval-0"
+    device: str | None = None
+    weights_rendezvous: str | None = None
+    max_pending: int = Field(2, ge=1)
+    poll_timeout_s: float = Field(1.0, gt=0)
+
+
+class DueVersions:
+    """The eval stage's weight target: a copy of each received policy_version that
+    ``every`` evaluates (v > 0, v % every == 0, newer than the last one taken), at most
+    ``max_pending`` kept (the oldest is dropped first; :attr:`dropped` lists them).
+
+    ``update_weights`` is called by the subscriber's thread, :meth:`take` by the stage
+    loop; both under one lock.
+    """
+
+    def __init__(self, every: int, max_pending: int = 2):
+        if every < 1 or max_pending < 1:
+            raise ValueError(f"every and max_pending must be >= 1, got {every}, {max_pending}")
+        self.every, self.max_pending = every, max_pending
+        self.taken = 0
+        self.dropped: list[int] = []
+        self._pending: dict[int, dict] = {}
+        self._lock = threading.Lock()
+
+    def due(self, policy_version: int) -> bool:
+        """Whether ``policy_version`` is one to evaluate now (see the class docstring)."""
+        return (policy_version > 0 and policy_version % self.every == 0
+                and policy_version > self.taken)
+
+    def update_weights(self, named: dict, policy_version: int) -> None:
+        """Keep a copy of ``named`` (name -> tensor, views of the receive buffer) when
+        ``policy_version`` is due; nothing otherwise."""
+        if not self.due(policy_version):
+            return
+        copy = {k: t.detach().clone() for k, t in named.items()}
+        with self._lock:
+            self._pending[policy_version] = copy
+            while len(self._pending) > self.max_pending:
+                oldest = min(self._pending)
+                del self._pending[oldest]
+                self.dropped.append(oldest)
+                log.warning("eval: policy_version %d dropped unevaluated: %d newer versions "
+                            "wait (evaluating is slower than %d training steps)", oldest,
+                            self.max_pending, self.every)
+
+    def take(self) -> tuple[int, dict] | None:
+        """``(policy_version, {name: tensor})`` of the oldest waiting version, or None."""
+        with self._lock:
+            waiting = [v for v in self._pending if v > self.taken]
+            for v in [v for v in self._pending if v <= self.taken]:
+                del self._pending[v]
+            if not waiting:
+                return None
+            v = min(waiting)
+            self.taken = v
+            return v, self._pending.pop(v)
+
+
+class EvalStage:
+    """The eval stage: ``EvalStage(cfg).run(should_stop)``.
+
+    Raises (on construction):
+        relax.infra.evaluate.TooFewEvalRows: the source has fewer than ``size`` prompts
+            outside the training data.
+        relax.consumers.reward.pool.RewardLoadError: the reward fails to load or warm up.
+    """
+
+    def __init__(self, cfg: EvalStageConfig):
+        import torch
+
+        from relax.consumers.reward.pool import RewardPool
+        from relax.trainer.models import load_model, load_processor, load_tokenizer
+
+        self.cfg = cfg
+        t = cfg.training
+        exclude = (source_keys(t.source, prompt_field=t.prompt_field, label_field=t.label_field,
+                               media=t.media(), limit=t.limit) if t is not None else set())
+        h = cfg.held_out
+        self.rows = eval_rows(h.source, cfg.size, prompt_field=h.prompt_field,
+                              label_field=h.label_field, exclude=exclude, media=h.media())
+        device = cfg.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        self.model = load_model(cfg.model, device=device).eval()
+        self.tokenizer = load_tokenizer(cfg.model)
+        self.processor = load_processor(cfg.model)
+        r = cfg.reward
+        self.pool = RewardPool(r.fn, r.options, workers=1, batch_rows=cfg.batch_size,
+                               timeout_s=r.timeout_s, memory_limit_bytes=r.memory_limit_bytes,
+                               startup_timeout_s=r.startup_timeout_s)
+        self.due = DueVersions(cfg.every, cfg.max_pending)
+
+    def evaluate(self, policy_version: int, named: dict) -> dict[str, float]:
+        """Install ``named`` into the model and evaluate it; the metric values
+        (:func:`relax.infra.evaluate.eval_metrics`)."""
+        from relax.streams.weights.install import install_weights
+
+        install_weights(self.model, named, policy_version)
+        c = self.cfg
+        r = greedy_accuracy_of(self.model, self.tokenizer, self.rows, self.pool,
+                               processor=self.processor, prompt_template=c.prompt_template,
+                               max_new_tokens=c.max_new_tokens, batch_size=c.batch_size,
+                               threshold=c.threshold)
+        log.info("eval: policy_version %d: greedy held-out accuracy %d/%d = %.3f (%.1fs)",
+                 policy_version, r.correct, r.n, r.accuracy, r.seconds)
+        return eval_metrics(r)
+
+    def run(self, should_stop: Callable[[], bool] = lambda: False) -> list[int]:
+        """Evaluate due versions until ``should_stop()``, then the ones still waiting;
+        returns the policy_versions evaluated."""
+        from relax.streams.metrics import MetricsWriter
+        from relax.streams.producer import BatchProducer
+        from relax.streams.stage import BusyWindow
+        from relax.streams.weights import WeightSubscriber
+        from relax.trainer.telemetry import Telemetry
+
+        cfg = self.cfg
+        producer = BatchProducer(cfg.bus, producer_id=f"{cfg.run}-{cfg.member_id}")
+        metrics = MetricsWriter(producer, cfg.run, EVAL_COMPONENT)
+        busy = BusyWindow(metrics)
+        telemetry = Telemetry(cfg.run_dir, f"{cfg.run}-eval",
+                              cfg.telemetry.model_copy(update={"prometheus_port": None}))
+        sub = WeightSubscriber(cfg.bus, cfg.run, member_id=cfg.member_id, target=self.due,
+                               rendezvous=cfg.weights_rendezvous,
+                               device=next(self.model.parameters()).device).start()
+        done: list[int] = []
+
+        def turn(wait_s: float) -> bool:
+            t0 = busy.clock()
+            if wait_s:
+                sub.poll(wait_s)  # raises if the subscriber's thread died
+            item = self.due.take()
+            if item is not None:
+                values = self.evaluate(*item)
+                metrics.add_many(values, item[0])
+                metrics.flush()
+                producer.flush()
+                telemetry.log_step(values, item[0])
+                done.append(item[0])
+            busy.record(busy.clock() - t0, item is not None)
+            return item is not None
+
+        try:
+            while not should_stop():
+                turn(cfg.poll_timeout_s)
+            while turn(0):  # the versions still waiting: the run's last one
+                pass
+            busy.close()
+            producer.flush()
+        finally:
+            sub.close()
+            self.pool.close()
+            telemetry.close()
+            producer.close()
+        return done
+
+
+def publish_eval(bus: BusConfig, run: str, values: dict[str, float], policy_version: int) -> None:
+    """Write one eval's metric rows (:func:`relax.infra.evaluate.eval_metrics`) to
+    ``<run>.metrics`` as component ``eval`` (the driver's ``eval.before``, version 0)."""
+    from relax.streams.metrics import MetricsWriter
+    from relax.streams.producer import BatchProducer
+
+    producer = BatchProducer(bus, producer_id=f"{run}-eval-driver")
+    try:
+        writer = MetricsWriter(producer, run, EVAL_COMPONENT)
+        writer.add_many(values, policy_version)
+        writer.flush()
+        producer.flush()
+    finally:
+        producer.close()
+
+
+__all__ = ["EVAL_COMPONENT", "DueVersions", "EvalStage", "EvalStageConfig", "publish_eval"]
