@@ -120,8 +120,9 @@ class TrainerConfig(BaseModel):
             pretrained encoder (or the whole text model) fixed. Torch back end only.
         gradient_checkpointing: recompute each decoder layer's activations in the
             backward instead of keeping them (about one more forward of compute, a
-            fraction of the activation memory; same gradients). Torch back end only
-            (:mod:`relax.trainer.checkpointing`).
+            fraction of the activation memory; same gradients). Torch back end:
+            :mod:`relax.trainer.checkpointing`; megatron: megatron-core's full activation
+            recompute, one layer at a time.
         lora: train low-rank adapters instead of the weights (:class:`LoraConfig`,
             :mod:`relax.trainer.lora`); None = full fine-tuning. Torch back end only.
         logits_chunk_tokens: response tokens per LM-head chunk in the torch back end
@@ -188,10 +189,9 @@ class TrainerConfig(BaseModel):
         if self.packing and self.backend != "torch":
             raise ValueError(f"trainer.packing: the {self.backend} back end runs padded rows; "
                              "packing needs backend 'torch'")
-        for key in ("gradient_checkpointing", "lora"):
-            if getattr(self, key) and self.backend != "torch":
-                raise ValueError(f"trainer.{key}: not supported by the {self.backend} back "
-                                 f"end; it needs backend 'torch'")
+        if self.lora is not None and self.backend != "torch":
+            raise ValueError(f"trainer.lora: not supported by the {self.backend} back end; "
+                             f"it needs backend 'torch'")
         if self.lora is not None and self.freeze:
             raise ValueError("trainer.freeze with trainer.lora: LoRA already trains only the "
                              "adapters (trainer.lora.target_modules chooses where they go)")

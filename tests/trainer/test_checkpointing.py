@@ -6,6 +6,10 @@ prompt's key/value cache kept), less is saved for the backward, and a whole step
 from __future__ import annotations
 
 import copy
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -89,6 +93,45 @@ def test_a_step_with_checkpointing_and_recomputed_old_logprobs():
     assert stats[True]["ppo_kl"] == pytest.approx(0.0, abs=1e-7)  # pi_old is this policy
 
 
-def test_other_back_ends_refuse_it():
-    with pytest.raises(ValueError, match="gradient_checkpointing.*needs backend 'torch'"):
-        TrainerConfig(backend="megatron", gradient_checkpointing=True)
+def _megatron_grads(out: Path) -> None:
+    """The megatron back end (tp 1, on this process's own group of one) takes one step of
+    the same batch without and with recompute; writes the gradients, the number of calls
+    of the first layer's MLP and the metrics to ``out``."""
+    torch.set_num_threads(1)
+    from relax.trainer.backends.megatron_backend import MegatronBackend
+
+    model, mbs, res = tiny_model("llama", layers=2), batch(seed=8), {}
+    for on in (False, True):
+        b = MegatronBackend(TrainerConfig(backend="megatron", gradient_checkpointing=on),
+                            model=copy.deepcopy(model))
+        calls = []
+        mlp = b.gpt.decoder.layers[0].mlp
+        forward = mlp.forward
+        mlp.forward = lambda *a, **k: calls.append(1) or forward(*a, **k)
+        stats = b.train_step(mbs)
+        res[on] = ({n: p.grad.clone() for n, p in b.gpt.named_parameters()
+                    if p.grad is not None}, len(calls), stats)
+    res["micro_batches"] = len(mbs)
+    torch.save(res, out)
+
+
+def test_megatron_recomputes_activations_with_the_same_gradients(tmp_path):
+    """``trainer.gradient_checkpointing`` with ``backend: megatron``: megatron-core's full
+    recompute (on the CPU through relax's CUDA redirect), the same gradients."""
+    pytest.importorskip("megatron.core")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH", "")]))
+    out = tmp_path / "megatron.pt"
+    p = subprocess.run([sys.executable, __file__, str(out)], env=env, capture_output=True,
+                       text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    r = torch.load(out, weights_only=False)
+    (g_plain, n_plain, s_plain), (g_ckpt, n_ckpt, s_ckpt) = r[False], r[True]
+    assert n_ckpt == 2 * n_plain == 2 * r["micro_batches"]  # each forward run again
+    assert g_plain.keys() == g_ckpt.keys() and g_plain
+    assert max(float((g_plain[n] - g_ckpt[n]).abs().max()) for n in g_plain) <= 1e-6
+    assert s_ckpt["loss"] == s_plain["loss"]
+
+
+if __name__ == "__main__":
+    _megatron_grads(Path(sys.argv[1]))

@@ -129,7 +129,8 @@ class MegatronBackend:
         self.dtype = next(hf.parameters()).dtype
         # megatron-core's parameters take the dtype of the model given (fp32 from
         # load_model; a bf16 model trains in bf16, as the torch back end does)
-        self.gpt = build_gpt(hf.config, tp, self.dtype, pp, self.link.stage).to(self.device)
+        self.gpt = build_gpt(hf.config, tp, self.dtype, pp, self.link.stage,
+                             recompute=cfg.gradient_checkpointing).to(self.device)
         shards = hf_to_megatron({k: v.detach() for k, v in hf.state_dict().items()},
                                 self.layout, tp)
         self._load_shard(to_stage(shards[self.rank], self.layout, pp, self.link.stage))

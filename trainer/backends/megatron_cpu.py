@@ -11,10 +11,14 @@ mask):
   few other tensor constructors on that path);
 * ``DotProductAttention.forward`` forks the CUDA RNG tracker around attention dropout
   (``tensor_parallel.get_cuda_rng_tracker().fork()``), whose states exist only after
-  ``model_parallel_cuda_manual_seed``, which calls ``torch.cuda.manual_seed``.
+  ``model_parallel_cuda_manual_seed``, which calls ``torch.cuda.manual_seed``;
+* activation recompute (``trainer.gradient_checkpointing``: megatron-core's
+  ``CheckpointFunction``) saves and restores the CUDA RNG state around each recomputed
+  block (``tensor_parallel.random._get_cuda_rng_state`` / ``_set_cuda_rng_state``).
 
-The redirect makes ``torch.cuda.current_device()`` answer ``"cpu"`` and hands
-megatron-core a tracker whose ``fork()`` does nothing (relax trains with dropout 0, so
+The redirect makes ``torch.cuda.current_device()`` answer ``"cpu"``, hands
+megatron-core a tracker whose ``fork()`` does nothing and makes the CUDA RNG state
+``None`` to save and nothing to restore (relax trains with dropout 0, so
 there is no RNG stream to keep apart; a recipe with dropout is refused by
 :func:`relax.trainer.backends.megatron_model.transformer_config`). Everything else of
 the CPU path is megatron-core's own code. Its pipeline schedules and distributed
@@ -46,7 +50,11 @@ def redirect_cuda_to_cpu() -> bool:
         return False
     from megatron.core import tensor_parallel
 
+    from megatron.core.tensor_parallel import random as tp_random
+
     torch.cuda.current_device = lambda: "cpu"
     tracker = _NoRngTracker()
     tensor_parallel.get_cuda_rng_tracker = lambda *args, **kwargs: tracker
+    tp_random._get_cuda_rng_state = lambda *args, **kwargs: None
+    tp_random._set_cuda_rng_state = lambda *args, **kwargs: None
     return True

@@ -46,11 +46,13 @@ def _rope_theta(config) -> float:
     return float(params.get("rope_theta") or getattr(config, "rope_theta", 10000.0))
 
 
-def transformer_config(hf_config, tp: int, dtype: torch.dtype = torch.float32, pp: int = 1):
+def transformer_config(hf_config, tp: int, dtype: torch.dtype = torch.float32, pp: int = 1,
+                       recompute: bool = False):
     """megatron-core ``TransformerConfig`` of an HF Llama/Qwen2 config at tensor-parallel
     size ``tp`` and pipeline-parallel size ``pp``: RMSNorm, SiLU-gated MLP, grouped-query
     attention, QKV bias for Qwen2, no dropout, no fusion (the CPU has none), CPU
-    initialisation.
+    initialisation; with ``recompute`` (``trainer.gradient_checkpointing``) megatron-core's
+    full activation recompute, each layer on its own (``uniform``, 1 layer).
 
     Raises:
         ValueError: another model family, an activation other than SiLU, MLP or output
@@ -84,11 +86,13 @@ def transformer_config(hf_config, tp: int, dtype: torch.dtype = torch.float32, p
         use_cpu_initialization=True, perform_initialization=False,
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
         pipeline_dtype=dtype if pp > 1 else None, params_dtype=dtype,
-        bf16=dtype == torch.bfloat16)
+        bf16=dtype == torch.bfloat16,
+        **({"recompute_granularity": "full", "recompute_method": "uniform",
+            "recompute_num_layers": 1} if recompute else {}))
 
 
 def build_gpt(hf_config, tp: int, dtype: torch.dtype = torch.float32, pp: int = 1,
-              stage: int = 0):
+              stage: int = 0, recompute: bool = False):
     """An (uninitialised) megatron-core ``GPTModel`` for ``hf_config``: this rank's TP
     shard of pipeline stage ``stage`` of ``pp``, every parameter in ``dtype``; model
     parallelism must be initialised (``parallel_state``).
@@ -100,7 +104,7 @@ def build_gpt(hf_config, tp: int, dtype: torch.dtype = torch.float32, pp: int = 
     from megatron.core.models.gpt.gpt_model import GPTModel
 
     lay = Layout.from_hf_config(hf_config)
-    gpt = GPTModel(transformer_config(hf_config, tp, dtype, pp),
+    gpt = GPTModel(transformer_config(hf_config, tp, dtype, pp, recompute),
                    get_gpt_layer_local_spec(normalization="RMSNorm"),
                    vocab_size=lay.padded_vocab(tp),
                    max_sequence_length=hf_config.max_position_embeddings,
