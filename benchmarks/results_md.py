@@ -54,13 +54,14 @@ def e2e(d: dict) -> tuple[str, list[str]]:
                                   "relax_over_trl", "loop_over_trl", "trainer_data_wait",
                                   "trainer_data_wait_floor") if d.get(k) is not None]
     w = d["workload"]
-    return ((f"relax_over_trl {d.get('relax_over_trl')}, async_over_sync "
-            f"{d.get('async_over_sync')}"),
-            [(f"{w['model']}, {w['steps']} steps of {w['batch_groups']} groups x "
-             f"{w['group_size']}, {w['max_new_tokens']} new tokens, seed {w['seed']}."), "",
+    lines = [(f"{w['model']}, {w['steps']} steps of {w['batch_groups']} groups x "
+              f"{w['group_size']}, {w['max_new_tokens']} new tokens, seed {w['seed']}."), "",
              *table(["system", "torch threads", "steady samples/s", "e2e samples/s",
-                     "step s", "data-wait %", "rollout idle %", "reward"], rows), "",
-             *table(["ratio (steady samples/s)", "value"], ratios)])
+                     "step s", "data-wait %", "rollout idle %", "reward"], rows)]
+    if ratios:
+        lines += ["", *table(["ratio (steady samples/s)", "value"], ratios)]
+    return (", ".join(f"{k} {v}" for k, v in ratios[:4])
+            or ", ".join(f"{r[0]} {r[2]} samples/s" for r in rows), lines)
 
 
 def bus_throughput(d: dict) -> tuple[str, list[str]]:
@@ -169,7 +170,7 @@ def sandbox(d: dict) -> tuple[str, list[str]]:
 
 
 BENCHMARKS: list[tuple[str, str, str, Callable]] = [
-    ("e2e_vs_trl", "End to end: relax async / sync, a plain loop, TRL", "e2e_vs_trl.py", e2e),
+    ("e2e_", "End to end: relax async / sync, a plain loop, TRL", "e2e_vs_trl.py", e2e),
     ("bus_throughput", "Bus throughput, latency and broker memory", "bus_throughput.py",
      bus_throughput),
     ("bus_latency", "Bus read-after-write latency and the claim round trip", "bus_latency.py",
