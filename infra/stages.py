@@ -128,14 +128,15 @@ def _eval_config(recipe: Recipe, busd: dict, run_dir: Path) -> dict:
 
     ev, d = recipe.eval, recipe.data
     media = {"prompt_field", "label_field", "image_field", "audio_field"}
-    return _checked("stage eval (eval)", EvalStageConfig, dict(
-        bus=busd, run=recipe.run, run_dir=str(run_dir), model=recipe.model, every=ev.every,
-        held_out=ev.model_dump(include=media | {"source"}), size=ev.size,
-        training=d.model_dump(include=media | {"source", "limit"}) if d.source else None,
-        reward=recipe.eval_reward()[1].model_dump(),
-        prompt_template=recipe.rollout.prompt_template, max_new_tokens=ev.max_new_tokens,
-        batch_size=ev.batch_size, threshold=ev.threshold,
-        telemetry=recipe.telemetry.model_dump()))
+    return _checked("stage eval (eval)", EvalStageConfig, {
+        "bus": busd, "run": recipe.run, "run_dir": str(run_dir), "model": recipe.model,
+        "every": ev.every, "held_out": ev.model_dump(include=media | {"source"}),
+        "size": ev.size,
+        "training": d.model_dump(include=media | {"source", "limit"}) if d.source else None,
+        "reward": recipe.eval_reward()[1].model_dump(),
+        "prompt_template": recipe.rollout.prompt_template,
+        "max_new_tokens": ev.max_new_tokens, "batch_size": ev.batch_size,
+        "threshold": ev.threshold, "telemetry": recipe.telemetry.model_dump()})
 
 
 def run_topics(recipe: Recipe) -> dict[str, int]:

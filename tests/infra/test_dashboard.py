@@ -162,3 +162,28 @@ def test_dashboard_of_a_finished_tiny_run_in_headless_chromium(tiny_run, bus):
             "#timeline-chart rect.busy-cell", "rs => rs.map(r => Number(r.dataset.frac))")
         assert all(0.0 <= f <= 1.0 for f in fracs) and max(fracs) > 0.2, fracs
         _screenshot(page, "dashboard-tiny-run.png")
+
+
+@pytest.mark.browser
+def test_dashboard_draws_the_held_out_eval_curve(bus, unique):
+    """``eval.every``'s rows (component ``eval``: versions 0, 2, 4) are a third curve of the
+    reward chart, and the newest is the held-out tile."""
+    from relax.schemas import metric_names as M
+    from relax.streams.metrics import MetricsWriter
+    from relax.streams.producer import BatchProducer
+
+    produce_run(bus, unique, steps=4, partitions=1)  # <run>.metrics: 1, as the stages make it
+    p = BatchProducer(bus, producer_id=f"{unique}-eval")
+    w = MetricsWriter(p, unique, M.EVAL_COMPONENT)
+    for v, acc in ((0, 0.25), (2, 0.5), (4, 0.75)):
+        w.add_many({M.EVAL_ACCURACY: acc, M.EVAL_N: 4, M.EVAL_CORRECT: 4 * acc}, v)
+    w.flush()
+    p.close()
+    with _dashboard_page(bus, unique) as page:
+        page.wait_for_function(
+            "document.querySelectorAll('#reward-chart circle.pt-eval').length === 3", timeout=30_000)
+        pts = page.locator("#reward-chart circle.pt-eval")
+        assert [(float(pts.nth(i).get_attribute("data-x")), float(pts.nth(i).get_attribute("data-y")))
+                for i in range(3)] == [(0, 0.25), (2, 0.5), (4, 0.75)]
+        assert page.text_content("#tile-eval") == "0.750 @ v4"
+        assert "held-out accuracy" in page.text_content("#reward-legend")

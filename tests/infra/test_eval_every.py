@@ -47,7 +47,7 @@ def _named(value: float) -> dict[str, torch.Tensor]:
 def test_due_versions_keep_copies_of_multiples_of_every_oldest_first():
     due = DueVersions(every=2, max_pending=3)
     buf = _named(1.0)
-    for v in range(0, 5):  # 0 is eval.before's; odd ones are not due
+    for v in range(5):  # 0 is eval.before's; odd ones are not due
         buf["w"].fill_(float(v))  # the subscriber reuses its receive buffer
         due.update_weights(buf, v)
     v, named = due.take()
