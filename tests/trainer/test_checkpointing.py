@@ -27,13 +27,17 @@ def batch(seed: int = 3):
     return micro_batches([g for _, g in group_by_key(t, "group_id")], 60)
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2"])
-def test_gradients_equal_the_run_without_checkpointing(family):
+@pytest.mark.parametrize(("family", "packing"),
+                         [("llama", False), ("qwen2", False), ("llama", True)])
+def test_gradients_equal_the_run_without_checkpointing(family, packing):
+    """Padded rows sharing each group's prompt (2 passes per micro-batch), or packed rows
+    (``trainer.packing``: 1 pass)."""
     model = tiny_model(family)
     mbs = batch()
     assert len(mbs) >= 2  # several micro-batches, each with shared prompts
-    plain = TorchBackend(TrainerConfig(), model=copy.deepcopy(model))
-    ckpt = TorchBackend(TrainerConfig(gradient_checkpointing=True), model=copy.deepcopy(model))
+    plain = TorchBackend(TrainerConfig(packing=packing), model=copy.deepcopy(model))
+    ckpt = TorchBackend(TrainerConfig(gradient_checkpointing=True, packing=packing),
+                        model=copy.deepcopy(model))
     assert ckpt.model.model.layers[0].gradient_checkpointing
     assert not plain.model.model.layers[0].gradient_checkpointing
 
@@ -43,11 +47,13 @@ def test_gradients_equal_the_run_without_checkpointing(family):
     mlp.forward = lambda *a, **k: calls.append(1) or forward(*a, **k)
     l_plain, g_plain = policy_grads(plain, mbs)
     l_ckpt, g_ckpt = policy_grads(ckpt, mbs)
-    assert len(calls) == 4 * len(mbs)  # 2 passes per micro-batch, each recomputed once
+    passes = 1 if packing else 2
+    assert len(calls) == 2 * passes * len(mbs)  # each pass recomputed once
     assert l_ckpt == l_plain
     assert g_plain.keys() == g_ckpt.keys() and len(g_plain) == len(list(model.parameters()))
     worst = max(float((g_plain[n] - g_ckpt[n]).abs().max()) for n in g_plain)
-    print(f"{family}: max |grad diff| {worst:.2e} over {len(g_plain)} tensors")
+    print(f"{family} packing={packing}: max |grad diff| {worst:.2e} over {len(g_plain)} "
+          f"tensors")
     assert worst <= 1e-6, worst
     assert max(float(g.abs().max()) for g in g_plain.values()) > 1e-3  # not all ~0
 
