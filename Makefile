@@ -10,7 +10,7 @@ STAMP := $(VENV)/.installed
 KAFKA := .kafka
 KAFKA_STAMP := $(KAFKA)/.installed
 
-.PHONY: install test test-fast demo bench clean
+.PHONY: install test test-fast demo bench results clean
 
 install: $(STAMP) $(KAFKA_STAMP)
 
@@ -54,7 +54,11 @@ demo: install
 	$(BIN)/relax train recipes/arith_grpo_smollm2.yaml
 
 bench: install
-	$(BIN)/python benchmarks/bus_throughput.py --rows 10000
+	$(BIN)/python -m relax.benchmarks.bus_throughput --rows 10000
+
+# benchmarks/RESULTS.md from benchmarks/results/*.json
+results:
+	$(BIN)/python -m relax.benchmarks.results_md
 
 clean:
 	rm -rf $(VENV) $(KAFKA) .pytest_cache .hypothesis build *.egg-info

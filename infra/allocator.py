@@ -6,7 +6,7 @@ glibc's defaults every buffer over the mmap threshold (32 MB at most) is a fresh
 ``mmap`` that is ``munmap``-ed on free, and a stage's step runs in a Ray actor's worker
 thread, whose malloc arena serves anything over its 64 MB heaps the same way: each step
 page-faults its whole working set back in. Measured on the 2-vCPU machine
-(``benchmarks/RESULTS.md``): 350k-420k minor page faults and 2.6-3.3 s of kernel time in
+(``benchmarks/JOURNAL.md``): 350k-420k minor page faults and 2.6-3.3 s of kernel time in
 a steady 40-48-row train step of the trainer stage, 1M faults and ~14 s in each of the
 first two steps.
 

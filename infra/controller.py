@@ -100,7 +100,7 @@ class _Running:
 RAY_IDLE_CONFIG: dict = {"enable_metrics_collection": False, "event_stats": False}
 """Ray system settings of :func:`start_local_ray`: no Ray metrics (relax reports its
 own): an idle local Ray with 4 stage-like actors wakes 899 times a second instead of
-954, on 0.036 cores instead of 0.042 (``benchmarks/ray_wakeups.py``). Most of the rest,
+954, on 0.036 cores instead of 0.042 (a study since retired: ``benchmarks/JOURNAL.md``). Most of the rest,
 100 a second in each stage process, is Ray's fixed 10-ms signal check."""
 
 

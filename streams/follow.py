@@ -6,8 +6,8 @@ topics at once: the rollout stage reads the weight announcements (for the traine
 policy_version), its weight subscriber reads them again in its own thread, and it reads
 the trainer's progress. Each with its own :class:`~relax.streams.read.TopicReader`, that
 is three fetch loops while the stage waits; on one :class:`Follower` it is one, whose
-fetch asks for every followed partition (``benchmarks/idle_consumers.py`` measures what
-one loop costs).
+fetch asks for every followed partition (``benchmarks/JOURNAL.md`` has what one loop
+costs).
 
 Each :meth:`Follower.follow` returns a :class:`Followed` view with the reader's
 ``poll(timeout_s)``. The views may be polled from different threads: one poll at a time

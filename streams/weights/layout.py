@@ -210,7 +210,7 @@ def copy_with_checksum(dst: np.ndarray, src: np.ndarray, chunk: int = CRC_CHUNK)
     their copy, while this one copies the next (numpy's copy and crc32c release the
     GIL, so the two run on two cores). 538 MB on an Intel Xeon VM: 72-74 ms, against
     43-44 ms to copy plus 40-41 ms to checksum; in another run 93-97 ms against 134-136
-    ms for both chunk by chunk in one thread (benchmarks/RESULTS.md, 2026-12-05)."""
+    ms for both chunk by chunk in one thread (benchmarks/JOURNAL.md, 2026-12-05)."""
     with _crc_behind() as crc:
         _copy_crc(dst, src, crc, chunk)
     return crc.digest
