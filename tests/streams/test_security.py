@@ -214,6 +214,22 @@ def test_relax_train_on_a_bus_it_cannot_use_exits_2_in_one_line_before_anything_
 
 
 @pytest.mark.kafka
+def test_train_called_in_process_checks_the_bus_before_the_run_folder(secure, tmp_path):
+    """``relax train`` checks before loading the recipe; ``launch.train`` (what tests and
+    scripts call with a loaded recipe) checks too."""
+    from relax.infra.launch import train
+    from relax.infra.recipe import RecipeError
+
+    (tmp_path / "pw").write_text("not-the-password\n")
+    recipe = tiny_recipe(secure.bootstrap, tmp_path / "runs", "inproc",
+                         *(f"bus.{k}={v}" for k, v in
+                           {**secure.security, "sasl_password_file": tmp_path / "pw"}.items()))
+    with pytest.raises(RecipeError, match=r"^bus: authentication failed at "):
+        train(recipe)
+    assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.kafka
 def test_a_sasl_ssl_run_needs_bootstrap_servers(tmp_path):
     """Without ``bootstrap_servers`` a run starts its own PLAINTEXT Kafka: SASL settings
     would never reach it, so that is refused in one line too."""
