@@ -148,9 +148,10 @@ def train_cmd(recipe: Optional[str] = _TrainRecipeArg,
 def _prepare_resume(run: str, overrides: list[str], from_archive: str | None):
     """The recipe and :class:`~relax.infra.resume.Resumed` of run ``run``
     (:func:`relax.infra.resume.prepare_resume`); exits 2 with one line when it cannot
-    go on, or when an argument is not ``key=value`` (the recipe is the run's)."""
+    go on, when an argument is not ``key=value`` (the recipe is the run's), or when the
+    run's cluster cannot be used (:func:`check_bus_first`)."""
     from relax.infra.recipe import RecipeError
-    from relax.infra.resume import ResumeRefused, prepare_resume
+    from relax.infra.resume import ResumeRefused, prepare_resume, run_folder
 
     try:
         if from_archive:
@@ -160,6 +161,7 @@ def _prepare_resume(run: str, overrides: list[str], from_archive: str | None):
         if odd:
             raise ResumeRefused(f"with --resume the recipe is the run's own (recipe.yaml in "
                                 f"its folder): give only key=value overrides, got {odd[0]!r}")
+        check_bus_first(str(run_folder(run) / "recipe.yaml"), overrides)  # its own cluster
         rec, resumed = prepare_resume(run, overrides, say=typer.echo)
     except (ResumeRefused, RecipeError, FileNotFoundError, ValueError) as e:
         typer.echo(f"error: {e}", err=True)

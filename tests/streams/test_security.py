@@ -230,6 +230,24 @@ def test_train_called_in_process_checks_the_bus_before_the_run_folder(secure, tm
 
 
 @pytest.mark.kafka
+def test_resume_of_a_run_whose_password_changed_exits_2_in_one_line(secure, tmp_path):
+    import yaml
+
+    (tmp_path / "pw").write_text("not-the-password\n")
+    recipe = tiny_recipe(secure.bootstrap, tmp_path, "gone",
+                         *(f"bus.{k}={v}" for k, v in
+                           {**secure.security, "sasl_password_file": tmp_path / "pw"}.items()))
+    (tmp_path / "gone").mkdir()
+    (tmp_path / "gone" / "recipe.yaml").write_text(yaml.safe_dump(recipe.model_dump(mode="json")))
+    t0 = time.monotonic()
+    r = subprocess.run([*CLI, "train", "--resume", str(tmp_path / "gone")], capture_output=True,
+                       text=True, timeout=120, env=os.environ.copy(), check=False)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stdout + r.stderr
+    assert r.stderr.startswith("error: bus: authentication failed at "), r.stderr
+    assert time.monotonic() - t0 < 10
+
+
+@pytest.mark.kafka
 def test_a_sasl_ssl_run_needs_bootstrap_servers(tmp_path):
     """Without ``bootstrap_servers`` a run starts its own PLAINTEXT Kafka: SASL settings
     would never reach it, so that is refused in one line too."""
