@@ -382,7 +382,10 @@ class Controller:
                     self._restart(name, f"stalled: {why}")
                     restarted.append(f"{name}: {why}")
         except (KafkaError, TimeoutError) as e:  # the broker check judges that
-            log.warning("input stall check skipped: %s", e)
+            # retriable: a group's coordinator not elected yet (Kafka makes its offsets
+            # topic at the first group's lookup, seconds into a run), a leader moving
+            log.log(logging.DEBUG if getattr(e, "retriable", False) else logging.WARNING,
+                    "input stall check skipped: %s", e)
         finally:
             if own:
                 probe.close()
