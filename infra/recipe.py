@@ -26,6 +26,7 @@ absent and raises when two places disagree:
 
 from __future__ import annotations
 
+import os
 import re
 import time
 import typing
@@ -135,7 +136,8 @@ class Recipe(StrictModel):
         kl: the KL penalty (:class:`KLSection`).
         teacher: the teacher stage of on-policy distillation (:data:`TeacherSection`);
             None = no distillation. Needs ``advantage.distill_coef`` > 0 and the reverse.
-        ray_address: Ray cluster address; None = a local Ray on 127.0.0.1.
+        ray_address: Ray cluster address (``ray://host:10001`` or ``host:6379``); default
+            ``$RAY_ADDRESS`` as Ray's own tools read it; None = a local Ray on 127.0.0.1.
         api: the control API served while the run trains (:class:`ApiSection`).
         telemetry: the trainer's step metrics to TensorBoard, Prometheus and W&B
             (:class:`~relax.trainer.telemetry.TelemetryConfig`; W&B offline into
@@ -171,7 +173,7 @@ class Recipe(StrictModel):
     aggregate: AggregateSection = Field(default_factory=AggregateSection)
     trainer: TrainerSection = Field(default_factory=TrainerSection)
     resources: dict[str, Resources] = Field(default_factory=dict)
-    ray_address: str | None = None
+    ray_address: str | None = Field(default_factory=lambda: os.environ.get("RAY_ADDRESS") or None)
     api: ApiSection = Field(default_factory=ApiSection)
     telemetry: TelemetryConfig = Field(default_factory=TelemetryConfig)
     max_restarts: int = Field(3, ge=0)

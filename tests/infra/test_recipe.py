@@ -311,3 +311,11 @@ def test_the_environment_reward_is_written_by_the_rollout_stage():
             'rewards=[{name: a, fn: environment}, {name: b, fn: environment}]', env[1]])
     with pytest.raises(RecipeError, match="eval.reward"):
         load_recipe(RECIPES / "calc_tool_grpo.yaml", ["eval.source=x.jsonl"])
+
+
+def test_ray_address_defaults_to_the_environment_as_ray_does(monkeypatch):
+    monkeypatch.setenv("RAY_ADDRESS", "10.0.0.5:6379")
+    assert _recipe().ray_address == "10.0.0.5:6379"
+    assert _recipe("ray_address=h:1").ray_address == "h:1"  # the recipe's own wins
+    monkeypatch.setenv("RAY_ADDRESS", "")
+    assert _recipe().ray_address is None  # a local Ray
