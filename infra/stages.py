@@ -140,21 +140,11 @@ def _eval_config(recipe: Recipe, busd: dict, run_dir: Path) -> dict:
 
 
 def run_topics(recipe: Recipe) -> dict[str, int]:
-    """Every topic of the run with its partition count (errors topics: 1)."""
-    p = recipe.partitions
-    parts = {topics.run_topic(recipe.run, n): p for n in
-             (topics.ROLLOUTS, topics.REWARDS, topics.REF_LOGPROBS, topics.TRAIN_SAMPLES)}
-    parts[topics.run_topic(recipe.run, topics.WEIGHTS)] = 1
-    parts[topics.run_topic(recipe.run, topics.METRICS)] = 1
-    parts[topics.run_topic(recipe.run, topics.PROGRESS)] = 1
-    parts[topics.run_topic(recipe.run, topics.REWARD_CHANGES)] = 1
-    parts[topics.changelog_topic(recipe.run)] = p
-    parts[topics.rollout_state_topic(recipe.run)] = 1
-    parts[topics.rollout_claims_topic(recipe.run)] = 1
-    for t in list(parts):
-        parts[topics.errors_topic(t)] = 1
-    prompts = topics.prompts_topic(recipe.data.dataset)
-    parts[topics.errors_topic(prompts)] = 1
+    """Every topic of the run with its partition count
+    (:func:`relax.schemas.topics.run_topic_partitions`), and the errors topic of its
+    prompts topic (1)."""
+    parts = topics.run_topic_partitions(recipe.run, recipe.partitions)
+    parts[topics.errors_topic(topics.prompts_topic(recipe.data.dataset))] = 1
     return parts
 
 

@@ -38,6 +38,10 @@ RUN_TOPICS = (ROLLOUTS, REWARDS, REF_LOGPROBS, TEACHER_LOGPROBS, TRAIN_SAMPLES, 
               METRICS, PROGRESS, REWARD_CHANGES)
 """Every per-run topic name (without the ``<run>.`` prefix)."""
 
+ONE_PARTITION = (WEIGHTS, METRICS, PROGRESS, REWARD_CHANGES)
+"""Per-run topics of one partition (streams read in order). The other :data:`RUN_TOPICS`
+are keyed by group_id and co-partitioned with each other (the recipe's ``partitions``)."""
+
 AGGREGATE_CHANGELOG = "aggregate_changelog"
 """``<run>.aggregate_changelog``: the aggregator's state changelog (internal; holds the
 input rows of groups not yet emitted and an ``emitted`` marker per group)."""
@@ -112,6 +116,24 @@ def rollout_claims_topic(run: str) -> str:
     """``<run>.rollout_claims``, the rollout instances' credit claims (see
     :data:`ROLLOUT_CLAIMS`)."""
     return f"{check_name('run', run)}.{ROLLOUT_CLAIMS}"
+
+
+def run_topic_partitions(run: str, partitions: int) -> dict[str, int]:
+    """Every topic of run ``run`` with its partition count, the one list of them: the
+    :data:`RUN_TOPICS` (:data:`ONE_PARTITION` ones 1, the others ``partitions``), the
+    aggregator's changelog (``partitions``), the rollout state and claims (1), and each
+    one's errors topic (1). The shared ``prompts.<dataset>`` is not a run's.
+
+    Raises:
+        ValueError: an illegal run name (:func:`check_name`).
+    """
+    parts = {run_topic(run, n): 1 if n in ONE_PARTITION else partitions for n in RUN_TOPICS}
+    parts[changelog_topic(run)] = partitions
+    parts[rollout_state_topic(run)] = 1
+    parts[rollout_claims_topic(run)] = 1
+    for t in list(parts):
+        parts[errors_topic(t)] = 1
+    return parts
 
 
 def kept(topic: str) -> bool:

@@ -61,6 +61,19 @@ def test_tiny_async_run_accounts_for_every_rollout(tiny_run, broker):
     assert all(0.0 <= r["reward_mean"] <= 1.0 and r["step_s"] > 0 for r in rows), rows
 
 
+def test_the_topics_a_run_makes_are_the_declared_ones(tiny_run, broker):
+    """Every topic of the tiny run's name on the broker is in the one list
+    (:func:`relax.schemas.topics.run_topic_partitions`) with its partition count: no stage
+    makes a topic of its own that the list lacks, and the list names none it never made."""
+    from relax.schemas import topics
+    from relax.streams.client import BusConfig, topic_partitions
+
+    recipe, _ = tiny_run
+    made = {t: n for t, n in topic_partitions(BusConfig(bootstrap_servers=broker)).items()
+            if t.startswith(recipe.run + ".")}
+    assert made == topics.run_topic_partitions(recipe.run, recipe.partitions)
+
+
 def test_cli_last_line_and_reinforce_pp_over_the_global_batch(tmp_path, broker):
     """``relax train`` prints one summary line; with ``advantage.estimator: reinforce_pp``
     the trainer normalises over each step's whole batch (issue 16): every step's
