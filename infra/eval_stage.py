@@ -26,7 +26,10 @@ from (``trainer.weights_snapshot_every``). At most ``max_pending`` versions wait
 evaluating is slower than N training steps, the oldest waiting one is dropped (a WARNING
 names it). On stop (the run's end, after the trainer's last step: its last version was
 broadcast to this stage before the trainer wrote ``done``) the versions still waiting
-are evaluated before the stage ends, within the controller's stop wait (60 s).
+are evaluated before the stage ends, within the controller's stop wait (60 s: an eval
+longer than that, a large ``eval.size`` on CPU, is cut off there). During an eval the stage
+calls ``should_stop`` after each engine call, so the controller does not take a long eval
+for a stall (``stall_timeout_s`` is per engine call of ``eval.batch_size`` prompts).
 
 Writes, per eval: the rows of :func:`relax.infra.evaluate.eval_metrics` (component
 ``eval``, with the policy_version evaluated) to ``<run>.metrics``, flushed at once
@@ -206,9 +209,11 @@ class EvalStage:
                                startup_timeout_s=r.startup_timeout_s)
         self.due = DueVersions(cfg.every, cfg.max_pending)
 
-    def evaluate(self, policy_version: int, named: dict) -> dict[str, float]:
+    def evaluate(self, policy_version: int, named: dict,
+                 pulse: Callable[[], object] | None = None) -> dict[str, float]:
         """Install ``named`` into the model and evaluate it; the metric values
-        (:func:`relax.infra.evaluate.eval_metrics`)."""
+        (:func:`relax.infra.evaluate.eval_metrics`). ``pulse``: called after each engine
+        call (see :func:`relax.infra.evaluate.greedy_accuracy_of`)."""
         from relax.streams.weights.install import install_weights
 
         install_weights(self.model, named, policy_version)
@@ -216,7 +221,7 @@ class EvalStage:
         r = greedy_accuracy_of(self.model, self.tokenizer, self.rows, self.pool,
                                processor=self.processor, prompt_template=c.prompt_template,
                                max_new_tokens=c.max_new_tokens, batch_size=c.batch_size,
-                               threshold=c.threshold)
+                               threshold=c.threshold, pulse=pulse)
         log.info("eval: policy_version %d: greedy held-out accuracy %d/%d = %.3f (%.1fs)",
                  policy_version, r.correct, r.n, r.accuracy, r.seconds)
         return eval_metrics(r)
@@ -247,7 +252,7 @@ class EvalStage:
                 sub.poll(wait_s)  # raises if the subscriber's thread died
             item = self.due.take()
             if item is not None:
-                values = self.evaluate(*item)
+                values = self.evaluate(*item, pulse=should_stop)  # a long eval is no stall
                 metrics.add_many(values, item[0])
                 metrics.flush()
                 producer.flush()

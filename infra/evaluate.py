@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import json
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from relax.producers.media import MediaOptions, media_digest
@@ -126,12 +127,14 @@ def greedy_accuracy(model: str, rows: list[dict], *, reward_fn: str | None = Non
 
 def greedy_accuracy_of(model, tokenizer, rows: list[dict], pool, *, processor=None,
                        prompt_template: str = "{prompt}", max_new_tokens: int = 16,
-                       batch_size: int = 50, threshold: float = 0.5) -> EvalResult:
+                       batch_size: int = 50, threshold: float = 0.5,
+                       pulse: Callable[[], object] | None = None) -> EvalResult:
     """:func:`greedy_accuracy` of a loaded ``model`` (a transformers causal LM, on its
     device, its weights used as they are: the eval stage installs each policy_version into
     it) with its ``tokenizer`` and ``processor`` (a multimodal model's, else None), scored
     through a started :class:`RewardPool` ``pool`` (left open). ``seconds``: generation and
-    scoring only.
+    scoring only. ``pulse`` is called after each engine call (a stage's ``should_stop``,
+    whose calls tell the controller the stage is not stuck; its answer is not used).
 
     Raises:
         ValueError: the model takes no media (``processor`` None) and a row has some.
@@ -148,6 +151,8 @@ def greedy_accuracy_of(model, tokenizer, rows: list[dict], pool, *, processor=No
     for i in range(0, len(rows), batch_size):
         correct += _score_chunk(engine, processor, tokenizer, pool, rows[i:i + batch_size],
                                 params, prompt_template, threshold, examples, errors)
+        if pulse is not None:
+            pulse()
     n = len(rows)
     return EvalResult(correct / n if n else 0.0, n, correct, time.perf_counter() - t0, examples,
                       len(errors), errors[0] if errors else None)

@@ -4,7 +4,9 @@
    its data in the run folder's ``broker/``);
 2. the run's topics, created with their partition counts;
 3. the training prompts published into ``prompts.<dataset>`` if that topic is empty;
-4. greedy held-out accuracy of the initial model (``eval.before``);
+4. greedy held-out accuracy of the initial model (``eval.before``; also a row of
+   ``<run>.metrics`` at policy_version 0, the first point of ``eval.every``'s curve,
+   whose later points the ``eval`` stage writes: :mod:`relax.infra.eval_stage`);
 5. every stage as its own process under the :class:`~relax.infra.controller.Controller`
    (restarted if it dies), while this process follows ``<run>.metrics`` and prints a
    line per optimizer step;

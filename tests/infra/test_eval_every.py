@@ -134,3 +134,43 @@ def test_eval_every_writes_held_out_accuracy_during_a_tiny_run(broker, tmp_path)
     tb = EventAccumulator(str(run_dir / "tensorboard"))
     tb.Reload()
     assert [e.step for e in tb.Scalars(M.EVAL_ACCURACY)] == [2, 4]  # the stage's; 0 is the driver's
+
+
+def test_the_stage_scores_installed_weights_as_relax_eval_scores_the_model(tmp_path):
+    """The stage's eval of the initial weights, installed over other ones, equals
+    ``greedy_accuracy`` of the model by name (the ``relax eval`` / ``eval.before`` path):
+    same rows, same greedy responses, same count correct."""
+    from testdata import tiny_recipe
+
+    from relax.infra.eval_stage import EvalStage, EvalStageConfig
+    from relax.infra.evaluate import greedy_accuracy, greedy_accuracy_of
+    from relax.infra.stages import run_bus, stage_specs
+
+    recipe = tiny_recipe("localhost:9", tmp_path, "evpar", f'eval={{source: "{EVAL_SOURCE}", '
+                         'size: 8, max_new_tokens: 6, every: 1, reward: {name: e, '
+                         'fn: "testdata:parity_reward"}}')
+    spec = next(s for s in stage_specs(recipe, run_bus(recipe, "localhost:9", tmp_path),
+                                       tmp_path) if s.name == "eval")
+    stage = EvalStage(EvalStageConfig(**spec.config))
+
+    def responses() -> list[str]:  # of the weights installed last (5 examples)
+        r = greedy_accuracy_of(stage.model, stage.tokenizer, stage.rows, stage.pool,
+                               prompt_template=recipe.rollout.prompt_template, max_new_tokens=6)
+        return [e["response"] for e in r.examples]
+
+    try:
+        initial = {k: v.detach().clone() for k, v in stage.model.named_parameters()}
+        torch.manual_seed(0)
+        stage.evaluate(1, {k: torch.randn_like(v) for k, v in initial.items()})
+        junk = responses()
+        pulses = []
+        got = stage.evaluate(2, initial, pulse=lambda: pulses.append(1))
+        mine = responses()
+    finally:
+        stage.pool.close()
+    want = greedy_accuracy(recipe.model, stage.rows, reward_fn="testdata:parity_reward",
+                           prompt_template=recipe.rollout.prompt_template, max_new_tokens=6)
+    assert len(stage.rows) == 8 and pulses == [1]  # one engine call of 8 prompts
+    assert mine == [e["response"] for e in want.examples] != junk
+    assert (got[M.EVAL_N], got[M.EVAL_CORRECT], got[M.EVAL_ACCURACY]) == \
+        (want.n, want.correct, want.accuracy), (got, want.examples)
