@@ -151,7 +151,7 @@ def train_from_archive(recipe: Recipe, archive_dir: str, *, batches_from: str | 
         say(f"offline step {step + 1}/{steps} loss={stats['loss']:.4f} "
             f"grad_norm={stats['grad_norm']:.3f} rows={sum(g.num_rows for g in batch)}")
     checkpoint.save(run_dir, backend, checkpoint.TrainerState(steps), ledger)
-    backend.model.save_pretrained(run_dir / "final_model", safe_serialization=True)
+    backend.save_model(run_dir / "final_model")  # with trainer.lora: merged, and adapter/
     summary = {"run": recipe.run, "run_dir": str(run_dir), "steps": steps,
                "sampled": rows.num_rows, "trained": len(ledger), "stale": 0,
                "filtered": rows.num_rows - keep.num_rows, "errors": 0,
