@@ -36,10 +36,13 @@ from relax.streams.client import (
     sasl_password,
 )
 
-CHECK_TIMEOUT_S = 5.0
-"""Default time limit of :func:`check_bus` for each bootstrap server (seconds)."""
+CHECK_TIMEOUT_S = 7.0
+"""Default time limit of :func:`check_bus` for each bootstrap server (seconds). A broker
+answers in milliseconds; on a 2-core machine at load 15 a SCRAM exchange took seconds."""
 
 _API_VERSIONS, _SASL_HANDSHAKE, _SASL_AUTHENTICATE, _METADATA = 18, 17, 36, 3
+_API_NAMES = {_API_VERSIONS: "ApiVersions", _SASL_HANDSHAKE: "SaslHandshake",
+              _SASL_AUTHENTICATE: "SaslAuthenticate", _METADATA: "Metadata"}
 _UNSUPPORTED_SASL_MECHANISM, _ILLEGAL_SASL_STATE = 33, 34
 _CERT_HOSTNAME_MISMATCH = 62  # X509_V_ERR_HOSTNAME_MISMATCH
 _CERT_IP_MISMATCH = 64  # X509_V_ERR_IP_ADDRESS_MISMATCH
@@ -103,7 +106,7 @@ def check_bus(cfg: BusConfig, timeout_s: float = CHECK_TIMEOUT_S) -> None:
     reasons: list[tuple[bool, str]] = []
     for server in cfg.bootstrap_servers.split(","):
         try:
-            _check_server(cfg, server.strip(), ctx, password, time.monotonic() + timeout_s)
+            _check_server(cfg, server.strip(), ctx, password, timeout_s)
             return
         except _NotReached as e:
             reasons.append((False, str(e)))
@@ -118,7 +121,8 @@ class _NotReached(BusUnreachable):
 
 
 def _check_server(cfg: BusConfig, server: str, ctx: ssl.SSLContext | None,
-                  password: str | None, deadline: float) -> None:
+                  password: str | None, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
     host, _, port_s = server.rpartition(":")
     host = host.strip("[]")
     if not host or not port_s.isdigit():
@@ -126,6 +130,7 @@ def _check_server(cfg: BusConfig, server: str, ctx: ssl.SSLContext | None,
     port = int(port_s)
     proto = cfg.security_protocol
     sock = _connect(host, port, deadline)
+    conn = None
     try:
         if ctx is not None:
             sock = _tls(sock, ctx, host, port, cfg, deadline)
@@ -151,9 +156,10 @@ def _check_server(cfg: BusConfig, server: str, ctx: ssl.SSLContext | None,
                 f"is {proto}; set {'SASL_SSL' if ctx else 'SASL_PLAINTEXT or SASL_SSL'}, "
                 f"bus.sasl_mechanism, bus.sasl_username and a password)") from None
     except TimeoutError:
-        raise BusUnreachable(f"{host}:{port} accepted a connection but gave no Kafka answer "
-                             f"within the time limit (a {proto} client; is the broker "
-                             f"overloaded, or is this port another service?)") from None
+        step = f"no answer to {conn.step}" if conn and conn.step else "no answer"
+        raise BusUnreachable(f"{host}:{port} accepted a connection but gave {step} within "
+                             f"{timeout_s:g} s (a {proto} client; is the broker overloaded, "
+                             f"or is this port another service?)") from None
     finally:
         sock.close()
 
@@ -265,6 +271,8 @@ class _Conn:
 
     def __init__(self, sock: socket.socket, deadline: float):
         self.sock, self.deadline, self.correlation = sock, deadline, 0
+        self.step = ""
+        """the request last sent (for a time-out's message)"""
 
     def request(self, api_key: int, version: int, body: bytes) -> bytes:
         """The response body (after the correlation id) of one request.
@@ -274,6 +282,7 @@ class _Conn:
             TimeoutError: no answer before the deadline.
         """
         self.correlation += 1
+        self.step = _API_NAMES[api_key]
         frame = struct.pack(">hhi", api_key, version, self.correlation) + _string("relax-check")
         frame += body
         self.sock.settimeout(_left(self.deadline))

@@ -103,6 +103,20 @@ def test_nothing_listening_is_one_line_at_once():
     assert time.monotonic() - t0 < 2
 
 
+def test_a_port_that_accepts_but_never_answers_is_named_with_the_request_it_left_unanswered():
+    import socket
+
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen()
+        port = silent.getsockname()[1]
+        t0 = time.monotonic()
+        with pytest.raises(BusUnreachable, match=rf"^127\.0\.0\.1:{port} accepted a connection "
+                                                 r"but gave no answer to ApiVersions within 1 s"):
+            check_bus(BusConfig(bootstrap_servers=f"127.0.0.1:{port}"), timeout_s=1)
+        assert time.monotonic() - t0 < 3
+
+
 # --- a --secure local Kafka --------------------------------------------------------------
 
 @pytest.fixture(scope="module")
