@@ -242,8 +242,9 @@ def consumer_kwargs(cfg: BusConfig, group_id: str | None, client_id: str | None 
                     from_beginning: bool = True) -> dict:
     """Keyword arguments for ``kafka.KafkaConsumer``: manual commits, reading from the
     earliest offset when the group has none (``from_beginning``), fetch limits at
-    least one message. Applies :func:`relax.streams.kafka_join.apply` (group joins that
-    finish between polls are kept)."""
+    least one message, security from :func:`security_kwargs`. Applies
+    :func:`relax.streams.kafka_join.apply` (group joins that finish between polls are
+    kept)."""
     _check_crc32c()
     kafka_join.apply()
     return dict(
@@ -264,7 +265,8 @@ def consumer_kwargs(cfg: BusConfig, group_id: str | None, client_id: str | None 
 
 
 def admin(cfg: BusConfig):
-    """A ``kafka.KafkaAdminClient`` for the configured cluster (caller closes it)."""
+    """A ``kafka.KafkaAdminClient`` for the configured cluster, security from
+    :func:`security_kwargs` (caller closes it)."""
     from kafka import KafkaAdminClient
 
     return KafkaAdminClient(**security_kwargs(cfg),
