@@ -1,4 +1,8 @@
-"""``key=value`` overrides of a recipe tree: ``relax train RECIPE trainer.optim.lr=2e-5``.
+"""``key=value``: the one grammar of every command's settings. A recipe override
+(``relax train RECIPE trainer.optim.lr=2e-5``), a stage setting (``relax stage rollout
+--set engine=hf``) and a reward option (``relax reward attach --option k=v``) are read
+alike: a dotted key and a YAML value (``2e-5`` a float, ``[a, b]`` a list, ``true`` a
+bool, anything else text).
 
 Pure functions over the YAML tree (dicts and lists); :mod:`relax.infra.recipe` applies
 them before validating.
@@ -56,3 +60,16 @@ def parse_override(text: str) -> tuple[str, Any]:
     if isinstance(value, str) and re.fullmatch(r"[-+]?\d*\.?\d+([eE][-+]?\d+)?", value):
         value = float(value)  # YAML 1.1 reads 2e-5 as a string
     return key.strip(), value
+
+
+def parse_settings(items: list[str] | None, into: dict | None = None) -> dict:
+    """``["a.b=1", "c=x", ...]`` applied in order onto ``into`` (a new dict if None) by
+    :func:`parse_override` and :func:`set_dotted`; returns it.
+
+    Raises:
+        ValueError: an item :func:`parse_override` or :func:`set_dotted` refuses.
+    """
+    out = {} if into is None else into
+    for item in items or []:
+        set_dotted(out, *parse_override(item))
+    return out

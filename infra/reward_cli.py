@@ -30,22 +30,18 @@ _FromVersionOpt = typer.Option(None, "--from-policy-version", min=0,
 
 
 def parse_options(items: list[str] | None) -> dict:
-    """``["k=v", ...]`` as a dict; each value is JSON when it parses (``3``, ``true``,
-    ``["a"]``), else the text.
+    """``["k=v", ...]`` as a dict, in the grammar of every command
+    (:func:`relax.infra.overrides.parse_settings`: the value is YAML).
 
     Raises:
-        typer.BadParameter: for an item without ``=``.
+        typer.BadParameter: for an item without ``=`` or a value that is not YAML.
     """
-    out = {}
-    for item in items or []:
-        key, sep, raw = item.partition("=")
-        if not sep or not key:
-            raise typer.BadParameter(f"expected key=value, got {item!r}", param_hint="--option")
-        try:
-            out[key] = json.loads(raw)
-        except ValueError:
-            out[key] = raw
-    return out
+    from relax.infra.overrides import parse_settings
+
+    try:
+        return parse_settings(items)
+    except ValueError as e:
+        raise typer.BadParameter(str(e), param_hint="--option") from None
 
 
 def _memory(limit: Optional[int]):

@@ -22,13 +22,15 @@ _SetOpt = typer.Option(
 )
 
 
-def _settings(config: Path | None, sets: list[str] | None, **given) -> dict:
+def stage_settings(config: Path | None, sets: list[str] | None, **given) -> dict:
     """Merge the YAML file, then the explicit options, then ``--set`` overrides.
 
     Raises:
         typer.BadParameter: an override without ``=`` or a file that is not a mapping.
     """
     import yaml
+
+    from relax.infra.overrides import parse_settings
 
     out: dict = {}
     if config is not None:
@@ -39,12 +41,10 @@ def _settings(config: Path | None, sets: list[str] | None, **given) -> dict:
             )
         out.update(loaded)
     out.update({k: v for k, v in given.items() if v is not None})
-    for item in sets or []:
-        key, sep, raw = item.partition("=")
-        if not sep or not key:
-            raise typer.BadParameter(f"expected key=value, got {item!r}", param_hint="--set")
-        out[key] = yaml.safe_load(raw)
-    return out
+    try:  # the grammar of every command (relax.infra.overrides)
+        return parse_settings(sets, into=out)
+    except ValueError as e:
+        raise typer.BadParameter(str(e), param_hint="--set") from None
 
 
 @contextmanager
@@ -84,7 +84,7 @@ def rollout_cmd(
     try:
         cfg = RolloutConfig(
             bus=bus_config(bootstrap),
-            **_settings(config, sets, run=run, dataset=dataset, model=model),
+            **stage_settings(config, sets, run=run, dataset=dataset, model=model),
         )
     except ValidationError as e:
         typer.echo(f"error: {e}", err=True)
@@ -116,7 +116,7 @@ def reference_cmd(
     try:
         cfg = ReferenceConfig(
             bus=bus_config(bootstrap),
-            **_settings(config, sets, run=run, model=model, follow_every=follow_every),
+            **stage_settings(config, sets, run=run, model=model, follow_every=follow_every),
         )
     except ValidationError as e:
         typer.echo(f"error: {e}", err=True)
