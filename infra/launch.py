@@ -35,9 +35,9 @@ from pathlib import Path
 import yaml
 
 from relax.infra.broker import BROKER_DIR, BrokerHandle, LocalBroker, stop_broker
-from relax.infra.controller import Controller
+from relax.infra.controller import Controller, StageFailed
 from relax.infra.cpu_timeline import CpuTimeline, run_processes
-from relax.infra.eval_stage import publish_eval
+from relax.infra.eval_stage import last_due, publish_eval, wait_for_last_eval
 from relax.infra.evaluate import eval_metrics
 from relax.infra.preflight import check_bus, preflight
 from relax.infra.recipe import Recipe, RecipeError, RewardSpec
@@ -220,7 +220,13 @@ def train(recipe: Recipe, *, say: Callable[[str], None] = print,
         stack.callback(remove_run_files, SHM_ROOT, recipe.run)  # after the stages stop
         eval_rows = _eval_before(recipe, held_out, pool, summary, say, run_dir, bus,
                                  resumed.eval_before)
-        follower = stack.enter_context(contextlib.closing(MetricsFollower(bus, recipe.run)))
+        board = None
+        if recipe.telemetry.tensorboard:  # every other stage's rows (the trainer writes its own)
+            from relax.trainer.telemetry import StageBoard
+
+            board = stack.enter_context(contextlib.closing(StageBoard(run_dir)))
+        follower = stack.enter_context(contextlib.closing(
+            MetricsFollower(bus, recipe.run, sink=board.add if board else None)))
         controller = Controller(stage_specs(recipe, bus, run_dir), bus, run_dir,
                                 address=recipe.ray_address, max_restarts=recipe.max_restarts,
                                 stall_timeout_s=recipe.stall_timeout_s)
@@ -246,6 +252,8 @@ def train(recipe: Recipe, *, say: Callable[[str], None] = print,
                      else run_dir / "api_token")
             say(f"api: {api.url} (token: {token}; relax scale {recipe.run} --instances N)")
         watch.until_done(stopping, None if timeout_s is None else t_start + timeout_s)
+        if recipe.eval is not None and recipe.eval.every and not stopping():
+            _last_eval(recipe, follower, controller, say)
         summary["train_s"] = round(time.time() - t_train, 1)
         timeline.close()
         controller.stop()  # finish: accounting, eval after, run folder
@@ -354,6 +362,23 @@ def _eval_before(recipe: Recipe, rows: list[dict] | None, pool, summary: dict,
         publish_eval(bus, recipe.run, eval_metrics(r), 0)
         say(eval_line("before", r))
     return rows
+
+
+def _last_eval(recipe: Recipe, follower: MetricsFollower, controller: Controller,
+               say: Callable[[str], None]) -> None:
+    """After the trainer's last step: wait up to ``stall_timeout_s`` for the eval stage's
+    row of the last version ``eval.every`` evaluates; a line when it does not come (the
+    run has trained: a stage failing now is reported, not raised)."""
+    last = last_due(recipe.trainer.steps, recipe.eval.every)
+    try:
+        came = not last or wait_for_last_eval(follower, controller, last,
+                                              recipe.stall_timeout_s)
+    except StageFailed as e:
+        say(f"eval: a stage failed while waiting for the last eval: {e}")
+        return
+    if not came:
+        say(f"eval: no held-out accuracy of policy_version {last} within "
+            f"{recipe.stall_timeout_s:.0f}s after the last step (logs/eval.log)")
 
 
 def _sigterm_flag(stack: contextlib.ExitStack) -> Callable[[], bool]:

@@ -57,12 +57,14 @@ class RunTimeout(RunFailed, TimeoutError):
 
 
 class MetricsFollower:
-    """Reads ``<run>.metrics`` from the start, incrementally (group-less)."""
+    """Reads ``<run>.metrics`` from the start, incrementally (group-less); ``sink`` gets
+    each batch of new rows (the run's :class:`~relax.trainer.telemetry.StageBoard`)."""
 
-    def __init__(self, bus: BusConfig, run: str):
+    def __init__(self, bus: BusConfig, run: str,
+                 sink: Callable[[list[dict]], object] | None = None):
         from relax.streams.read import TopicReader
 
-        self.bus = bus
+        self.bus, self.sink = bus, sink
         self.topic = topics.run_topic(run, topics.METRICS)
         self.reader = TopicReader(bus, "train", fetch_wait_ms=METRICS_FETCH_WAIT_MS)
         self.reader.follow(self.topic, 1)
@@ -79,6 +81,8 @@ class MetricsFollower:
             self.next_offset = max(self.next_offset, max(m.offset for m in msgs) + 1)
         new = [r for m in msgs for r in decoded_rows(m, "metrics", log)]
         self.rows.extend(new)
+        if new and self.sink is not None:
+            self.sink(new)
         return new
 
     def read_to_end(self, timeout_s: float = 30.0) -> bool:

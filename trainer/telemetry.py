@@ -237,3 +237,49 @@ class Telemetry:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+OWN_SINKS = ("trainer", "eval")
+"""Components whose rows reach TensorBoard, Prometheus and W&B through their own
+:class:`Telemetry` (the trainer's steps, the eval stage's held-out accuracy)."""
+
+
+class StageBoard:
+    """TensorBoard event files of every other stage's metric rows (the rollout's, the
+    rewards', the aggregator's, the reference's), written by the run's driver, which reads
+    ``<run>.metrics`` anyway: ``<run_dir>/tensorboard/stages`` (TensorBoard shows it as
+    the run ``stages`` beside the trainer's), tag ``<component>/<name>`` (``rollout-0/
+    gen_tokens_per_s``), step the row's policy_version (0 when it has none), wall time the
+    row's ``ts``.
+
+    Args:
+        run_dir: the run folder.
+    """
+
+    def __init__(self, run_dir: str | Path):
+        from torch.utils.tensorboard import SummaryWriter
+
+        self._tb = SummaryWriter(log_dir=str(Path(run_dir) / "tensorboard" / "stages"))
+
+    def add(self, rows: list[dict]) -> int:
+        """Write metric rows (``{ts, component, name, value, policy_version}``; ``ts`` a
+        datetime or epoch ms) but those of :data:`OWN_SINKS`; returns how many were
+        written (non-finite values are skipped)."""
+        n = 0
+        for r in rows:
+            value = r.get("value")
+            if (r.get("component") in OWN_SINKS or value is None
+                    or not math.isfinite(float(value))):
+                continue
+            ts = r.get("ts")
+            wall = ts.timestamp() if hasattr(ts, "timestamp") else (ts or 0) / 1000 or None
+            self._tb.add_scalar(f"{r['component']}/{r['name']}", float(value),
+                                int(r.get("policy_version") or 0), walltime=wall)
+            n += 1
+        if n:
+            self._tb.flush()
+        return n
+
+    def close(self) -> None:
+        """Flush and close the event file."""
+        self._tb.close()

@@ -54,6 +54,12 @@ def test_tiny_async_run_accounts_for_every_rollout(tiny_run, broker):
                             ("weights_local_subscribers", 1.0)], sent
     names = readme_metric_names()
     assert not sorted(n for n in written if not documented(n, names)), "README metrics table"
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    stages = EventAccumulator(str(Path(s["run_dir"]) / "tensorboard" / "stages"))
+    stages.Reload()  # every other stage's rows, from the driver
+    components = {t.split("/")[0] for t in stages.Tags()["scalars"]}
+    assert {"rollout-0", "aggregate-0", "reward.parity"} <= components, components
     from wandb_records import history  # W&B offline (telemetry.wandb): one row per step
 
     rows = history(Path(s["run_dir"]))

@@ -104,3 +104,31 @@ def test_names():
     assert prometheus_name("staleness_hist.12") == "relax_staleness_hist_12"
     assert prometheus_name("reward.gsm8k/x") == "relax_reward_gsm8k_x"
     assert wandb_id("a/b:c") == "a-b-c"
+
+
+def test_stage_board_writes_every_other_stage_under_component_and_name(tmp_path):
+    from datetime import datetime, timezone
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from relax.trainer.telemetry import StageBoard
+
+    ts = datetime(2026, 12, 7, tzinfo=timezone.utc)
+    rows = [dict(ts=ts, component="rollout-0", name="gen_tokens_per_s", value=12.5,
+                 policy_version=3),
+            dict(ts=ts, component="aggregate-0", name="partial_groups", value=2.0,
+                 policy_version=None),
+            dict(ts=ts, component="trainer", name="loss", value=0.1, policy_version=3),
+            dict(ts=ts, component="eval", name="eval_accuracy", value=0.5, policy_version=2),
+            dict(ts=ts, component="reward.parity", name="reward_rows", value=float("nan"),
+                 policy_version=1)]
+    board = StageBoard(tmp_path)
+    assert board.add(rows) == 2  # the trainer's and the eval's have their own sinks
+    board.close()
+    acc = EventAccumulator(str(tmp_path / "tensorboard" / "stages"))
+    acc.Reload()
+    assert sorted(acc.Tags()["scalars"]) == ["aggregate-0/partial_groups",
+                                              "rollout-0/gen_tokens_per_s"]
+    (e,) = acc.Scalars("rollout-0/gen_tokens_per_s")
+    assert (e.step, e.value, e.wall_time) == (3, 12.5, ts.timestamp())
+    assert acc.Scalars("aggregate-0/partial_groups")[0].step == 0
