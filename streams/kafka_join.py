@@ -22,11 +22,18 @@ leader's rejoin caused by new partition metadata is lost when it finishes betwee
 polls: the leader's assignment stores the metadata it used (``_assignment_snapshot``),
 so ``ConsumerCoordinator.need_rejoin`` turns False, no poll awaits the task again, and
 the member keeps no partitions for good (measured: the restarted trainer of
-``test_seeded_chaos_run[kafka-11]`` waited 300 s for data with every partition of
+``test_seeded_chaos_run[11]`` waited 300 s for data with every partition of
 ``train_samples`` unowned; ``test_a_leader_join_started_by_new_metadata_is_kept``).
 
 Applied by :func:`relax.streams.client.consumer_kwargs`, so every relax consumer has
-it; only kafka-python 3.0.x is patched.
+it; only kafka-python 3.0.x is patched (``pyproject.toml`` pins ``<3.1``).
+
+When to remove it: a kafka-python release whose ``join_group_async`` completes a
+finished join task instead of scheduling a new one (its body no longer reads ``if
+self._join_task is None or self._join_task.is_done`` without checking the task's
+result), and whose ``need_rejoin`` counts a join in flight. To tell: raise the pin, turn
+:func:`apply` into a no-op, and run ``tests/streams/test_kafka_join.py`` ten times: its
+three tests fail within a few runs while the library still drops a finished join.
 """
 
 from __future__ import annotations
