@@ -51,7 +51,8 @@ def _pass(backend, mbs):
         lps.append(lp.detach()[valid])
         ents.append(ent.detach()[valid])
         total += float(loss.detach())
-    grads = {n: p.grad.clone() for n, p in backend.model.named_parameters()}
+    grads = {n: p.grad.clone() for n, p in backend.model.named_parameters()
+             if p.requires_grad}
     return torch.cat(lps), torch.cat(ents), total, grads
 
 
@@ -117,16 +118,17 @@ def _groups(seed: int, response_len=(1, 40)):
     return [g for _, g in group_by_key(t, "group_id")]
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_packed_logprobs_loss_and_gradients_equal_the_padded_path(arch):
-    model = tiny_model(arch)
-    opts = dict(loss={"entropy_coef": 0.01}, old_logprobs="detached")
-    padded = TorchBackend(TrainerConfig(**opts), model=model)
-    packed = TorchBackend(TrainerConfig(packing=True, **opts), model=model)
+@pytest.mark.parametrize("arch,lora", [("llama", None), ("qwen2", None), ("llama", {"r": 4})])
+def test_packed_logprobs_loss_and_gradients_equal_the_padded_path(arch, lora):
+    opts = dict(loss={"entropy_coef": 0.01}, old_logprobs="detached", lora=lora)
+    # a model each: LoRA wraps the one it is given (same seeds: same weights and adapters)
+    padded = TorchBackend(TrainerConfig(**opts), model=tiny_model(arch))
+    packed = TorchBackend(TrainerConfig(packing=True, **opts), model=tiny_model(arch))
     mbs = micro_batches(_groups(1), 200)
     assert len(mbs) > 1 and max(mb.response_ids.shape[0] for mb in mbs) > 1
     lp0, ent0, loss0, g0 = _pass(padded, mbs)
     lp1, ent1, loss1, g1 = _pass(packed, mbs)
+    assert lora is None or all("lora_" in n for n in g0)  # the adapters' gradients only
     assert float((lp1 - lp0).abs().max()) <= TOL
     assert float((ent1 - ent0).abs().max()) <= TOL
     assert abs(loss1 - loss0) <= TOL
@@ -134,11 +136,13 @@ def test_packed_logprobs_loss_and_gradients_equal_the_padded_path(arch):
     assert max(float(g.abs().max()) for g in g0.values()) > 1e-3  # gradients not ~0
 
 
-def test_a_packed_optimizer_step_equals_the_padded_one():
-    """Whole steps (recomputed pi_old, clipping, chunked head): the same metrics and the
-    same weights after two steps."""
+@pytest.mark.parametrize("gradient_checkpointing", [False, True])
+def test_a_packed_optimizer_step_equals_the_padded_one(gradient_checkpointing):
+    """Whole steps (recomputed pi_old, clipping, chunked head, with and without
+    checkpointed decoder layers): the same metrics and the same weights after two steps."""
     cfg = dict(optim={"lr": 1e-3, "grad_clip": 0.5}, old_logprobs="recompute",
-               loss={"entropy_coef": 0.01}, logits_chunk_tokens=16)
+               loss={"entropy_coef": 0.01}, logits_chunk_tokens=16,
+               gradient_checkpointing=gradient_checkpointing)
     runs = []
     for packing in (False, True):
         b = TorchBackend(TrainerConfig(packing=packing, **cfg), model=tiny_model())
