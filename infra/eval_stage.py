@@ -21,12 +21,13 @@ Which versions: the subscriber hands every received version to :class:`DueVersio
 each one that is a multiple of N (0 is ``eval.before``'s); the loop evaluates them
 oldest first. Evaluated are exactly N, 2N, ... of the versions this stage received:
 a version published before the stage joined the broadcast (a start later than version
-N, a restart) is evaluated only when it is the weight snapshot the subscriber catches up
-from (``trainer.weights_snapshot_every``). At most ``max_pending`` versions wait: when
+N, a restart) is evaluated only when it has a weight snapshot (:meth:`EvalStage.catch_up`:
+``trainer.weights_snapshot_every`` a divisor of N keeps one of each due version, the
+store keeping the 3 newest). At most ``max_pending`` versions wait: when
 evaluating is slower than N training steps, the oldest waiting one is dropped (a WARNING
-names it). On stop (the run's end, after the trainer's last step: its last version was
-broadcast to this stage before the trainer wrote ``done``) the versions still waiting
-are evaluated before the stage ends, within the controller's stop wait (60 s: an eval
+names it). The driver waits, after the trainer's last step, for the eval row of the last due version
+(:func:`wait_for_last_eval`) before it stops the stages; on stop the versions still
+waiting are evaluated before the stage ends, within the controller's stop wait (60 s: an eval
 longer than that, a large ``eval.size`` on CPU, is cut off there). During an eval the stage
 calls ``should_stop`` after each engine call, so the controller does not take a long eval
 for a stall (``stall_timeout_s`` is per engine call of ``eval.batch_size`` prompts).
@@ -45,6 +46,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -226,6 +228,41 @@ class EvalStage:
                  policy_version, r.correct, r.n, r.accuracy, r.seconds)
         return eval_metrics(r)
 
+    def catch_up(self) -> list[int]:
+        """Hand :class:`DueVersions` the due versions published so far that have a weight
+        snapshot (``trainer.weights_snapshot_every``; the newest ``max_pending`` of them, each
+        checked against its announcement's checksum and manifest): the versions of a run
+        that went on before this stage joined the broadcast. Returns them, oldest first.
+        A snapshot that the store's retention deleted, or whose bytes do not match its
+        announcement, is skipped with a WARNING."""
+        from relax.streams.weights.announce import AnnouncementReader
+        from relax.streams.weights.layout import checksum, manifest_from_rows, views
+        from relax.streams.weights.store import read_snapshot, snapshot_exists
+
+        reader = AnnouncementReader(self.cfg.bus, self.cfg.run)
+        try:
+            rows = reader.poll_backlog()
+        finally:
+            reader.close()
+        snaps = {r["policy_version"]: r for r in rows if r["transport"] == "checkpoint"
+                 and r["checkpoint_uri"] and self.due.due(r["policy_version"])}
+        loaded = []
+        for v in sorted(snaps)[-self.cfg.max_pending:]:
+            uri = snaps[v]["checkpoint_uri"]
+            if not snapshot_exists(uri):
+                log.warning("eval: the snapshot of v%d (%s) was deleted by the store's "
+                            "retention; not evaluated", v, uri)
+                continue
+            flat, manifest = read_snapshot(uri)
+            if (checksum(flat) != snaps[v]["checksum"]
+                    or manifest != manifest_from_rows(snaps[v]["manifest"])):
+                log.warning("eval: the snapshot of v%d (%s) does not match its announcement; "
+                            "not evaluated", v, uri)
+                continue
+            self.due.update_weights(views(flat, manifest), v)
+            loaded.append(v)
+        return loaded
+
     def run(self, should_stop: Callable[[], bool] = lambda: False) -> list[int]:
         """Evaluate due versions until ``should_stop()``, then the ones still waiting;
         returns the policy_versions evaluated."""
@@ -244,6 +281,10 @@ class EvalStage:
         sub = WeightSubscriber(cfg.bus, cfg.run, member_id=cfg.member_id, target=self.due,
                                rendezvous=cfg.weights_rendezvous,
                                device=next(self.model.parameters()).device).start()
+        caught = self.catch_up()
+        if caught:
+            log.info("eval: policy_versions %s published before this stage joined, from "
+                     "their weight snapshots", caught)
         done: list[int] = []
 
         def turn(wait_s: float) -> bool:
@@ -266,6 +307,8 @@ class EvalStage:
                 turn(cfg.poll_timeout_s)
             while turn(0):  # the versions still waiting: the run's last one
                 pass
+            log.info("eval: evaluated %s; weights received %s, dropped %s", done,
+                     sub.stats.history, self.due.dropped)
             busy.close()
             producer.flush()
         finally:
@@ -274,6 +317,34 @@ class EvalStage:
             telemetry.close()
             producer.close()
         return done
+
+
+def last_due(steps: int, every: int) -> int:
+    """The last policy_version of a run of ``steps`` steps that ``eval.every`` = ``every``
+    evaluates (0: none; ``last_due(5, 2) == 4``)."""
+    return steps // every * every
+
+
+def wait_for_last_eval(follower, controller, policy_version: int, timeout_s: float) -> bool:
+    """Wait until the eval row (``eval_accuracy``) of ``policy_version`` is among
+    ``follower.rows`` (a :class:`relax.infra.run_watch.MetricsFollower`), while
+    ``controller.check`` restarts a stage that died; True when it came, False after
+    ``timeout_s`` seconds.
+
+    Raises:
+        relax.infra.controller.StageFailed: a stage used up its restarts meanwhile.
+    """
+    def seen() -> bool:
+        return any(r["component"] == EVAL_COMPONENT and r["name"] == M.EVAL_ACCURACY
+                   and r["policy_version"] == policy_version for r in follower.rows)
+
+    deadline = time.monotonic() + timeout_s
+    while not seen():
+        if time.monotonic() > deadline:
+            return False
+        controller.check(0.2)
+        follower.poll(0.5)
+    return True
 
 
 def publish_eval(bus: BusConfig, run: str, values: dict[str, float], policy_version: int) -> None:
@@ -292,4 +363,5 @@ def publish_eval(bus: BusConfig, run: str, values: dict[str, float], policy_vers
         producer.close()
 
 
-__all__ = ["EVAL_COMPONENT", "DueVersions", "EvalStage", "EvalStageConfig", "publish_eval"]
+__all__ = ["EVAL_COMPONENT", "DueVersions", "EvalStage", "EvalStageConfig", "last_due",
+           "publish_eval", "wait_for_last_eval"]

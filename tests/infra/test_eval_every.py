@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from relax.infra.eval_stage import DueVersions
+from relax.infra.eval_stage import DueVersions, last_due
 from relax.infra.evaluate import EvalResult, eval_metrics, next_due
 from relax.infra.monitor import eval_points, render
 from relax.infra.monitor_reader import MetricsFold
@@ -30,6 +30,7 @@ def test_next_due_is_the_next_multiple_of_every():
     assert [next_due(v, 2) for v in range(6)] == [2, 2, 4, 4, 6, 6]
     assert [next_due(v, 3) for v in (0, 2, 3, 7)] == [3, 3, 6, 9]
     assert next_due(5, 1) == 6
+    assert [last_due(s, 2) for s in (1, 2, 5, 6)] == [0, 2, 4, 6]  # what the driver waits for
     with pytest.raises(ValueError, match="every must be >= 1"):
         next_due(3, 0)
 
@@ -106,6 +107,8 @@ def test_eval_every_writes_held_out_accuracy_during_a_tiny_run(broker, tmp_path)
     run = "evev" + uuid.uuid4().hex[:6]
     recipe = tiny_recipe(
         broker, tmp_path, run, f"trainer.steps={STEPS}", "resources.eval={torch_threads: 1}",
+        # a snapshot of each due version: evaluated even when the stage joins after it
+        f"trainer.weights_snapshot_every={EVERY}",
         f'eval={{source: "{EVAL_SOURCE}", size: {SIZE}, max_new_tokens: 2, every: {EVERY}, '
         'after: false, reward: {name: e, fn: "testdata:parity_reward"}}')
     lines: list[str] = []
