@@ -102,6 +102,8 @@ class EvalConfig(StrictModel):
     before: bool = True
     after: bool = True
     every: int = Field(0, ge=0)
+    max_pending: int = Field(2, ge=1, description="eval.every: versions kept waiting for their "
+                             "eval (each a copy of the model); the oldest is dropped past it")
 
 
 class ApiSection(StrictModel):

@@ -136,7 +136,8 @@ def _eval_config(recipe: Recipe, busd: dict, run_dir: Path) -> dict:
         "reward": recipe.eval_reward()[1].model_dump(),
         "prompt_template": recipe.rollout.prompt_template,
         "max_new_tokens": ev.max_new_tokens, "batch_size": ev.batch_size,
-        "threshold": ev.threshold, "telemetry": recipe.telemetry.model_dump()})
+        "threshold": ev.threshold, "telemetry": recipe.telemetry.model_dump(),
+        "max_pending": ev.max_pending})
 
 
 def run_topics(recipe: Recipe) -> dict[str, int]:
