@@ -21,7 +21,11 @@ absent and raises when two places disagree:
   every reward with its weight) and ``trainer.accuracy_reward`` must use those names
   (checked with the valid names listed by ``relax.infra.preflight``).
 * ``kl:`` the KL penalty (``coef``, ``in: loss|reward``, ``estimator``) fills
-  ``trainer.loss.kl_*`` or ``advantage.kl_*`` and turns the reference stage on.
+  ``trainer.loss.kl_*`` or ``advantage.kl_*`` and turns the reference stage on (with
+  ``advantage.estimator: gae`` and ``in: reward``, ``trainer.critic.kl_*``: per token).
+* ``advantage.estimator: gae`` turns on PPO's critic (``trainer.critic``, its
+  ``estimator_options`` ``gamma`` and ``lam`` filled in; the critic's optimizer and value
+  loss are set under ``trainer.critic``).
 """
 
 from __future__ import annotations
@@ -243,6 +247,14 @@ class Recipe(StrictModel):
         if distill != (self.teacher is not None):
             raise ValueError("on-policy distillation needs both a teacher: block and "
                              "advantage.distill_coef > 0 (one is set without the other)")
+        if (self.trainer.critic is not None) != (self.advantage.estimator == "gae"):
+            raise ValueError("trainer.critic is PPO's critic: it is on exactly when "
+                             "advantage.estimator is gae (set the estimator, not the block "
+                             "alone)")
+        if distill and self.trainer.critic is not None:
+            raise ValueError("advantage.distill_coef with advantage.estimator gae: the "
+                             "critic's GAE advantages replace the aggregator's and would drop "
+                             "the teacher's term; use a group estimator (grpo, rloo, ...)")
         if distill and self.trainer.batch_advantage is not None:
             raise ValueError(f"advantage.distill_coef with the batch estimator "
                              f"{self.trainer.batch_advantage!r}: the trainer recomputes its "
@@ -367,6 +379,11 @@ def _fill_kl(tree: dict) -> None:
                        "advantage.ref_logprobs": True})
         if kl.estimator:
             values["trainer.loss.kl_estimator"] = kl.estimator
+    elif kl.in_ == "reward" and (tree.get("advantage") or {}).get("estimator") == "gae":
+        # PPO's critic: the KL per token in the token rewards (veRL), not a sum in the reward
+        values.update({"trainer.critic.kl_coef": kl.coef, "advantage.ref_logprobs": True})
+        if kl.estimator:
+            values["trainer.critic.kl_estimator"] = kl.estimator
     elif kl.in_ == "reward":
         values["advantage.kl_in_reward_coef"] = kl.coef
         if kl.estimator:
@@ -386,6 +403,25 @@ def _fill_batch_advantage(tree: dict) -> None:
         _fill(tree, {"trainer.batch_advantage": adv["estimator"],
                      "trainer.batch_advantage_options": adv.get("estimator_options") or {}},
               "advantage.estimator (a batch estimator runs in the trainer; set it there only)")
+
+
+def _fill_critic(tree: dict) -> None:
+    """``advantage.estimator: gae`` turns on PPO's critic in the trainer
+    (``trainer.critic``, :mod:`relax.trainer.critic`), ``advantage.estimator_options``
+    ``gamma`` and ``lam`` going to it."""
+    adv = tree.get("advantage") or {}
+    if adv.get("estimator") != "gae":
+        return
+    opts = adv.get("estimator_options") or {}
+    unknown = sorted(set(opts) - {"gamma", "lam"})
+    if unknown:
+        raise RecipeError(f"advantage.estimator_options: {unknown} are not options of gae "
+                          "(valid: gamma, lam)")
+    trainer = _section(tree, "trainer")
+    if trainer.get("critic") is None:
+        trainer["critic"] = {}
+    _fill(tree, {f"trainer.critic.{k}": v for k, v in opts.items()},
+          "advantage.estimator_options (GAE's gamma and lam; set them there only)")
 
 
 def _reward_weights(tree: dict) -> None:
@@ -429,6 +465,7 @@ def load_recipe(path: str | Path | None = None, overrides: list[str] = (),
         _fill_shared(tree)
         _fill_kl(tree)
         _fill_batch_advantage(tree)
+        _fill_critic(tree)
         _reward_weights(tree)
         recipe = Recipe.model_validate(tree)
     except ValidationError as e:

@@ -37,6 +37,14 @@ TEACHER_KL = "teacher_kl"              # on-policy distillation: mean logprobs -
 # over the trained loss tokens (nats/token; only when a teacher is on)
 ADVANTAGE_MEAN = "advantage_mean"      # mean advantage over the trained rows (one per row)
 ADVANTAGE_STD = "advantage_std"        # its sample std (1 for REINFORCE++ unless rewards are equal)
+# PPO's critic (advantage.estimator: gae; relax.trainer.critic), trainer component
+VALUE_LOSS = "value_loss"              # clipped value loss, token-mean, before the critic's update
+VF_CLIP_FRAC = "vf_clip_frac"          # share of loss tokens where the value clip set the loss
+VALUE_MEAN = "value_mean"              # mean critic value over the loss tokens
+RETURN_MEAN = "return_mean"            # mean GAE return (value target) over the loss tokens
+CRITIC_GRAD_NORM = "critic_grad_norm"  # the critic's gradient norm (first update of the step)
+CRITIC_LR = "critic_lr"
+CRITIC_S = "critic_s"                  # seconds of the critic's forward, GAE and update
 STALENESS_MEAN = "staleness_mean"
 STALENESS_MAX = "staleness_max"
 SAMPLES_TRAINED = "samples_trained"

@@ -1,8 +1,9 @@
 """Trainer checkpoints: model, optimizer, progress and ledger, written atomically.
 
 Layout: ``<run_dir>/checkpoints/step_<policy_version:06d>/`` holding the model
-(HF safetensors + config), ``optimizer.pt``, ``trainer_state.json`` (policy_version,
-input positions per partition, counters) and ``ledger.parquet``. A checkpoint is
+(HF safetensors + config), ``optimizer.pt``, ``critic/`` (PPO's critic, when on),
+``trainer_state.json`` (policy_version, input positions per partition, counters) and
+``ledger.parquet``. A checkpoint is
 written into a temporary folder and renamed into place, so a crash never leaves a
 half-written one; only after the rename does the trainer commit its input offsets
 (docs/architecture.md, section 3). The newest ``keep`` checkpoints are kept.
@@ -29,6 +30,8 @@ from relax.trainer.ledger import Ledger
 
 STATE_FILE = "trainer_state.json"
 FINAL_MODEL = "final_model"
+CRITIC_DIR = "critic"
+"""PPO's critic (weights and optimizer state) in a checkpoint, and next to the final model."""
 
 
 @dataclass
@@ -58,9 +61,11 @@ def checkpoints_dir(run_dir: Path) -> Path:
 
 
 def save(run_dir: Path, backend, state: TrainerState, ledger: Ledger, keep: int = 2,
-         store: str | None = None) -> Path | str:
+         store: str | None = None, critic=None) -> Path | str:
     """Write a checkpoint for ``state.policy_version`` into ``<run_dir>/checkpoints`` or,
-    with ``store``, upload it there; keep the newest ``keep``.
+    with ``store``, upload it there; keep the newest ``keep``. With ``critic`` (a
+    :class:`relax.trainer.critic.Critic`) its weights and optimizer state go in
+    ``critic/``.
 
     Returns:
         the checkpoint's folder (local) or its URI (store, without credentials).
@@ -73,6 +78,8 @@ def save(run_dir: Path, backend, state: TrainerState, ledger: Ledger, keep: int 
     final = root / f"step_{state.policy_version:06d}"
     tmp = root / f".tmp-{final.name}-{uuid.uuid4().hex[:6]}"
     backend.save(tmp)
+    if critic is not None:
+        critic.save(tmp / CRITIC_DIR)
     ledger.save(tmp / "ledger.parquet")
     marker = json.dumps(asdict(state))
     if store is not None:
@@ -184,8 +191,14 @@ def download(store: str, name: str, into: Path,
     return into
 
 
-def load(folder: Path, backend) -> tuple[TrainerState, Ledger]:
-    """Restore the back end from ``folder``; returns the saved state and ledger."""
+def load(folder: Path, backend, critic=None) -> tuple[TrainerState, Ledger]:
+    """Restore the back end (and ``critic``, from ``critic/``) from ``folder``; returns the
+    saved state and ledger.
+
+    Raises:
+        FileNotFoundError: ``critic`` is given and the checkpoint has none."""
     backend.load(folder)
+    if critic is not None:
+        critic.load(folder / CRITIC_DIR)
     state = TrainerState(**json.loads((folder / STATE_FILE).read_text()))
     return state, Ledger.load(folder / "ledger.parquet")

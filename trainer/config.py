@@ -8,7 +8,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from relax.trainer.losses.config import LossConfig
+from relax.trainer.losses.config import LossConfig, ValueLossConfig
 
 
 class OptimConfig(BaseModel):
@@ -63,6 +63,38 @@ class LoraConfig(BaseModel):
     target_modules: tuple[str, ...] = Field(
         ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
         min_length=1)
+
+
+class CriticConfig(BaseModel):
+    """PPO's critic (``advantage.estimator: gae``): a value model trained in the trainer
+    process (:mod:`relax.trainer.critic`). The recipe fills it from the ``advantage:``
+    block (``estimator: gae``, ``estimator_options: {gamma, lam}``) and the ``kl:`` block
+    (``in: reward``); the optimizer and the clip are set here (``trainer.critic``).
+
+    Attributes:
+        gamma: discount per token, in ``[0, 1]`` (veRL's default 1.0).
+        lam: GAE lambda, in ``[0, 1]`` (veRL's default 1.0).
+        optim: the critic's own AdamW (veRL's critic lr 1e-5).
+        loss: the clipped value loss (:class:`ValueLossConfig`: ``clip_range`` c, veRL's
+            ``cliprange_value`` 0.5, None = the plain squared error; ``loss_agg_mode``).
+        updates: critic optimizer steps per trainer step over the batch (veRL's
+            ``ppo_epochs`` for the critic): the first one's forward gives the values GAE
+            uses, the later ones are clipped around them.
+        kl_coef: the KL penalty per token in the token rewards (``kl: {in: reward}``,
+            filled by the recipe; veRL ``apply_kl_penalty``).
+        kl_estimator: one of ``KL_ESTIMATOR_NAMES`` for that penalty.
+        whiten: whiten the GAE advantages over the batch's loss tokens (veRL, TRL).
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    gamma: float = Field(1.0, ge=0, le=1)
+    lam: float = Field(1.0, ge=0, le=1)
+    optim: OptimConfig = Field(default_factory=lambda: OptimConfig(lr=1e-5))
+    loss: ValueLossConfig = Field(default_factory=ValueLossConfig)
+    updates: int = Field(1, ge=1)
+    kl_coef: float = Field(0.0, ge=0)
+    kl_estimator: Literal["k1", "k2", "k3", "low_var_kl"] = "k1"
+    whiten: bool = True
 
 
 class TrainerConfig(BaseModel):
@@ -129,6 +161,8 @@ class TrainerConfig(BaseModel):
             (:func:`relax.trainer.logprobs.head_logprobs`): the ``[tokens, vocab]`` logits
             are built, turned into log-probs and entropy, and recomputed in the backward,
             one chunk at a time. 0 = all response tokens of a micro-batch at once.
+        critic: PPO's critic (:class:`CriticConfig`), on when the recipe's
+            ``advantage.estimator`` is ``gae``; None = no critic.
         packing: the torch back end runs each micro-batch's (prompt, response) rows laid
             end to end in one row with position ids restarting per row (no padding;
             :func:`relax.trainer.batching.packed_row`) instead of padded rows sharing
@@ -166,6 +200,7 @@ class TrainerConfig(BaseModel):
     lora: LoraConfig | None = None
     logits_chunk_tokens: int = Field(1024, ge=0)
     packing: bool = False
+    critic: CriticConfig | None = None
 
     @model_validator(mode="after")
     def _check(self):
@@ -175,6 +210,9 @@ class TrainerConfig(BaseModel):
             raise ValueError(f"batch_advantage {self.batch_advantage!r}: expected one of "
                              f"{', '.join(BATCH_ESTIMATORS)} (the other estimators are "
                              f"per group and run in the aggregator)")
+        if self.critic is not None and self.batch_advantage is not None:
+            raise ValueError(f"trainer.critic with batch_advantage {self.batch_advantage!r}: "
+                             "the critic's GAE advantages replace the batch estimator's")
         if self.backend != "megatron" and self.megatron != MegatronConfig():
             raise ValueError(f"trainer.megatron (tp={self.megatron.tp}, pp={self.megatron.pp}) "
                              f"is for backend 'megatron'; the {self.backend} back end ignores "

@@ -4,6 +4,7 @@
     publish the current weights (subscribers start from them)
     while policy_version < steps:
         batch  = source.next_batch(policy_version)      # admitted by staleness
+        (GAE: the critic's values, advantages and update; relax.trainer.critic)
         stats  = backend.train_step(micro_batches(batch))
         policy_version += 1
         checkpoint (every K steps), then commit the input offsets
@@ -147,11 +148,16 @@ class TrainerStage:
                                torch_threads=torch.get_num_threads(), hosts=cfg.rank_hosts,
                                num_cpus=cfg.rank_num_cpus)
         self.backend = build_backend(t)
+        self.critic = None
+        if t.critic is not None:  # PPO's critic, on rank 0 (relax.trainer.critic)
+            from relax.trainer.critic import Critic
+
+            self.critic = Critic(t)
         self.ledger = Ledger()
         state = checkpoint.TrainerState(policy_version=0)
         ckpt = checkpoint.latest(self.run_dir, t.checkpoint_store)
         if ckpt is not None:
-            state, self.ledger = checkpoint.load(ckpt, self.backend)
+            state, self.ledger = checkpoint.load(ckpt, self.backend, self.critic)
             log.info("resumed from %s at policy_version %d", ckpt, state.policy_version)
         if self.ranks is not None:
             self.backend.broadcast_state()
@@ -215,7 +221,7 @@ class TrainerStage:
                                             dict(self.counters), dict(metrics))
             checkpoint.save(self.run_dir, self.backend, state, self.ledger,
                             keep=self.cfg.trainer.keep_checkpoints,
-                            store=self.cfg.trainer.checkpoint_store)
+                            store=self.cfg.trainer.checkpoint_store, critic=self.critic)
             self.source.commit()
 
     def _timed(self, out: dict[str, float], batch, t0: float) -> dict[str, float]:
@@ -232,7 +238,7 @@ class TrainerStage:
         batch = self.source.next_batch(self.version, should_stop)
         if batch is None:
             return None
-        prepared = step_batch(batch.groups, t)
+        prepared = step_batch(batch.groups, t, self.critic)
         adv_stats = advantage_metrics(prepared.advantaged)
         groups, counts = prepared.trained, prepared.counts
         save = self._save_due(self.version + 1)
@@ -246,7 +252,7 @@ class TrainerStage:
         stats.update(cpu_usage(before, resource.getrusage(resource.RUSAGE_SELF)))
         self.source.trained(batch, self.version)
         out = {**stats, **batch_metrics(batch, t.accuracy_reward, t.accuracy_threshold),
-               **adv_stats}
+               **adv_stats, **prepared.metrics}
         kl = teacher_kl(batch.groups)
         if kl is not None:
             out[M.TEACHER_KL] = kl
@@ -275,7 +281,8 @@ class TrainerStage:
     def run(self, should_stop: Callable[[], bool]) -> None:
         """Publish the starting weights, then step until ``steps`` or ``should_stop()``;
         save the final model to ``<run_dir>/final_model`` (and to
-        ``<trainer.checkpoint_store>/final_model``)."""
+        ``<trainer.checkpoint_store>/final_model``), PPO's critic to ``<run_dir>/critic``
+        (and the store's ``critic``)."""
         try:
             self.publisher.publish(self.backend.named_tensors(), self.version)
             self._progress()
@@ -285,9 +292,15 @@ class TrainerStage:
                 self.publisher.wait()
                 final = self.run_dir / checkpoint.FINAL_MODEL
                 self.backend.save_model(final)
+                if self.critic is not None:
+                    self.critic.save(self.run_dir / checkpoint.CRITIC_DIR)
                 if self.cfg.trainer.checkpoint_store is not None:
                     checkpoint.upload_folder(final, self.cfg.trainer.checkpoint_store,
                                              checkpoint.FINAL_MODEL)
+                    if self.critic is not None:
+                        checkpoint.upload_folder(self.run_dir / checkpoint.CRITIC_DIR,
+                                                 self.cfg.trainer.checkpoint_store,
+                                                 checkpoint.CRITIC_DIR)
                 self.metrics.add("done", 1.0, self.version)
                 self.metrics.flush()
                 self.producer.flush()

@@ -170,9 +170,13 @@ def test_gae_for_rows_of_different_lengths():
                      [np.ones(1), np.ones(2)], gamma=1.0, lam=1.0)
 
 
-def test_gae_is_not_a_group_estimator_and_says_what_is_missing():
-    with pytest.raises(ValueError, match="needs per-token values from a critic stage"):
-        compute_advantages("gae", torch.ones(2), torch.zeros(2, dtype=torch.int64))
+def test_gae_gives_the_aggregator_zeros_for_the_trainer_critic_to_replace():
+    # the values live in the trainer's critic (trainer/critic.py, tests/trainer/test_critic.py)
+    out = compute_advantages("gae", torch.tensor([1.0, 0.0, 3.0]),
+                             torch.zeros(3, dtype=torch.int64), gamma=0.99, lam=0.95)
+    assert out.dtype == torch.float32 and out.tolist() == [0.0, 0.0, 0.0]
+    with pytest.raises(ValueError, match="lam must be in"):
+        compute_advantages("gae", torch.ones(2), torch.zeros(2, dtype=torch.int64), lam=1.5)
 
 
 def test_masked_whiten_unbiased_over_loss_tokens():

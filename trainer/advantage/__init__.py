@@ -5,7 +5,8 @@ Every estimator in ``ADVANTAGE_ESTIMATORS`` is a pure function
 (samples in any order; group statistics per ``group_id``). Per-token advantages
 for the ``advantages`` column are the sample's value on every loss token.
 On-policy distillation is per token and lives in :mod:`.distill`; GAE (PPO with a
-critic) is per token too, from token rewards and values: :mod:`.gae`.
+critic) is per token too, from token rewards and values: :mod:`.gae`; its entry here
+(``gae``) gives the aggregator 0s, replaced by the trainer's critic.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from relax.trainer.advantage.gae import (
     gae_for_rows,
     masked_whiten,
     outcome_token_rewards,
+    trainer_computed,
 )
 from relax.trainer.advantage.grpo import dr_grpo_advantages, grpo_advantages
 from relax.trainer.advantage.reinforce_pp import (
@@ -34,6 +36,7 @@ ADVANTAGE_ESTIMATORS = {
     "rloo_std": rloo_std_advantages,
     "reinforce_pp": reinforce_pp_advantages,
     "reinforce_pp_baseline": reinforce_pp_baseline_advantages,
+    "gae": trainer_computed,
 }
 
 
@@ -51,8 +54,7 @@ def compute_advantages(name: str, rewards: torch.Tensor, group_ids: torch.Tensor
         ``[N]`` float32 advantages.
 
     Raises:
-        ValueError: for an estimator that needs a critic (:data:`CRITIC_ESTIMATORS`),
-            saying what is missing; for an unknown name, listing the valid ones.
+        ValueError: for an unknown name, listing the valid ones.
     """
     check_estimator(name)
     return ADVANTAGE_ESTIMATORS[name](rewards, group_ids, **options)
@@ -62,12 +64,8 @@ def check_estimator(name: str) -> str:
     """``name`` if it is a key of ``ADVANTAGE_ESTIMATORS``.
 
     Raises:
-        ValueError: for ``gae`` (:data:`CRITIC_ESTIMATORS`: it needs a critic's values,
-            and says which), or an unknown name (listing the valid ones).
+        ValueError: an unknown name (listing the valid ones).
     """
-    if name in CRITIC_ESTIMATORS:
-        raise ValueError(f"advantage estimator {name!r} needs {CRITIC_ESTIMATORS[name]}; "
-                         f"use one of {', '.join(ADVANTAGE_ESTIMATORS)}")
     if name not in ADVANTAGE_ESTIMATORS:
         raise ValueError(f"unknown advantage estimator {name!r}; valid: "
                          f"{', '.join(ADVANTAGE_ESTIMATORS)}")

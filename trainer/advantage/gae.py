@@ -26,12 +26,11 @@ Both veRL and TRL then whiten the advantages over the whole batch's loss tokens
 (:func:`masked_whiten`); that is a separate call here, because it needs the global
 batch (like :mod:`relax.trainer.advantage.batch`), not one group.
 
-Where it runs (``advantage.estimator: gae``, :data:`CRITIC_ESTIMATORS`): GAE needs the
-critic's per-token values of each rollout. The aggregator would join them
-(``<run>.values``) and call :func:`gae_for_rows` per group (GAE has no statistic across
-rows); the trainer would whiten over its global batch and train the critic on the
-returns with :func:`relax.trainer.losses.compute_value_loss`. The critic stage is not
-built yet, so a recipe naming ``gae`` is refused with that reason.
+Where it runs (``advantage.estimator: gae``, :data:`CRITIC_ESTIMATORS`): in the trainer
+process, which holds the critic (:mod:`relax.trainer.critic`): its values of the step's
+batch, :func:`gae_advantages` per row, :func:`masked_whiten` over the batch. The
+aggregator writes 0 advantages for such an estimator (:func:`trainer_computed`); the
+trainer replaces them.
 """
 
 from __future__ import annotations
@@ -42,12 +41,25 @@ import torch
 WHITEN_EPS = 1e-8
 """Added to the variance before the square root (veRL and TRL ``masked_whiten``)."""
 
-CRITIC_ESTIMATORS = {
-    "gae": "per-token values from a critic stage (<run>.values), which relax does not have "
-           "yet (issue 57: only GAE and the value loss exist, trainer/advantage/gae.py and "
-           "trainer/losses/value.py)",
-}
-"""Estimators that need a critic, and what is missing for each."""
+CRITIC_ESTIMATORS = ("gae",)
+"""Estimators computed by the trainer's critic (:mod:`relax.trainer.critic`), not by the
+aggregator."""
+
+
+def trainer_computed(rewards: torch.Tensor, group_ids: torch.Tensor, *, gamma: float = 1.0,
+                     lam: float = 1.0) -> torch.Tensor:
+    """The aggregator's advantages for :data:`CRITIC_ESTIMATORS`: ``[N]`` float32 zeros.
+    GAE needs the critic's values, which the trainer holds; it replaces these with
+    :func:`gae_advantages` of the step's batch (``gamma`` and ``lam`` are accepted, as
+    ``advantage.estimator_options``, and used there).
+
+    Raises:
+        ValueError: gamma or lam outside ``[0, 1]``.
+    """
+    for name, v in (("gamma", gamma), ("lam", lam)):
+        if not 0 <= v <= 1:
+            raise ValueError(f"advantage.estimator_options.{name} must be in [0, 1], got {v}")
+    return torch.zeros(rewards.shape, dtype=torch.float32)
 
 
 def gae_advantages(rewards: torch.Tensor, values: torch.Tensor, loss_mask: torch.Tensor, *,
