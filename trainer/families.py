@@ -1,0 +1,150 @@
+"""Model families: what the rollout engine and the trainer need to know of a model's
+media, as data (one :class:`Family` per entry of :data:`FAMILIES`), not as branches.
+
+A family says three things:
+
+* which of its processor's outputs are **media inputs** (``media_keys``: what the engine
+  passes at every prefill and the trainer at its prompt pass, rebuilt from the row's
+  media items by :func:`relax.trainer.multimodal.media_inputs`), and how the inputs of
+  several prompts are batched (``cat_keys``: item by item, ``[sum n, ...]`` in prompt
+  order; the other keys prompt by prompt, ``[1, N, ...]`` padded to ``[U, max N, ...]``);
+* its **position ids** (``positions``): plain 1-D positions from the attention mask, or
+  multimodal RoPE (Qwen2-VL / Qwen2.5-VL: ``[3, B, T]`` temporal/height/width positions
+  from the model's own ``get_rope_index`` over the image grids), with the offset
+  (``delta``) that the tokens after the prompt add to their 1-D position;
+* the config ``model_type`` values it covers (``model_types``).
+
+How a processor renders a prompt (its chat template's placeholder, which the processor
+expands per item) lives in the model folder; the tiny models' builders write it
+(:mod:`relax.trainer.vlm`, :mod:`relax.trainer.audio_lm`, :mod:`relax.trainer.qwen`).
+A new family is one more entry here (and a builder for its tiny model).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+
+def text_positions(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                   inputs: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """1-D positions of left-padded rows: ``([B, T] int64 0.. on the real tokens, 0 on
+    padding, [B, 1] int64 zeros)``; ``model`` and ``inputs`` are not used."""
+    pos = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+    return pos, torch.zeros_like(pos[:, :1])
+
+
+def _rope_index_owner(model):
+    """The module with ``get_rope_index`` (the multimodal trunk, under a causal-LM head
+    or an adapter wrapper)."""
+    m = model
+    for _ in range(4):
+        if hasattr(m, "get_rope_index"):
+            return m
+        m = getattr(m, "model", None)
+    raise ValueError(f"{type(model).__name__} has no get_rope_index (not a multimodal-RoPE "
+                     "model)")
+
+
+def mrope_positions(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                    inputs: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Multimodal RoPE positions of left-padded rows from the model's own
+    ``get_rope_index``: ``([3, B, T] int64, [B, 1] int64 delta)``; an image's tokens get
+    (temporal, height, width) positions of its merged patch grid, text tokens one
+    position on all three, and a token after the prompt at 1-D position ``p`` sits at
+    ``p + delta`` on all three.
+
+    Args:
+        input_ids: ``[B, T]`` int64, the image placeholders expanded.
+        attention_mask: ``[B, T]``, 1 on real tokens.
+        inputs: the rows' media inputs (``image_grid_thw`` ``[images, 3]`` int64 in row
+            order); without any grid, the 1-D positions (:func:`text_positions`).
+    """
+    if inputs.get("image_grid_thw") is None and inputs.get("video_grid_thw") is None:
+        return text_positions(model, input_ids, attention_mask, inputs)
+    owner = _rope_index_owner(model)
+    cfg = owner.config
+    types = (input_ids == cfg.image_token_id).int() + 2 * (input_ids == cfg.video_token_id).int()
+    return owner.get_rope_index(input_ids, mm_token_type_ids=types,
+                                image_grid_thw=inputs.get("image_grid_thw"),
+                                video_grid_thw=inputs.get("video_grid_thw"),
+                                attention_mask=attention_mask)
+
+
+@dataclass(frozen=True)
+class Family:
+    """One model family (see the module docstring).
+
+    Attributes:
+        name: the family's name (a key of :data:`FAMILIES`).
+        model_types: config ``model_type`` values of its models.
+        media_keys: processor outputs that are media inputs.
+        cat_keys: media keys batched item by item (``[sum n, ...]``); the others are
+            batched prompt by prompt (``[U, max N, ...]``, missing items all zeros).
+        positions: ``(model, input_ids [B, T], attention_mask [B, T], media inputs) ->
+            (position_ids [B, T] or [3, B, T], delta [B, 1])``.
+    """
+
+    name: str
+    model_types: tuple[str, ...]
+    media_keys: tuple[str, ...] = ()
+    cat_keys: tuple[str, ...] = ()
+    positions: Callable = text_positions
+
+
+FAMILIES = {
+    "text": Family("text", ()),
+    "idefics3": Family("idefics3", ("idefics3",),
+                       media_keys=("pixel_values", "pixel_attention_mask")),
+    "qwen2-audio": Family("qwen2-audio", ("qwen2_audio",),
+                          media_keys=("input_features", "feature_attention_mask"),
+                          cat_keys=("input_features", "feature_attention_mask")),
+    "qwen2.5-vl": Family("qwen2.5-vl", ("qwen2_5_vl",),
+                         media_keys=("pixel_values", "image_grid_thw"),
+                         cat_keys=("pixel_values", "image_grid_thw"),
+                         positions=mrope_positions),
+}
+"""The families relax knows, by name."""
+
+
+def family_of(config) -> Family:
+    """The family of a transformers config (``model_type``); a model with neither
+    ``vision_config`` nor ``audio_config`` (or no config: None) is ``text``.
+
+    Raises:
+        ValueError: a multimodal model of no known family (names the known ones).
+    """
+    kind = getattr(config, "model_type", None)
+    for fam in FAMILIES.values():
+        if kind in fam.model_types:
+            return fam
+    if getattr(config, "vision_config", None) is None and \
+            getattr(config, "audio_config", None) is None:
+        return FAMILIES["text"]
+    known = ", ".join(f"{f.name} ({'/'.join(f.model_types)})" for f in FAMILIES.values()
+                      if f.model_types)
+    raise ValueError(f"model_type {kind!r} takes media but is of no known family; known: "
+                     f"{known}")
+
+
+def family_of_inputs(keys) -> Family:
+    """The family whose media inputs are ``keys`` (a set of processor output names; the
+    text family for none).
+
+    Raises:
+        ValueError: no family, or more than one, has all of ``keys``.
+    """
+    keys = set(keys)
+    if not keys:
+        return FAMILIES["text"]
+    found = [f for f in FAMILIES.values() if f.media_keys and keys <= set(f.media_keys)]
+    if len(found) != 1:
+        raise ValueError(f"media inputs {sorted(keys)} fit {len(found)} families "
+                         f"({', '.join(f.name for f in found) or 'none'}); expected one")
+    return found[0]
+
+
+__all__ = ["FAMILIES", "Family", "family_of", "family_of_inputs", "mrope_positions",
+           "text_positions"]

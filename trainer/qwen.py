@@ -1,0 +1,132 @@
+"""Tiny random-weight models of the Qwen families, built offline from transformers' own
+config and model classes, for tests and CPU recipes.
+
+* ``tiny-qwen3``: ``Qwen3ForCausalLM`` (2 layers, hidden 64, head_dim 16, q/k norms),
+  the text trunk of :data:`relax.trainer.model_store.TINY_CONFIG`;
+* ``tiny-qwen3-moe``: ``Qwen3MoeForCausalLM``, the same trunk with 4 experts of width 32
+  in every layer, 2 routed per token;
+* ``tiny-qwen2.5-vl``: ``Qwen2_5_VLForConditionalGeneration``: a 2-block vision encoder
+  (patch 14, temporal patch 2, spatial merge 2, window attention then one full-attention
+  block) over images resized to 112 x 112 (an 8 x 8 patch grid: 16 image tokens per
+  image), the same text trunk with multimodal RoPE (``mrope_section`` [2, 3, 3] of its
+  8 rotary frequencies), its processor ``Qwen2_5_VLProcessor`` with
+  ``Qwen2VLImageProcessor`` (and ``Qwen2VLVideoProcessor``, which the processor class
+  requires; both need torchvision).
+
+All use the SmolLM2 tokenizer and chat template (ids as ``tiny-llama``'s); the VL model
+adds Qwen2-VL's four vision tokens (ids 49152-49155), and its template renders an
+``{"type": "image"}`` part as ``<|vision_start|><|image_pad|><|vision_end|>``, which the
+processor expands to one ``<|image_pad|>`` per merged patch. Seeds fixed
+(:data:`QWEN_SEED`), so the weights are bit-identical everywhere.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+QWEN_SEED = 2468
+VL_IMAGE_SIZE = 112
+VISION_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
+MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+           decoder_sparse_step=1, norm_topk_prob=True)
+
+
+def _text(vocab_size: int) -> dict:
+    from relax.trainer.model_store import TINY_CONFIG
+
+    cfg = {k: v for k, v in TINY_CONFIG.items() if k != "rope_theta"}
+    return dict(vocab_size=vocab_size, bos_token_id=1, eos_token_id=2, pad_token_id=2,
+                head_dim=16, rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+                **cfg)
+
+
+def tiny_qwen3_config(moe: bool = False):
+    """``Qwen3Config`` (or ``Qwen3MoeConfig`` with ``moe``) of ``tiny-qwen3`` /
+    ``tiny-qwen3-moe`` (see the module docstring)."""
+    from transformers import Qwen3Config, Qwen3MoeConfig
+
+    return Qwen3MoeConfig(**_text(49152), **MOE) if moe else Qwen3Config(**_text(49152))
+
+
+def tiny_qwen3_dir(moe: bool = False) -> Path:
+    """The ``tiny-qwen3`` (``tiny-qwen3-moe``) folder, built into the model cache once."""
+    from transformers import AutoTokenizer
+
+    from relax.trainer.model_store import cache_dir, publish_folder, smollm2_tokenizer_dir
+
+    def build(tmp: Path) -> None:
+        from transformers import Qwen3ForCausalLM, Qwen3MoeForCausalLM
+
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(QWEN_SEED)
+            cls = Qwen3MoeForCausalLM if moe else Qwen3ForCausalLM
+            model = cls(tiny_qwen3_config(moe)).float()
+        model.generation_config.eos_token_id = 2
+        model.generation_config.pad_token_id = 2
+        model.save_pretrained(tmp, safe_serialization=True)
+        AutoTokenizer.from_pretrained(smollm2_tokenizer_dir()).save_pretrained(tmp)
+
+    name = "tiny-qwen3-moe" if moe else "tiny-qwen3"
+    return publish_folder(build, cache_dir() / "models" / name)
+
+
+def tiny_qwen25_vl_config(vocab_size: int, token_ids: dict[str, int]):
+    """``Qwen2_5_VLConfig`` of ``tiny-qwen2.5-vl`` (see the module docstring);
+    ``token_ids``: the ids of :data:`VISION_TOKENS`."""
+    from transformers import Qwen2_5_VLConfig
+
+    text = _text(vocab_size)
+    text["tie_word_embeddings"] = False
+    text["rope_parameters"] = {**text["rope_parameters"], "mrope_section": [2, 3, 3]}
+    vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2,
+                  out_hidden_size=text["hidden_size"], patch_size=14, spatial_merge_size=2,
+                  temporal_patch_size=2, window_size=56, fullatt_block_indexes=[1])
+    return Qwen2_5_VLConfig(
+        text_config=text, vision_config=vision, tie_word_embeddings=False,
+        image_token_id=token_ids["<|image_pad|>"], video_token_id=token_ids["<|video_pad|>"],
+        vision_start_token_id=token_ids["<|vision_start|>"],
+        vision_end_token_id=token_ids["<|vision_end|>"])
+
+
+def tiny_qwen25_vl_dir() -> Path:
+    """The ``tiny-qwen2.5-vl`` folder (model, tokenizer, processor), built into the model
+    cache once."""
+    from relax.trainer.model_store import cache_dir, publish_folder, smollm2_tokenizer_dir
+    from relax.trainer.vlm import smollm2_template
+
+    def build(tmp: Path) -> None:
+        from transformers import (
+            AutoTokenizer,
+            Qwen2_5_VLForConditionalGeneration,
+            Qwen2_5_VLProcessor,
+            Qwen2VLImageProcessor,
+            Qwen2VLVideoProcessor,
+        )
+
+        template = smollm2_template("image", "<|vision_start|><|image_pad|><|vision_end|>")
+        tok = AutoTokenizer.from_pretrained(smollm2_tokenizer_dir())
+        tok.add_special_tokens({"additional_special_tokens": VISION_TOKENS})
+        tok.chat_template = template
+        pixels = VL_IMAGE_SIZE * VL_IMAGE_SIZE
+        grid = dict(patch_size=14, merge_size=2, temporal_patch_size=2)
+        images = Qwen2VLImageProcessor(min_pixels=pixels, max_pixels=pixels, **grid)
+        proc = Qwen2_5_VLProcessor(image_processor=images, tokenizer=tok,
+                                   video_processor=Qwen2VLVideoProcessor(**grid),
+                                   chat_template=template)
+        ids = {t: tok.convert_tokens_to_ids(t) for t in VISION_TOKENS}
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(QWEN_SEED)
+            model = Qwen2_5_VLForConditionalGeneration(
+                tiny_qwen25_vl_config(len(tok), ids)).float()
+        model.generation_config.eos_token_id = 2
+        model.generation_config.pad_token_id = 2
+        model.save_pretrained(tmp, safe_serialization=True)
+        proc.save_pretrained(tmp)
+
+    return publish_folder(build, cache_dir() / "models" / "tiny-qwen2.5-vl")
+
+
+__all__ = ["MOE", "QWEN_SEED", "VISION_TOKENS", "VL_IMAGE_SIZE", "tiny_qwen3_config",
+           "tiny_qwen3_dir", "tiny_qwen25_vl_config", "tiny_qwen25_vl_dir"]
