@@ -46,6 +46,7 @@ from relax.schemas import topics
 from relax.schemas.v1 import SCHEMAS
 from relax.schemas.validate import validate
 from relax.streams.client import BusConfig, ensure_topics
+from relax.trainer.families import family_of
 from relax.trainer.logprobs import CHUNK_TOKENS, head_logprobs, token_logprobs
 from relax.trainer.multimodal import media_inputs, stack_media
 
@@ -141,7 +142,8 @@ def response_logprobs(
     col = torch.arange(width, device=device)[None, :]
     start = (pmax - p_len)[:, None]
     attn = ((col >= start) & (col < pmax + r_len[:, None])).long()  # from lengths (C24)
-    pos = (col - start).clamp(min=0)
+    # 1-D positions, or a multimodal-RoPE family's [3, B, T] (relax.trainer.families)
+    pos, _ = family_of(model.config).positions(model, ids, attn, media_inputs or {})
     if getattr(model.config, "final_logit_softcapping", None):  # logits past the LM head
         logits = model(
             input_ids=ids, attention_mask=attn, position_ids=pos, logits_to_keep=rmax + 1,

@@ -1,6 +1,6 @@
 """Model families (issue 56): the family table, and per family a tiny random model whose
-rollout log-probs (HF engine) equal the trainer's (torch back end) at the same weights in
-fp32 (public case C12), with its media inputs (Qwen2.5-VL: ``image_grid_thw`` and
+rollout log-probs (HF engine) equal the trainer's (torch back end) and the reference
+stage's at the same weights in fp32 (public case C12), with its media inputs (Qwen2.5-VL: ``image_grid_thw`` and
 multimodal RoPE positions) carried through the engine's prefill and the trainer's
 forward."""
 
@@ -44,7 +44,10 @@ def _rows(prompts, gens, media=None) -> pa.Table:
 
 def _c12(name: str, engine, prompts, inputs=None, media=None):
     """Engine samples (G per prompt, one left-padded batch), then the torch back end's
-    log-probs of the same rows: ``(max |rollout - trainer|, backend, micro-batch)``."""
+    log-probs of the same rows: ``(max |rollout - trainer|, backend, micro-batch, max
+    |rollout - reference stage|)``."""
+    from relax.consumers.reference import ref_batch
+
     from relax.trainer.backends.torch_backend import TorchBackend
     from relax.trainer.config import TrainerConfig
 
@@ -52,14 +55,20 @@ def _c12(name: str, engine, prompts, inputs=None, media=None):
                            SamplingParams(max_new_tokens=8, temperature=TEMPERATURE, seed=7),
                            media=[m for m in inputs for _ in range(G)] if inputs else None)
     assert all(g.token_ids for g in gens)
-    mb = collate(_rows(prompts, gens, media))
+    table = _rows(prompts, gens, media)
+    mb = collate(table)
     backend = TorchBackend(TrainerConfig(model=name, optim={"lr": 1e-3}), device="cpu")
     with torch.no_grad():
         lp, _ = backend.logprobs(mb)
     mask = mb.response_mask.bool()
     diff = float((lp[mask] - mb.rollout_logprobs[mask]).abs().max())
-    print(f"{name} C12: {int(mask.sum())} tokens, max |rollout - trainer| = {diff:.2e}")
-    return diff, backend, mb
+    rows = table.to_pylist()
+    ref = ref_batch(engine.model, rows, 0, processor=backend.processor)
+    ref_diff = max(abs(a - b) for r, lp in zip(rows, ref.column("ref_logprobs").to_pylist())
+                   for a, b in zip(lp, r["logprobs"]))
+    print(f"{name} C12: {int(mask.sum())} tokens, max |rollout - trainer| = {diff:.2e}, "
+          f"|rollout - reference| = {ref_diff:.2e}")
+    return diff, backend, mb, ref_diff
 
 
 # ------------------------------------------------------------------ the table
@@ -117,8 +126,8 @@ def test_qwen3_engine_logprobs_equal_the_trainers(name):
                                        add_generation_prompt=True, tokenize=True,
                                        return_dict=False)
                for q in ("hi", "What is 12 + 30? Answer with a number only.", "ok")]
-    diff, backend, mb = _c12(name, engine, prompts)
-    assert diff <= 1e-5, diff
+    diff, backend, mb, ref_diff = _c12(name, engine, prompts)
+    assert diff <= 1e-5 and ref_diff <= 1e-5, (diff, ref_diff)
     experts = {n: p.detach().clone() for n, p in backend.model.named_parameters()
                if "mlp" in n}
     stats = backend.train_step([mb])
@@ -240,8 +249,8 @@ def test_qwen25_vl_engine_logprobs_equal_the_trainers_on_image_prompts(qwen_vl):
         prompts.append(ids)
         media.append(items)
         inputs.append(inp)
-    diff, backend, mb = _c12("tiny-qwen2.5-vl", engine, prompts, inputs, media)
-    assert diff <= 1e-5, diff
+    diff, backend, mb, ref_diff = _c12("tiny-qwen2.5-vl", engine, prompts, inputs, media)
+    assert diff <= 1e-5 and ref_diff <= 1e-5, (diff, ref_diff)
     assert mb.prompt_mask.sum(-1).tolist() == [len(p) for p in prompts]
 
     params = SamplingParams(max_new_tokens=1, temperature=1.0, seed=1)
