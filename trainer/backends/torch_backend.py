@@ -8,6 +8,10 @@ at a time (checkpointed, so the backward too holds one chunk's logits): the ``[B
 vocab]`` logits, on a 135M model with a 49k vocabulary most of the memory of a step,
 are never whole. With ``trainer.packing`` a micro-batch's rows run packed end to end in
 one row (:func:`packed_hidden`) instead of padded.
+``trainer.gradient_checkpointing`` recomputes each decoder layer in the backward
+(:mod:`relax.trainer.checkpointing`: the shared prompt's key/value cache is a
+``PrefixCache``, safe to replay); ``trainer.lora`` trains peft adapters only and publishes
+and saves merged weights (:mod:`relax.trainer.lora`).
 
 Each micro-batch loss is normalised by the global token/sequence counts of the
 step, so gradients are summed over micro-batches (no division by the number of
