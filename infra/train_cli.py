@@ -150,8 +150,16 @@ def _prepare_resume(run: str, overrides: list[str], from_archive: str | None):
     (:func:`relax.infra.resume.prepare_resume`); exits 2 with one line when it cannot
     go on, when an argument is not ``key=value`` (the recipe is the run's), or when the
     run's cluster cannot be used (:func:`check_bus_first`)."""
+    from pathlib import Path
+
+    # the run's own cluster first, before relax.infra.resume imports the recipe's stages
+    # (torch: 7-10 s on a busy machine); the places relax.infra.resume.run_folder looks
+    for d in (Path(run), Path("runs") / run):
+        if (d / "recipe.yaml").is_file() and not from_archive:
+            check_bus_first(str(d / "recipe.yaml"), [o for o in overrides if "=" in o])
+            break
     from relax.infra.recipe import RecipeError
-    from relax.infra.resume import ResumeRefused, prepare_resume, run_folder
+    from relax.infra.resume import ResumeRefused, prepare_resume
 
     try:
         if from_archive:
@@ -161,7 +169,6 @@ def _prepare_resume(run: str, overrides: list[str], from_archive: str | None):
         if odd:
             raise ResumeRefused(f"with --resume the recipe is the run's own (recipe.yaml in "
                                 f"its folder): give only key=value overrides, got {odd[0]!r}")
-        check_bus_first(str(run_folder(run) / "recipe.yaml"), overrides)  # its own cluster
         rec, resumed = prepare_resume(run, overrides, say=typer.echo)
     except (ResumeRefused, RecipeError, FileNotFoundError, ValueError) as e:
         typer.echo(f"error: {e}", err=True)
