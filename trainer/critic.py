@@ -40,8 +40,10 @@ policy's model (its backbone initialised from the same weights), its head set to
 first values are 0: the first step's returns are the rewards). It runs only on rank 0
 of the trainer, over the whole batch before the batch is scattered to the ranks; it is
 saved with every checkpoint (``critic/``: the model as transformers saves it, and
-``optimizer.pt``) and next to the final model (``<run_dir>/critic``). Text models only:
-the critic's forward has no media inputs.
+``optimizer.pt``) and next to the final model (``<run_dir>/critic``). With
+``trainer.gradient_checkpointing`` its layers are checkpointed too; its gradients are freed
+after its step, before the policy's. Text models only: the critic's forward has no media
+inputs.
 """
 
 from __future__ import annotations
@@ -59,6 +61,7 @@ import torch
 from relax.schemas import metric_names as M
 from relax.trainer.advantage.gae import gae_advantages, masked_whiten, outcome_token_rewards
 from relax.trainer.backends.step import adamw, set_learning_rate, to_device
+from relax.trainer import checkpointing
 from relax.trainer.backends.torch_backend import response_hidden
 from relax.trainer.batching import MicroBatch, list_column, micro_batches
 from relax.trainer.config import TrainerConfig
@@ -118,6 +121,8 @@ class Critic:
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.model = (model if model is not None else load_value_model(cfg.model)).to(self.device)
         self.model.train()
+        if cfg.gradient_checkpointing:  # the policy's setting holds for its critic too
+            checkpointing.enable(self.model)
         self.head = value_head(self.model)
         self.optimizer = adamw(list(self.model.parameters()), self.critic.optim)
         self.steps_done = 0
@@ -201,6 +206,7 @@ class Critic:
                 norm0 = float(norm)
             self.optimizer.step()
             sums["vf_clip_frac"] = clip_sum
+        self.optimizer.zero_grad(set_to_none=True)  # not held through the policy's step
         self.steps_done += 1
         out = self._with_advantages(groups, mbs, adv)
         metrics = {M.VALUE_LOSS: sums["value_loss"], M.VF_CLIP_FRAC: sums["vf_clip_frac"],

@@ -201,3 +201,19 @@ def test_recipe_gae_turns_the_critic_on_and_routes_its_keys():
         load_recipe(RECIPES / "tiny_ci.yaml", [*base, "advantage.estimator_options={eps: 1}"])
     with pytest.raises(RecipeError, match="on exactly when advantage.estimator is gae"):
         load_recipe(RECIPES / "tiny_ci.yaml", ["run=x", "trainer.critic={updates: 2}"])
+
+
+def test_gradient_checkpointing_gives_the_critic_the_same_values_and_gradients():
+    model = value_model()
+    with torch.no_grad():
+        value_head(model).weight.fill_(0.3)
+    plain = Critic(config(), model=copy.deepcopy(model))
+    cfg = config().model_copy(update={"gradient_checkpointing": True})
+    ckpt = Critic(cfg, model=copy.deepcopy(model))
+    mb = micro_batches(batch(), 4096)[0]
+    va, vb = plain.values(mb), ckpt.values(mb)
+    assert torch.equal(va, vb)
+    va.sum().backward()
+    vb.sum().backward()
+    for (name, p), q in zip(plain.model.named_parameters(), ckpt.model.parameters()):
+        assert torch.equal(p.grad, q.grad), name
