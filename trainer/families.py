@@ -9,7 +9,7 @@ A family says three things:
   several prompts are batched (``cat_keys``: item by item, ``[sum n, ...]`` in prompt
   order; the other keys prompt by prompt, ``[1, N, ...]`` padded to ``[U, max N, ...]``);
 * its **position ids** (``positions``): plain 1-D positions from the attention mask, or
-  multimodal RoPE (Qwen2-VL / Qwen2.5-VL: ``[3, B, T]`` temporal/height/width positions
+  multimodal RoPE (Qwen2.5-VL, Qwen3-VL: ``[3, B, T]`` temporal/height/width positions
   from the model's own ``get_rope_index`` over the image grids), with the offset
   (``delta``) that the tokens after the prompt add to their 1-D position;
 * the config ``model_type`` values it covers (``model_types``).
@@ -50,7 +50,7 @@ def _rope_index_owner(model):
 
 def mrope_positions(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                     inputs: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Multimodal RoPE positions of left-padded rows from the model's own
+    """Multimodal RoPE positions (Qwen2.5-VL, Qwen3-VL) of left-padded rows from the model's own
     ``get_rope_index``: ``([3, B, T] int64, [B, 1] int64 delta)``; an image's tokens get
     (temporal, height, width) positions of its merged patch grid, text tokens one
     position on all three, and a token after the prompt at 1-D position ``p`` sits at
@@ -85,6 +85,9 @@ class Family:
             batched prompt by prompt (``[U, max N, ...]``, missing items all zeros).
         positions: ``(model, input_ids [B, T], attention_mask [B, T], media inputs) ->
             (position_ids [B, T] or [3, B, T], delta [B, 1])``.
+        later_media: whether the trainer's response pass takes media a later turn of a
+            multi-turn episode added (positions 1-D there: not for multimodal RoPE,
+            whose response positions would have to come from the whole row).
     """
 
     name: str
@@ -92,6 +95,7 @@ class Family:
     media_keys: tuple[str, ...] = ()
     cat_keys: tuple[str, ...] = ()
     positions: Callable = text_positions
+    later_media: bool = True
 
 
 FAMILIES = {
@@ -104,7 +108,11 @@ FAMILIES = {
     "qwen2.5-vl": Family("qwen2.5-vl", ("qwen2_5_vl",),
                          media_keys=("pixel_values", "image_grid_thw"),
                          cat_keys=("pixel_values", "image_grid_thw"),
-                         positions=mrope_positions),
+                         positions=mrope_positions, later_media=False),
+    "qwen3-vl": Family("qwen3-vl", ("qwen3_vl",),
+                       media_keys=("pixel_values", "image_grid_thw"),
+                       cat_keys=("pixel_values", "image_grid_thw"),
+                       positions=mrope_positions, later_media=False),
 }
 """The families relax knows, by name."""
 
@@ -129,22 +137,26 @@ def family_of(config) -> Family:
                      f"{known}")
 
 
-def family_of_inputs(keys) -> Family:
-    """The family whose media inputs are ``keys`` (a set of processor output names; the
-    text family for none).
+def cat_keys_of(keys) -> frozenset[str]:
+    """Which of ``keys`` (media-input names, without the model at hand: the reference
+    stage's and the trainer's batches) are batched item by item: the ``cat_keys`` of the
+    families that take all of ``keys`` (empty for no keys).
 
     Raises:
-        ValueError: no family, or more than one, has all of ``keys``.
+        ValueError: no family takes all of ``keys``, or those that do batch them
+            differently.
     """
     keys = set(keys)
     if not keys:
-        return FAMILIES["text"]
+        return frozenset()
     found = [f for f in FAMILIES.values() if f.media_keys and keys <= set(f.media_keys)]
-    if len(found) != 1:
-        raise ValueError(f"media inputs {sorted(keys)} fit {len(found)} families "
-                         f"({', '.join(f.name for f in found) or 'none'}); expected one")
-    return found[0]
+    rules = {frozenset(keys & set(f.cat_keys)) for f in found}
+    if len(rules) != 1:
+        raise ValueError(f"media inputs {sorted(keys)}: {len(found)} families take them "
+                         f"({', '.join(f.name for f in found) or 'none'}) with "
+                         f"{len(rules)} batching rules; expected one")
+    return rules.pop()
 
 
-__all__ = ["FAMILIES", "Family", "family_of", "family_of_inputs", "mrope_positions",
+__all__ = ["FAMILIES", "Family", "cat_keys_of", "family_of", "mrope_positions",
            "text_positions"]

@@ -37,7 +37,7 @@ import numpy as np
 import torch
 
 from relax.schemas.media import MEDIA_MARK, split_marked
-from relax.trainer.families import FAMILIES, Family, family_of_inputs
+from relax.trainer.families import FAMILIES, Family, cat_keys_of
 
 MEDIA_KEYS = frozenset(k for f in FAMILIES.values() for k in f.media_keys)
 """Processor outputs that are media inputs, of any family."""
@@ -265,14 +265,14 @@ def stack_media(per_prompt: list[dict[str, torch.Tensor]],
     Empty dict when no prompt has media.
 
     Args:
-        family: the model's family; default: the one whose media keys these are
-            (:func:`relax.trainer.families.family_of_inputs`).
+        family: the model's family; default: the batching of the families whose media
+            keys these are (:func:`relax.trainer.families.cat_keys_of`).
     """
     keys = {k: p[k] for p in per_prompt for k in p}  # one example tensor per key
-    family = family or family_of_inputs(keys)
+    cat = family.cat_keys if family is not None else cat_keys_of(keys)
     out = {}
     for key, example in keys.items():
-        if key in family.cat_keys:
+        if key in cat:
             out[key] = torch.cat([p[key] for p in per_prompt if key in p], dim=0)
             continue
         n = max(p[key].shape[1] for p in per_prompt if key in p)

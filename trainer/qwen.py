@@ -11,7 +11,12 @@ config and model classes, for tests and CPU recipes.
   image), the same text trunk with multimodal RoPE (``mrope_section`` [2, 3, 3] of its
   8 rotary frequencies), its processor ``Qwen2_5_VLProcessor`` with
   ``Qwen2VLImageProcessor`` (and ``Qwen2VLVideoProcessor``, which the processor class
-  requires; both need torchvision).
+  requires; both need torchvision);
+* ``tiny-qwen3-vl``: ``Qwen3VLForConditionalGeneration``: a 2-block vision encoder (patch
+  16, merge 2, learned 8 x 8 position grid, its block-0 features also added to text layer
+  0: DeepStack) over images resized to 128 x 128 (16 image tokens per image), the same
+  text trunk with interleaved multimodal RoPE (``mrope_section`` [4, 2, 2]),
+  ``Qwen3VLProcessor`` with ``Qwen2VLImageProcessor`` and ``Qwen3VLVideoProcessor``.
 
 All use the SmolLM2 tokenizer and chat template (ids as ``tiny-llama``'s); the VL model
 adds Qwen2-VL's four vision tokens (ids 49152-49155), and its template renders an
@@ -27,7 +32,8 @@ from pathlib import Path
 import torch
 
 QWEN_SEED = 2468
-VL_IMAGE_SIZE = 112
+QWEN25_VL_IMAGE_SIZE = 112
+QWEN3_VL_IMAGE_SIZE = 128
 VISION_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
 MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
            decoder_sparse_step=1, norm_topk_prob=True)
@@ -90,43 +96,85 @@ def tiny_qwen25_vl_config(vocab_size: int, token_ids: dict[str, int]):
         vision_end_token_id=token_ids["<|vision_end|>"])
 
 
-def tiny_qwen25_vl_dir() -> Path:
-    """The ``tiny-qwen2.5-vl`` folder (model, tokenizer, processor), built into the model
-    cache once."""
+def tiny_qwen3_vl_config(vocab_size: int, token_ids: dict[str, int]):
+    """``Qwen3VLConfig`` of ``tiny-qwen3-vl`` (see the module docstring);
+    ``token_ids``: the ids of :data:`VISION_TOKENS`."""
+    from transformers import Qwen3VLConfig
+
+    text = _text(vocab_size)
+    text["tie_word_embeddings"] = False
+    text["rope_parameters"] = {**text["rope_parameters"], "mrope_section": [4, 2, 2]}
+    vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2,
+                  out_hidden_size=text["hidden_size"], patch_size=16, spatial_merge_size=2,
+                  temporal_patch_size=2, num_position_embeddings=64,
+                  deepstack_visual_indexes=[0])
+    return Qwen3VLConfig(
+        text_config=text, vision_config=vision, tie_word_embeddings=False,
+        image_token_id=token_ids["<|image_pad|>"], video_token_id=token_ids["<|video_pad|>"],
+        vision_start_token_id=token_ids["<|vision_start|>"],
+        vision_end_token_id=token_ids["<|vision_end|>"])
+
+
+def _vl_dir(name: str, patch: int, size: int, processor: str, videos: str, model: str,
+            config) -> Path:
+    """A tiny Qwen VL folder: the SmolLM2 tokenizer with :data:`VISION_TOKENS`, the
+    transformers ``processor`` class over ``Qwen2VLImageProcessor`` (images resized to
+    ``size`` x ``size``, ``patch`` pixels a patch, merge 2) and the ``videos`` processor
+    class, and the ``model`` class built from ``config(vocab_size, token_ids)``."""
+    import transformers
+
     from relax.trainer.model_store import cache_dir, publish_folder, smollm2_tokenizer_dir
     from relax.trainer.vlm import smollm2_template
 
     def build(tmp: Path) -> None:
-        from transformers import (
-            AutoTokenizer,
-            Qwen2_5_VLForConditionalGeneration,
-            Qwen2_5_VLProcessor,
-            Qwen2VLImageProcessor,
-            Qwen2VLVideoProcessor,
-        )
-
         template = smollm2_template("image", "<|vision_start|><|image_pad|><|vision_end|>")
-        tok = AutoTokenizer.from_pretrained(smollm2_tokenizer_dir())
+        tok = transformers.AutoTokenizer.from_pretrained(smollm2_tokenizer_dir())
         tok.add_special_tokens({"additional_special_tokens": VISION_TOKENS})
         tok.chat_template = template
-        pixels = VL_IMAGE_SIZE * VL_IMAGE_SIZE
-        grid = dict(patch_size=14, merge_size=2, temporal_patch_size=2)
-        images = Qwen2VLImageProcessor(min_pixels=pixels, max_pixels=pixels, **grid)
-        proc = Qwen2_5_VLProcessor(image_processor=images, tokenizer=tok,
-                                   video_processor=Qwen2VLVideoProcessor(**grid),
-                                   chat_template=template)
+        grid = dict(patch_size=patch, merge_size=2, temporal_patch_size=2)
+        images = transformers.Qwen2VLImageProcessor(min_pixels=size * size,
+                                                    max_pixels=size * size, **grid)
+        proc = getattr(transformers, processor)(
+            image_processor=images, tokenizer=tok, chat_template=template,
+            video_processor=getattr(transformers, videos)(**grid))
         ids = {t: tok.convert_tokens_to_ids(t) for t in VISION_TOKENS}
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(QWEN_SEED)
-            model = Qwen2_5_VLForConditionalGeneration(
-                tiny_qwen25_vl_config(len(tok), ids)).float()
-        model.generation_config.eos_token_id = 2
-        model.generation_config.pad_token_id = 2
-        model.save_pretrained(tmp, safe_serialization=True)
+            net = getattr(transformers, model)(config(len(tok), ids)).float()
+        net.generation_config.eos_token_id = 2
+        net.generation_config.pad_token_id = 2
+        net.save_pretrained(tmp, safe_serialization=True)
         proc.save_pretrained(tmp)
 
-    return publish_folder(build, cache_dir() / "models" / "tiny-qwen2.5-vl")
+    return publish_folder(build, cache_dir() / "models" / name)
 
 
-__all__ = ["MOE", "QWEN_SEED", "VISION_TOKENS", "VL_IMAGE_SIZE", "tiny_qwen3_config",
-           "tiny_qwen3_dir", "tiny_qwen25_vl_config", "tiny_qwen25_vl_dir"]
+def tiny_qwen25_vl_dir() -> Path:
+    """The ``tiny-qwen2.5-vl`` folder (model, tokenizer, processor), built into the model
+    cache once."""
+    return _vl_dir("tiny-qwen2.5-vl", 14, QWEN25_VL_IMAGE_SIZE, "Qwen2_5_VLProcessor",
+                   "Qwen2VLVideoProcessor", "Qwen2_5_VLForConditionalGeneration",
+                   tiny_qwen25_vl_config)
+
+
+def tiny_qwen3_vl_dir() -> Path:
+    """The ``tiny-qwen3-vl`` folder (model, tokenizer, processor), built into the model
+    cache once."""
+    return _vl_dir("tiny-qwen3-vl", 16, QWEN3_VL_IMAGE_SIZE, "Qwen3VLProcessor",
+                   "Qwen3VLVideoProcessor", "Qwen3VLForConditionalGeneration",
+                   tiny_qwen3_vl_config)
+
+
+__all__ = [
+    "MOE",
+    "QWEN3_VL_IMAGE_SIZE",
+    "QWEN25_VL_IMAGE_SIZE",
+    "QWEN_SEED",
+    "VISION_TOKENS",
+    "tiny_qwen3_config",
+    "tiny_qwen3_dir",
+    "tiny_qwen3_vl_config",
+    "tiny_qwen3_vl_dir",
+    "tiny_qwen25_vl_config",
+    "tiny_qwen25_vl_dir",
+]

@@ -1,11 +1,12 @@
 """Model families (issue 56): the family table, and per family a tiny random model whose
 rollout log-probs (HF engine) equal the trainer's (torch back end) and the reference
-stage's at the same weights in fp32 (public case C12), with its media inputs (Qwen2.5-VL: ``image_grid_thw`` and
-multimodal RoPE positions) carried through the engine's prefill and the trainer's
-forward."""
+stage's at the same weights in fp32 (public case C12), with its media inputs
+(Qwen2.5-VL, Qwen3-VL: ``image_grid_thw`` and multimodal RoPE positions) carried through
+the engine's prefill and the trainer's forward."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pyarrow as pa
@@ -18,7 +19,7 @@ from relax.producers.media import MediaOptions, media_item
 from relax.schemas.media import MEDIA_MARK
 from relax.schemas.v1 import TRAIN_SAMPLES
 from relax.trainer.batching import collate
-from relax.trainer.families import FAMILIES, family_of, family_of_inputs, mrope_positions
+from relax.trainer.families import FAMILIES, cat_keys_of, family_of, mrope_positions
 from relax.trainer.multimodal import encode_prompt, media_inputs, stack_media, unexpanded_ids
 
 G, TEMPERATURE = 3, 0.7
@@ -47,7 +48,6 @@ def _c12(name: str, engine, prompts, inputs=None, media=None):
     log-probs of the same rows: ``(max |rollout - trainer|, backend, micro-batch, max
     |rollout - reference stage|)``."""
     from relax.consumers.reference import ref_batch
-
     from relax.trainer.backends.torch_backend import TorchBackend
     from relax.trainer.config import TrainerConfig
 
@@ -90,10 +90,15 @@ def test_each_model_type_has_one_family_and_unknown_media_models_are_refused():
     with pytest.raises(ValueError, match="model_type 'llama' takes media but is of no known "
                                          "family; known: idefics3 .*qwen2.5-vl"):
         family_of(odd)
-    assert family_of_inputs({"image_grid_thw", "pixel_values"}).name == "qwen2.5-vl"
-    assert family_of_inputs({"pixel_attention_mask"}).name == "idefics3"
-    with pytest.raises(ValueError, match=r"media inputs \['pixel_values'\] fit 2 families"):
-        family_of_inputs({"pixel_values"})
+    assert cat_keys_of({"image_grid_thw", "pixel_values"}) == {"image_grid_thw", "pixel_values"}
+    assert cat_keys_of({"pixel_attention_mask", "pixel_values"}) == set()
+    assert cat_keys_of({"input_features"}) == {"input_features"}
+    with pytest.raises(ValueError, match=r"media inputs \['pixel_values'\]: 3 families take "
+                                         r"them \(idefics3, qwen2.5-vl, qwen3-vl\) with 2 "
+                                         "batching rules"):
+        cat_keys_of({"pixel_values"})
+    with pytest.raises(ValueError, match="0 families take them"):
+        cat_keys_of({"input_values"})
 
 
 def test_stack_media_concatenates_the_families_item_keys_and_pads_the_others():
@@ -136,15 +141,17 @@ def test_qwen3_engine_logprobs_equal_the_trainers(name):
     assert stats["grad_norm"] > 0 and moved > 1e-5, (stats, moved)
 
 
-# ------------------------------------------------------------------ Qwen2.5-VL
+# ------------------------------------------------------------------ Qwen2.5-VL, Qwen3-VL
 
 
-@pytest.fixture(scope="module")
-def qwen_vl():
+@pytest.fixture(scope="module", params=["tiny-qwen2.5-vl", "tiny-qwen3-vl"])
+def qwen_vl(request):
+    """``(engine, processor)`` of a tiny Qwen VL model (both: 16 image tokens per
+    easy-vqa image, an 8 x 8 patch grid merged 2 x 2)."""
     from relax.trainer.models import load_processor
 
-    return (HFEngine("tiny-qwen2.5-vl", engine_id="qvl-0", device="cpu"),
-            load_processor("tiny-qwen2.5-vl"))
+    return (HFEngine(request.param, engine_id=f"{request.param}-0", device="cpu"),
+            load_processor(request.param))
 
 
 def _vqa(n: int) -> list[tuple[str, bytes]]:
@@ -154,7 +161,7 @@ def _vqa(n: int) -> list[tuple[str, bytes]]:
             for r in read_source(f"easy_vqa:test?size={n}&seed=4")]
 
 
-def test_qwen25_vl_each_image_is_expanded_once_in_its_own_message(qwen_vl):
+def test_qwen_vl_each_image_is_expanded_once_in_its_own_message(qwen_vl):
     """Two images over three turns: each image's ``<|vision_start|><|image_pad|> x16
     <|vision_end|>`` appears once, in the message it came in; the trainer's rebuilt
     grids ask for exactly the placeholders the rollout holds (no double expansion), and
@@ -188,7 +195,7 @@ def test_qwen25_vl_each_image_is_expanded_once_in_its_own_message(qwen_vl):
     assert short.count(pad) == 2 and len(ids) - len(short) == 30
 
 
-def test_qwen25_vl_positions_are_the_models_own_rope_index(qwen_vl):
+def test_qwen_vl_positions_are_the_models_own_rope_index(qwen_vl):
     """The batch's multimodal RoPE positions (left-padded prompts, one without an image)
     equal ``get_rope_index`` of each prompt alone with the processor's own token types,
     and differ from 1-D positions (delta < 0: 16 image tokens span 4 positions)."""
@@ -235,7 +242,7 @@ def _images(items):
     return images_of(items)
 
 
-def test_qwen25_vl_engine_logprobs_equal_the_trainers_on_image_prompts(qwen_vl):
+def test_qwen_vl_engine_logprobs_equal_the_trainers_on_image_prompts(qwen_vl):
     """Three easy-vqa prompts (one with the image marked mid-message), G=3 samples each:
     max |rollout - trainer| <= 1e-5 (fp32) with the grids and multimodal RoPE on both
     sides; the engine without the image samples another distribution; one AdamW step
@@ -249,9 +256,16 @@ def test_qwen25_vl_engine_logprobs_equal_the_trainers_on_image_prompts(qwen_vl):
         prompts.append(ids)
         media.append(items)
         inputs.append(inp)
-    diff, backend, mb, ref_diff = _c12("tiny-qwen2.5-vl", engine, prompts, inputs, media)
+    name = engine.engine_id.removesuffix("-0")
+    diff, backend, mb, ref_diff = _c12(name, engine, prompts, inputs, media)
     assert diff <= 1e-5 and ref_diff <= 1e-5, (diff, ref_diff)
     assert mb.prompt_mask.sum(-1).tolist() == [len(p) for p in prompts]
+
+    # an image a later turn added (it stands in the response): refused, not mis-positioned
+    later = dataclasses.replace(mb, media=[m + [{**m[0], "turn": 1}] for m in mb.media])
+    with pytest.raises(ValueError, match=f"{family_of(engine.model.config).name}: the "
+                                         "response pass does not take media a later turn"):
+        backend.logprobs(later)
 
     params = SamplingParams(max_new_tokens=1, temperature=1.0, seed=1)
     blind = engine.generate([prompts[0]], params)

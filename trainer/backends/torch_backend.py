@@ -87,9 +87,12 @@ def response_hidden(model, mb: MicroBatch) -> torch.Tensor:
         base = model.model                              # features replace placeholders
     else:
         base = model.get_decoder() if hasattr(model, "get_decoder") else model.base_model
+    family = family_of(model.config)
+    if mb.response_media_inputs and not family.later_media:
+        raise ValueError(f"{family.name}: the response pass does not take media a later turn "
+                         "added (multimodal RoPE positions over the whole row are not built)")
     # [U, P] (or [3, U, P] multimodal RoPE) and the [U, 1] offset of later tokens
-    ppos, delta = family_of(model.config).positions(model, mb.prompt_ids, mb.prompt_mask,
-                                                    mb.media_inputs or {})
+    ppos, delta = family.positions(model, mb.prompt_ids, mb.prompt_mask, mb.media_inputs or {})
     cache = PrefixCache(model.config)  # replay-safe: see relax.trainer.checkpointing
     out = base(input_ids=mb.prompt_ids, attention_mask=mb.prompt_mask, position_ids=ppos,
                use_cache=True, **{cache_arg(base): cache}, **(mb.media_inputs or {}))
