@@ -467,10 +467,11 @@ def kill_when(ready: Callable[[], bool], pids: Callable[[], list[int]], poll_s: 
         killer.join()
 
 
-def tiny_model(family: str = "llama", layers: int = 3):
+def tiny_model(family: str = "llama", layers: int = 3, **config):
     """A random fp32 causal LM of ``family`` (``llama`` or ``qwen2``) built from its
     transformers config class: the tiny trunk (``TINY_CONFIG``), ``layers`` decoder layers,
-    a 256-token vocabulary (what :func:`train_sample_table` draws from), fixed seed."""
+    a 256-token vocabulary (what :func:`train_sample_table` draws from), fixed seed;
+    ``config`` overrides config fields."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
@@ -479,7 +480,7 @@ def tiny_model(family: str = "llama", layers: int = 3):
     config_cls, model_cls = {"llama": (LlamaConfig, LlamaForCausalLM),
                              "qwen2": (Qwen2Config, Qwen2ForCausalLM)}[family]
     config = config_cls(vocab_size=256, bos_token_id=1, eos_token_id=2, pad_token_id=2,
-                        **{**TINY_CONFIG, "num_hidden_layers": layers})
+                        **{**TINY_CONFIG, "num_hidden_layers": layers, **config})
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(7)
         return model_cls(config).to(torch.float32)

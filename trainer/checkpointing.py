@@ -11,16 +11,18 @@ without it (the recompute is the same arithmetic).
 The back end's forward (:func:`relax.trainer.backends.torch_backend.response_logits`) runs
 each group's prompt once and the responses on a key/value cache of it. transformers drops
 a cache that reaches a checkpointed layer, because a cache that appends would be appended
-twice when the layer is recomputed. :class:`PrefixCache` does not append in place: layer
-``i``'s keys are always ``cat(prefix_i, new)``, a pure function of what the layer is given,
-so the recompute sees the keys the forward saw and the cache may stay
-(:func:`enable` marks the layers so).
+twice when the layer is recomputed. :class:`PrefixCache` starts each update from the
+state it had before the pass (layer ``i``'s keys are ``cat(prefix_i, new)``), a pure
+function of what the layer is given, so the recompute sees the keys the forward saw and
+the cache may stay (:func:`enable` marks the layers so).
 """
 
 from __future__ import annotations
 
+import copy
+
 import torch
-from transformers.cache_utils import DynamicCache, DynamicLayer
+from transformers.cache_utils import DynamicCache
 
 
 def enable(model: torch.nn.Module) -> None:
@@ -52,38 +54,35 @@ def enable(model: torch.nn.Module) -> None:
 
 
 class PrefixCache(DynamicCache):
-    """A ``DynamicCache`` whose ``update(keys, values, i)`` returns ``cat(prefix_i, keys)``
-    (``[B, kv_heads, P + T, head_dim]``) without appending to what an earlier call stored,
-    so calling it again (a checkpointed layer's recompute) gives the same result.
+    """A ``DynamicCache`` (for ``config``, a model config; its text config sizes the layers)
+    whose ``update(keys, values, i)`` starts every time from layer ``i``'s state at the last
+    :meth:`mark` (construction: empty), not from what an earlier update stored: calling it
+    again with the same keys (a checkpointed layer's recompute) returns the same
+    ``[B, kv_heads, P + T, head_dim]`` keys and values. Works for every layer type whose
+    ``update`` rebinds its tensors (full attention, sliding window).
 
-    Args:
-        config: the transformers config of the model the cache is passed to (its text
-            config sizes the layers).
-        prefix: per layer ``(keys, values)`` ``[B, kv_heads, P, head_dim]`` the new
-            tokens attend to (the prompt pass's cache, rows selected); None: empty (the
-            prompt pass itself).
-
-    Raises:
-        ValueError: (at ``update``) a layer that is not plain full attention (a
-            sliding-window or linear-attention layer keeps other state).
+    The shared-prompt forward: the prompt pass updates a fresh cache; :meth:`selected`
+    gives the response pass its rows, marked, so the responses attend to the prompt.
     """
 
-    def __init__(self, config, prefix: list[tuple[torch.Tensor, torch.Tensor]] | None = None):
-        super().__init__(ddp_cache_data=prefix, config=config)
-        self.model_config, self.prefix = config, prefix
+    def __init__(self, config):
+        super().__init__(config=config)
+        self.mark()
+
+    def mark(self) -> None:
+        """Make the layers' current state the one every later update starts from."""
+        self._start = [copy.copy(layer) for layer in self.layers]
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
-        layer = self.layers[layer_idx]
-        if type(layer) is not DynamicLayer:
-            raise ValueError(f"layer {layer_idx}: {type(layer).__name__} is not supported by "
-                             f"the shared-prompt forward (full attention only)")
-        if self.prefix is None:
-            layer.reset()
-        else:
-            layer.keys, layer.values = self.prefix[layer_idx]
+        self.layers[layer_idx] = copy.copy(self._start[layer_idx])
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
     def selected(self, rows: torch.Tensor) -> PrefixCache:
-        """A new cache whose prefix is this one's keys and values at batch ``rows``
-        (``[B]`` int64 indices): each response row attends to its prompt."""
-        return PrefixCache(self.model_config, [(l.keys[rows], l.values[rows]) for l in self.layers])
+        """A new cache holding this one's layers at batch ``rows`` (``[B]`` int64
+        indices), marked: each response row attends to its prompt."""
+        out = copy.copy(self)
+        out.layers = [copy.copy(layer) for layer in self.layers]
+        for layer in out.layers:
+            layer.batch_select_indices(rows)
+        out.mark()
+        return out

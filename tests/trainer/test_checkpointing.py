@@ -58,6 +58,38 @@ def test_gradients_equal_the_run_without_checkpointing(family, packing):
     assert max(float(g.abs().max()) for g in g_plain.values()) > 1e-3  # not all ~0
 
 
+def test_a_sliding_window_model_keeps_its_window():
+    """Qwen2 with sliding-window layers (window 5, prompts and responses longer): the
+    shared-prompt cache replays them too; log-probs equal each row's own full forward, and
+    gradients with checkpointing equal those without."""
+    from transformers.cache_utils import DynamicCache, DynamicSlidingWindowLayer
+
+    from relax.trainer.logprobs import token_logprobs
+
+    model = tiny_model("qwen2", use_sliding_window=True, sliding_window=5, max_window_layers=1)
+    kinds = [type(layer) for layer in DynamicCache(config=model.config).layers]
+    assert kinds[0] is not DynamicSlidingWindowLayer and kinds[1] is DynamicSlidingWindowLayer
+    t = train_sample_table(3, group_size=3, prompt_len=(6, 10), response_len=(5, 9), seed=2,
+                           vocab=256)
+    groups = [g for _, g in group_by_key(t, "group_id")]
+    mbs = [micro_batches([g], 10_000)[0] for g in groups]  # one prompt each: no left padding
+    plain = TorchBackend(TrainerConfig(), model=copy.deepcopy(model))
+    ckpt = TorchBackend(TrainerConfig(gradient_checkpointing=True), model=copy.deepcopy(model))
+    for g, mb in zip(groups, mbs):
+        with torch.no_grad():
+            lp, _ = plain.logprobs(mb)
+        for i, r in enumerate(g.to_pylist()):
+            p, n = len(r["prompt_ids"]), len(r["response_ids"])
+            ids = torch.tensor([r["prompt_ids"] + r["response_ids"]])
+            with torch.no_grad():
+                logits = plain.model(input_ids=ids).logits[:, p - 1:p - 1 + n]
+            want = token_logprobs(logits, torch.tensor([r["response_ids"]]), 1.0)[0]
+            assert torch.allclose(lp[i, :n], want, atol=1e-5), (i, lp[i, :n], want)
+    _, g_plain = policy_grads(plain, mbs)
+    _, g_ckpt = policy_grads(ckpt, mbs)
+    assert max(float((g_plain[n] - g_ckpt[n]).abs().max()) for n in g_plain) <= 1e-6
+
+
 def saved_bytes(backend: TorchBackend, mb) -> int:
     """Bytes of the tensors the forward of ``mb`` keeps for the backward."""
     total = 0
