@@ -10,7 +10,8 @@ micro-batch is normalised by the *global* token/sequence counts
 full-batch gradient whatever the split (public case C06).
 
 Masks come from lengths, never from token values (public case C24: pad id ==
-EOS id).
+EOS id). With ``trainer.packing`` the back end lays a micro-batch's rows end to end in
+one unpadded row instead (:func:`packed_row`); the budget still counts padded tokens.
 """
 
 from __future__ import annotations
