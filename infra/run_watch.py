@@ -362,6 +362,14 @@ def how_to_go_on(recipe: Recipe, run_dir: Path) -> str:
     from relax.trainer import checkpoint
 
     ckpt = checkpoint.latest(run_dir, recipe.trainer.checkpoint_store)
+    if ckpt is not None and recipe.trainer.lora is not None:  # adapter-only checkpoints
+        from relax.trainer.lora import ADAPTER_DIR
+
+        return (f"Kept: the trainer's checkpoint {ckpt} (policy_version "
+                f"{int(ckpt.name.split('_')[-1])}): a LoRA adapter over {recipe.model} in "
+                f"{ckpt / ADAPTER_DIR} (loads with peft.PeftModel.from_pretrained). To go "
+                f"on, start the run again, or replay an archive made before: relax replay "
+                f"ARCHIVE --run NEW.")
     if ckpt is not None:
         save_tokenizer(recipe.model, ckpt)
         kept = (f"Kept: the trainer's checkpoint {ckpt} (policy_version "

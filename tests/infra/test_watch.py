@@ -82,3 +82,19 @@ def test_a_finished_trainer_s_last_steps_still_get_their_lines_and_on_step(tmp_p
     RunWatch(recipe, None, tmp_path, Finished(), Follower(), lines.append,
              lambda s, _: seen.append(s["step"])).until_done(lambda: False)
     assert seen == [1, 2, 3] and len(lines) == 3, (seen, lines)
+
+
+def test_how_to_go_on_names_a_lora_checkpoint_as_an_adapter(tmp_path):
+    from testdata import RECIPES
+
+    from relax.infra.recipe import load_recipe
+    from relax.infra.run_watch import how_to_go_on
+    from relax.trainer.checkpoint import STATE_FILE
+
+    ckpt = tmp_path / "checkpoints" / "step_000002"
+    (ckpt / "adapter").mkdir(parents=True)
+    (ckpt / STATE_FILE).write_text("{}")
+    recipe = load_recipe(RECIPES / "tiny_ci.yaml", ["trainer.lora={r: 4}"])
+    text = how_to_go_on(recipe, tmp_path)
+    assert f"a LoRA adapter over {recipe.model} in {ckpt / 'adapter'}" in text, text
+    assert "model=" not in text  # not a model folder to start a run from
