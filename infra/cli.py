@@ -188,13 +188,19 @@ def publish_cmd(
         audio_field: Optional[str] = typer.Option(None, help="input column holding WAV audio "
                                                   "(same forms)"),
         audio_rate: int = typer.Option(16000, help="sample rate (Hz) audio must have"),
+        video_field: Optional[str] = typer.Option(None, help="input column holding a video "
+                                                  "(MP4/MOV, MKV/WebM or AVI; same forms)"),
+        video_fps: float = typer.Option(2.0, help="video frames kept per second of video"),
+        video_max_frames: int = typer.Option(32, help="most frames kept from one video"),
         blobs: Optional[str] = typer.Option(None, help="blob store (folder or pyarrow.fs URI) "
                                             "for media over 256 KiB"),
         bootstrap: Optional[str] = BootstrapOpt) -> None:
     """Publish a prompt data set onto prompts.NAME (bad rows go to prompts.NAME.errors).
 
-    Images and audio (--image-field, --audio-field, or media parts of chat messages) are
-    decoded first: a truncated, oversized or undecodable one fails its row only.
+    Images, audio and video (--image-field, --audio-field, --video-field, or media parts
+    of chat messages) are decoded first: a truncated, oversized or undecodable one fails
+    its row only. Of a video, the frames sampled at --video-fps (at most
+    --video-max-frames) and their timestamps are published.
 
     Exit code 1 and one line on stderr when nothing is published (every row failed, the
     source held no rows, ...).
@@ -207,9 +213,15 @@ def publish_cmd(
     from relax.producers.publish import AlreadyPublished, SourceError, publish
     from relax.streams.blobs import BlobStore
 
-    fields = tuple((f, k) for f, k in ((image_field, "image"), (audio_field, "audio")) if f)
-    media = MediaOptions(fields=fields, audio_rate=audio_rate,
-                         blobs=BlobStore(blobs) if blobs else None)
+    fields = tuple((f, k) for f, k in ((image_field, "image"), (audio_field, "audio"),
+                                       (video_field, "video")) if f)
+    try:
+        media = MediaOptions(fields=fields, audio_rate=audio_rate, video_fps=video_fps,
+                             video_max_frames=video_max_frames,
+                             blobs=BlobStore(blobs) if blobs else None)
+    except ValueError as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(1) from None
     try:
         r = publish(bus_config(bootstrap), source, topic, prompt_field=prompt_field,
                     label_field=label_field, limit=limit, partitions=partitions, force=force,

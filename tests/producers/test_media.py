@@ -111,8 +111,8 @@ def test_message_parts_keep_the_media_in_place_and_round_trip(tmp_path):
     assert split_marked(text) == [("text", "Look: "), ("image", ""),
                                   ("text", " and listen "), ("audio", "")]
     assert MEDIA_MARK.format(kind="image") == "<relax:image>"
-    with pytest.raises(MediaError, match=r"m part 0: content part type 'video'"):
-        message_content([{"type": "video", "video": "v.mp4"}], "m", MediaOptions())
+    with pytest.raises(MediaError, match=r"m part 0: content part type 'file'"):
+        message_content([{"type": "file", "file": "v.pdf"}], "m", MediaOptions())
 
 
 def test_the_same_question_about_two_images_is_two_prompts():
