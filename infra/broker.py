@@ -140,9 +140,9 @@ class LocalBroker:
         try:
             self.handle = start_kafka(self.data_dir or self._tmp, self.brokers, self.port,
                                       self.host)
-        except BaseException:
-            self._remove_tmp()
-            raise
+        finally:
+            if self.handle is None:  # it did not start: no folder left behind
+                self._remove_tmp()
         return self.handle
 
     def __exit__(self, *exc) -> None:
