@@ -120,6 +120,16 @@ def mark_media(messages: list[dict], items: list[dict] | None) -> list[dict]:
             for i, m in enumerate(messages)]
 
 
+def refuse_video(items: list[dict] | None) -> None:
+    """Raise ValueError if ``items`` hold a ``video`` item: ``relax publish`` stores a
+    clip's sampled frames, but no model family here takes video yet, and dropping it would
+    train on the text alone without a word."""
+    n = sum(1 for it in items or [] if it["kind"] == "video")
+    if n:
+        raise ValueError(f"the row has {n} video items; no model family relax runs takes "
+                         "video yet (issue 56): publish it without --video-field")
+
+
 def chat_with_media(messages: list[dict], items: list[dict] | None) -> list[dict]:
     """``messages`` (``{role, content: str}``) with content parts for the media: each
     ``<relax:image>`` / ``<relax:audio>`` mark becomes an ``{"type": kind}`` part in
@@ -127,8 +137,9 @@ def chat_with_media(messages: list[dict], items: list[dict] | None) -> list[dict
     Text-only input comes back unchanged.
 
     Raises:
-        ValueError: more marks of a kind than items of that kind.
+        ValueError: more marks of a kind than items of that kind; a video item.
     """
+    refuse_video(items)
     marked = mark_media(messages, items)
     if not items:
         return messages
@@ -241,7 +252,11 @@ def _inputs(enc) -> dict[str, torch.Tensor]:
 
 def media_inputs(processor, items: list[dict] | None) -> dict[str, torch.Tensor]:
     """The media inputs :func:`encode_prompt` gives for ``items`` (the image processor
-    and the feature extractor alone; empty dict without media)."""
+    and the feature extractor alone; empty dict without media).
+
+    Raises:
+        ValueError: a video item (:func:`refuse_video`)."""
+    refuse_video(items)
     out = {}
     if images := images_of(items):
         out.update(_inputs(processor.image_processor(images=[images], return_tensors="pt")))
@@ -327,4 +342,4 @@ def cache_arg(module) -> str:
 
 __all__ = ["MEDIA_KEYS", "audio_of", "cache_arg", "chat_with_media", "encode_prompt", "images_of",
            "item_bytes", "kv_cache", "mark_media", "media_inputs", "media_inputs_of",
-           "observation_media", "stack_media", "tokens_of", "unexpanded_ids"]
+           "observation_media", "refuse_video", "stack_media", "tokens_of", "unexpanded_ids"]

@@ -195,3 +195,18 @@ def test_cli_publishes_moving_square_with_video_field(bus, unique):
         frames, ts, _ = video_frames(r["media"][0]["data"])
         assert ts == [0.0, 0.375, 0.875] and motion(frames) == r["label"]
         assert "video" not in json.loads(r["metadata"])["fields"]
+
+
+def test_video_rows_are_refused_by_the_model_side_not_dropped():
+    """No model family takes video yet: a video row fails its rendering with a reason
+    instead of being trained on as text alone."""
+    from relax.trainer.multimodal import chat_with_media, media_inputs
+
+    _, mp4 = clip()
+    item = {"kind": "video", "uri": None, "data": check_video(mp4, "v"), "mime": "image/png",
+            "turn": 0}
+    msgs = [{"role": "user", "content": "<relax:video>Which way?"}]
+    for call in (lambda: chat_with_media(msgs, [item]), lambda: media_inputs(None, [item])):
+        with pytest.raises(ValueError, match="1 video items; no model family relax runs takes"):
+            call()
+
