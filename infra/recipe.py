@@ -15,7 +15,8 @@ absent and raises when two places disagree:
 
 * ``max_staleness`` and ``batch_groups`` (top level, ``rollout.*``, ``trainer.*``);
   ``mode`` chooses sync (``max_staleness = 0``: the rollout waits for every new
-  policy_version, strictly on-policy) or async (``max_staleness >= 1``).
+  policy_version, strictly on-policy), async (``max_staleness >= 1``) or colocate
+  (``max_staleness = 0``, the trainer and the rollout in one process).
 * ``model`` (top level, ``trainer.model``).
 * reward names: declared once in ``rewards[].name``; ``advantage.rewards`` (default:
   every reward with its weight) and ``trainer.accuracy_reward`` must use those names
@@ -130,7 +131,9 @@ class Recipe(StrictModel):
 
     Attributes:
         run: run name (topics ``<run>.*``); default: the recipe file name and a time stamp.
-        mode: ``sync`` (max_staleness 0) or ``async`` (max_staleness >= 1).
+        mode: ``sync`` (max_staleness 0), ``async`` (max_staleness >= 1) or ``colocate``
+            (max_staleness 0; the trainer and one HF rollout engine in one process on the
+            same parameters, :mod:`relax.infra.colocate`).
         bootstrap_servers: Kafka cluster; None = start a local broker for the run.
         bus: replication, retention and client settings of the run's topics
             (:data:`relax.infra.sections.BusSection`).
@@ -159,7 +162,7 @@ class Recipe(StrictModel):
     """
 
     run: str | None = None
-    mode: Literal["sync", "async"] = "async"
+    mode: Literal["sync", "async", "colocate"] = "async"
     bootstrap_servers: str | None = None
     partitions: int = Field(4, ge=1)
     max_message_bytes: int = Field(1 << 20, ge=1024)
@@ -223,6 +226,8 @@ class Recipe(StrictModel):
             raise ValueError(f"mode 'sync' needs max_staleness 0, got {ms}")
         if self.mode == "async" and ms < 1:
             raise ValueError("mode 'async' needs max_staleness >= 1 (use mode: sync for 0)")
+        if self.mode == "colocate":
+            self._check_colocate()
         names = [r.name for r in self.rewards]
         if len(set(names)) != len(names):
             raise ValueError(f"rewards: names must be unique, got {names}")
@@ -276,6 +281,24 @@ class Recipe(StrictModel):
     def environment_reward(self) -> str | None:
         """The name of the reward with ``fn: environment``, or None."""
         return next((r.name for r in self.rewards if r.fn == ENVIRONMENT_REWARD), None)
+
+    def _check_colocate(self) -> None:
+        """``mode: colocate`` runs one HF engine on the torch back end's model in one
+        trainer process, strictly on-policy.
+
+        Raises:
+            ValueError: naming the first key it cannot run with.
+        """
+        ro, tr = self.rollout, self.trainer
+        bad = [("max_staleness", self.trainer.max_staleness, 0),
+               ("rollout.instances", ro.instances, 1),
+               ("rollout.engine", ro.engine, "hf"),
+               ("trainer.backend", tr.backend, "torch"),
+               ("resources.trainer.processes", self.resources_of("trainer").processes, 1)]
+        for key, got, want in bad:
+            if got != want:
+                raise ValueError(f"mode 'colocate' needs {key} {want!r} (one engine on the "
+                                 f"trainer's own parameters), got {got!r}")
 
     def resources_of(self, stage: str) -> Resources:
         """Resources of ``stage`` (defaults when the recipe gives none)."""
@@ -357,7 +380,7 @@ def _fill_shared(tree: dict) -> None:
             raise RecipeError(f"{key} is set differently in {given}: set it once, at the top level")
         if given:
             value = next(iter(given.values()))
-        elif key == "max_staleness" and tree.get("mode") == "sync":
+        elif key == "max_staleness" and tree.get("mode") in ("sync", "colocate"):
             value = 0
         else:
             value = TrainerConfig.model_fields[key].default

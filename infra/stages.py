@@ -1,7 +1,9 @@
 """The processes of a run: what each stage is, how it is configured and started.
 
 :func:`stage_specs` turns a recipe into one :class:`StageSpec` per process
-(``rollout-0``, ``reward.<name>``, ``reference``, ``eval``, ``aggregate``, ``trainer``);
+(``rollout-0``, ``reward.<name>``, ``reference``, ``eval``, ``aggregate``, ``trainer``;
+``mode: colocate`` makes rollout-0 and the trainer one ``colocate`` process named
+``trainer``, :mod:`relax.infra.colocate`);
 :func:`run_stage` builds the stage from its JSON config inside whatever process
 runs it (a Ray actor, a plain subprocess, a test) and runs it until told to
 stop. Each stage is an independent consumer of the bus, so any of them can be
@@ -75,6 +77,8 @@ def stage_specs(recipe: Recipe, bus: BusConfig, run_dir: Path) -> list[StageSpec
     for i in range(ro.instances):
         name = f"rollout-{i}"
         server = {"sglang_url": ro.sglang_urls[i]} if ro.sglang_urls else {}
+        if recipe.mode == "colocate":  # the engine shares the trainer's parameters
+            options["follow_weights"] = False
         config = _checked(f"stage {name} (rollout)", RolloutConfig, dict(
             options, **server, bus=busd, run=run, dataset=recipe.data.dataset,
             model=recipe.model, engine_id=name,
@@ -117,6 +121,12 @@ def stage_specs(recipe: Recipe, bus: BusConfig, run_dir: Path) -> list[StageSpec
         rank_hosts=recipe.resources_of("trainer").rank_hosts,
         rank_num_cpus=recipe.resources_of("trainer").num_cpus,
         telemetry=recipe.telemetry.model_dump()))
+    if recipe.mode == "colocate":  # rollout-0 and the trainer: one process, named trainer
+        rollout = specs.pop(0)
+        specs.append(StageSpec("trainer", "colocate", {"run": run, "rollout": rollout.config,
+                                                       "trainer": config},
+                               recipe.resources_of("trainer")))
+        return specs
     specs.append(StageSpec("trainer", "trainer", config, recipe.resources_of("trainer")))
     return specs
 
@@ -236,6 +246,12 @@ def _trainer(config: dict, bus: BusConfig, should_stop: Callable[[], bool]) -> N
     TrainerStage(TrainerStageConfig(**config), bus).run(should_stop)
 
 
+def _colocate(config: dict, bus: BusConfig, should_stop: Callable[[], bool]) -> None:
+    from relax.infra.colocate import ColocateConfig, ColocatedStage
+
+    ColocatedStage(ColocateConfig(**config), bus).run(should_stop)
+
+
 RUNNERS: dict[str, Callable[[dict, BusConfig, Callable[[], bool]], None]] = {
     "rollout": _rollout,
     "reward": _reward,
@@ -243,6 +259,7 @@ RUNNERS: dict[str, Callable[[dict, BusConfig, Callable[[], bool]], None]] = {
     "aggregate": _aggregate,
     "eval": _eval,
     "trainer": _trainer,
+    "colocate": _colocate,
 }
 
 
