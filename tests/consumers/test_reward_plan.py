@@ -13,7 +13,7 @@ from relax.consumers.samples import AdvantageConfig
 from relax.schemas import topics
 from relax.schemas.v1 import REWARDS, ROLLOUTS
 from relax.streams.producer import BatchProducer
-from relax.streams.progress import progress_row
+from relax.streams.progress import PROGRESS_KEY, progress_row
 
 from testdata import reward_rows, rollout_rows
 
@@ -112,7 +112,7 @@ def test_announce_and_follow_on_the_broker(bus, unique):
         a = announce(bus, run, "attach", "len", 0.5)
         assert a == RewardChange("attach", "len", 0.5, 2)
         p = BatchProducer(bus)
-        p.send(topics.run_topic(run, topics.PROGRESS), progress_row(8, 8, 4))
+        p.send(topics.run_topic(run, topics.PROGRESS), progress_row(8, 8, 4), key=PROGRESS_KEY)
         p.flush()
         p.close()
         assert latest_policy_version(bus, run) == 4

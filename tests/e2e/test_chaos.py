@@ -46,10 +46,10 @@ def test_rollout_killed_while_its_groups_wait_samples_nothing_extra(broker, tmp_
 @pytest.mark.parametrize("seed", [3, 11])
 def test_seeded_chaos_run(broker, tmp_path, seed):
     kills = plan_kills(random.Random(seed), 5)  # after steps 1-4, each up to 2 s late
-    # 8 steps: a kill 2 s after step 4 still lands in a live run (a tiny step can take
-    # well under a second; with 5 steps one CI run ended before its kill)
+    # 16 steps: a kill 2 s after step 4 still lands in a live run (a tiny step takes
+    # 0.3-0.5 s on Kafka; with 8 steps one CI run ended 1.8 s after step 3, before its kill)
     recipe = tiny_recipe(broker, tmp_path, f"chaos{seed}" + uuid.uuid4().hex[:4],
-                         "trainer.steps=8")
+                         "trainer.steps=16")
     r = chaos_run(recipe, kills, 500)
     assert r.killed, kills
     _assert_whole(r)

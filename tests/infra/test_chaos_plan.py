@@ -98,6 +98,6 @@ def test_a_broker_fault_needs_the_kafka_it_fires_on(tmp_path):
     recipe = tiny_recipe("127.0.0.1:1", tmp_path, "r")
     with pytest.raises(ValueError, match="need the handle of the local Apache Kafka"):
         chaos_run(recipe, [Kill(BROKER_RESTART, 1, 0.0)])
-    one = BrokerHandle(1, "127.0.0.1", 1, "", 0.0, kind="kafka", nodes=[KafkaNode(1, 1, 2)])
+    one = BrokerHandle(1, "127.0.0.1", 1, "", 0.0, nodes=[KafkaNode(1, 1, 2)])
     with pytest.raises(ValueError, match="needs a 3-node Kafka cluster .* got 1 node"):
         chaos_run(recipe, [Kill(BROKER_NODE_LOST, 1, 0.0)], broker=one)
