@@ -71,7 +71,7 @@ def load_states(state_file: Path | None = None) -> list[BrokerHandle]:
         return []
     recs = json.loads(path.read_text())
     recs = recs if isinstance(recs, list) else [recs]
-    # a record of an older relax (its in-memory broker, kind "tansu") has no Kafka nodes
+    # a record of an older relax (its in-memory broker, another kind) has no Kafka nodes
     return [BrokerHandle(**{k: v for k, v in r.items() if k != "kind"})
             for r in recs if r.get("kind", "kafka") == "kafka"]
 
