@@ -504,3 +504,37 @@ def policy_grads(backend, mbs) -> tuple[float, dict]:
         total += float(loss.detach())
     return total, {n: p.grad.clone() for n, p in backend.model.named_parameters()
                    if p.grad is not None}
+
+
+def assert_on_policy(s: dict, broker: str, run: str, steps: int, batch_groups: int,
+                     group_size: int) -> None:
+    """A finished sync or colocated run (summary ``s``) trained strictly on-policy: the
+    ledger's counts are the summary's, every trained row has staleness 0 and was sampled
+    by the weights it was trained at, each version 0..steps-1 sampled at most one step's
+    groups, and every version 0..steps was announced."""
+    from collections import Counter
+
+    from relax.streams.client import BusConfig
+    from relax.streams.read import read_table
+    from relax.trainer import checkpoint
+    from relax.trainer.ledger import Ledger
+
+    ledger = Ledger.load(checkpoint.latest(Path(s["run_dir"])) / "ledger.parquet")
+    assert ledger.counts() == {"trained": s["trained"], "stale": s["stale"],
+                               "filtered": s["filtered"], "error": s["errors"]}, s
+    trained = {rid: (v, st) for rid, (o, v, st) in ledger.items() if o == "trained"}
+    assert trained and all(st == 0 for _, st in trained.values()), trained
+
+    bus = BusConfig(bootstrap_servers=broker)
+    samples = {r["rollout_id"]: r for r in read_table(bus, f"{run}.train_samples").to_pylist()}
+    assert set(trained) <= set(samples)
+    for rid, (version, _) in trained.items():  # sampled with the weights it was trained at
+        r = samples[rid]
+        assert r["policy_version_start"] == r["policy_version_end"] == version, (rid, r, version)
+    # each step's rows were sampled by the weights of the step before: versions 0..steps-1,
+    # one step's groups each (a filtered row leaves its step short, never another's long)
+    per_version = Counter(v for v, _ in trained.values())
+    assert set(per_version) == set(range(steps)), per_version
+    assert all(n <= batch_groups * group_size for n in per_version.values()), per_version
+    weights = read_table(bus, f"{run}.weights").column("policy_version").to_pylist()
+    assert sorted(set(weights)) == list(range(steps + 1)), weights

@@ -6,20 +6,15 @@ from __future__ import annotations
 
 import json
 import uuid
-from collections import Counter
 from pathlib import Path
 
 import pytest
-from testdata import tiny_recipe
+from testdata import assert_on_policy, tiny_recipe
 
 from relax.consumers.engines.base import SamplingParams
 from relax.infra.chaos import Kill, chaos_run
 from relax.infra.sections import RecipeError
 from relax.infra.stages import run_bus, stage_specs
-from relax.streams.client import BusConfig
-from relax.streams.read import read_table
-from relax.trainer import checkpoint
-from relax.trainer.ledger import Ledger
 
 STEPS = 4
 BATCH_GROUPS = 2
@@ -100,23 +95,7 @@ def test_colocated_run_trains_every_sample_on_policy(broker, tmp_path):
     stages = json.loads((Path(s["run_dir"]) / "stages.json").read_text())
     assert stages["trainer"]["kind"] == "colocate" and "rollout-0" not in stages, stages
 
-    ledger = Ledger.load(checkpoint.latest(Path(s["run_dir"])) / "ledger.parquet")
-    assert ledger.counts() == {"trained": s["trained"], "stale": s["stale"],
-                               "filtered": s["filtered"], "error": s["errors"]}, s
-    trained = {rid: (v, st) for rid, (o, v, st) in ledger.items() if o == "trained"}
-    assert trained and all(st == 0 for _, st in trained.values()), trained
-
-    bus = BusConfig(bootstrap_servers=broker)
-    samples = {r["rollout_id"]: r for r in read_table(bus, f"{run}.train_samples").to_pylist()}
-    assert set(trained) <= set(samples)
-    for rid, (version, _) in trained.items():  # sampled with the weights it was trained at
-        r = samples[rid]
-        assert r["policy_version_start"] == r["policy_version_end"] == version, (rid, r, version)
-    per_version = Counter(v for v, _ in trained.values())
-    assert set(per_version) == set(range(STEPS)), per_version
-    assert all(n <= BATCH_GROUPS * GROUP_SIZE for n in per_version.values()), per_version
-    weights = read_table(bus, f"{run}.weights").column("policy_version").to_pylist()
-    assert sorted(set(weights)) == list(range(STEPS + 1)), weights
+    assert_on_policy(s, broker, run, STEPS, BATCH_GROUPS, GROUP_SIZE)
 
 
 @pytest.mark.e2e

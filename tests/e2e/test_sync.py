@@ -5,16 +5,9 @@ groups sampled with the weights of the step before (docs/architecture.md, sectio
 from __future__ import annotations
 
 import uuid
-from collections import Counter
-from pathlib import Path
 
 import pytest
-from testdata import tiny_recipe
-
-from relax.streams.client import BusConfig
-from relax.streams.read import read_table
-from relax.trainer import checkpoint
-from relax.trainer.ledger import Ledger
+from testdata import assert_on_policy, tiny_recipe
 
 pytestmark = [pytest.mark.e2e, pytest.mark.usefixtures("local_ray")]
 
@@ -38,22 +31,4 @@ def test_sync_run_trains_every_sample_on_policy(broker, tmp_path):
     # the rollout stage's credit is one step's groups: nothing is sampled ahead, nothing stale
     assert s["stale"] == 0, s
 
-    ledger = Ledger.load(checkpoint.latest(Path(s["run_dir"])) / "ledger.parquet")
-    assert ledger.counts() == {"trained": s["trained"], "stale": s["stale"],
-                               "filtered": s["filtered"], "error": s["errors"]}, s
-    trained = {rid: (v, st) for rid, (o, v, st) in ledger.items() if o == "trained"}
-    assert trained and all(st == 0 for _, st in trained.values()), trained
-
-    bus = BusConfig(bootstrap_servers=broker)
-    samples = {r["rollout_id"]: r for r in read_table(bus, f"{run}.train_samples").to_pylist()}
-    assert set(trained) <= set(samples)
-    for rid, (version, _) in trained.items():  # sampled with the weights it was trained at
-        r = samples[rid]
-        assert r["policy_version_start"] == r["policy_version_end"] == version, (rid, r, version)
-    # each step's rows were sampled by the weights of the step before: versions 0..STEPS-1,
-    # one step's groups each (a filtered row leaves its step short, never another's long)
-    per_version = Counter(v for v, _ in trained.values())
-    assert set(per_version) == set(range(STEPS)), per_version
-    assert all(n <= BATCH_GROUPS * GROUP_SIZE for n in per_version.values()), per_version
-    weights = read_table(bus, f"{run}.weights").column("policy_version").to_pylist()
-    assert sorted(set(weights)) == list(range(STEPS + 1)), weights
+    assert_on_policy(s, broker, run, STEPS, BATCH_GROUPS, GROUP_SIZE)
