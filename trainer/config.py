@@ -168,6 +168,11 @@ class TrainerConfig(BaseModel):
             :func:`relax.trainer.batching.packed_row`) instead of padded rows sharing
             each group's prompt. Pays off when response lengths are skewed; micro-batches
             with media (images, audio) keep the padded path.
+        dtype: parameter dtype of the torch back end's model: ``float32`` or ``bfloat16``
+            (half the bytes of weights, gradients and AdamW state, pure bf16: no float32
+            master copy; LoRA adapters stay float32, peft's default). The log-probs and
+            the loss are float32 either way. The colocated engine generates with these
+            parameters (``mode: colocate``).
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -201,6 +206,7 @@ class TrainerConfig(BaseModel):
     logits_chunk_tokens: int = Field(1024, ge=0)
     packing: bool = False
     critic: CriticConfig | None = None
+    dtype: Literal["float32", "bfloat16"] = "float32"
 
     @model_validator(mode="after")
     def _check(self):
@@ -224,6 +230,9 @@ class TrainerConfig(BaseModel):
         if self.freeze and self.backend != "torch":
             raise ValueError(f"trainer.freeze: the {self.backend} back end trains every "
                              "parameter; freeze needs backend 'torch'")
+        if self.dtype != "float32" and self.backend != "torch":
+            raise ValueError(f"trainer.dtype {self.dtype!r}: the {self.backend} back end "
+                             "trains float32; dtype needs backend 'torch'")
         if self.packing and self.backend != "torch":
             raise ValueError(f"trainer.packing: the {self.backend} back end runs padded rows; "
                              "packing needs backend 'torch'")

@@ -189,7 +189,8 @@ class TorchBackend:
         cfg: trainer configuration.
         device: torch device (default: cuda if available, else cpu); with nccl, the
             rank's GPU (what ``init_data_parallel`` returns).
-        model: an already loaded model (tests); default: ``load_model(cfg.model)``.
+        model: an already loaded model (tests); default: ``load_model(cfg.model)`` with
+            ``cfg.dtype`` parameters.
     """
 
     def __init__(self, cfg: TrainerConfig, device: str | None = None, model=None):
@@ -198,7 +199,8 @@ class TorchBackend:
         self.cfg = cfg
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         torch.manual_seed(cfg.seed)
-        self.model = (model if model is not None else load_model(cfg.model)).to(self.device)
+        self.model = (model if model is not None
+                      else load_model(cfg.model, dtype=getattr(torch, cfg.dtype))).to(self.device)
         self.model.train()
         if cfg.freeze:
             left = freeze(self.model, cfg.freeze)
