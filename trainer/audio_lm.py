@@ -78,7 +78,7 @@ def _audio_processor(tmp: Path):
 
     tok = AutoTokenizer.from_pretrained(smollm2_tokenizer_dir())
     tok.add_special_tokens({"additional_special_tokens": AUDIO_TOKENS})
-    template = smollm2_template("audio", "<|audio_bos|><|AUDIO|><|audio_eos|>")
+    template = smollm2_template({"audio": "<|audio_bos|><|AUDIO|><|audio_eos|>"})
     tok.chat_template = template
     features = WhisperFeatureExtractor(feature_size=80, sampling_rate=RATE,
                                        chunk_length=CLIP_SECONDS)

@@ -10,7 +10,7 @@ A family says three things:
   order; the other keys prompt by prompt, ``[1, N, ...]`` padded to ``[U, max N, ...]``);
 * its **position ids** (``positions``): plain 1-D positions from the attention mask, or
   multimodal RoPE (Qwen2.5-VL, Qwen3-VL: ``[3, B, T]`` temporal/height/width positions
-  from the model's own ``get_rope_index`` over the image grids), with the offset
+  from the model's own ``get_rope_index`` over the image and video grids), with the offset
   (``delta``) that the tokens after the prompt add to their 1-D position;
 * the config ``model_type`` values it covers (``model_types``).
 
@@ -51,16 +51,19 @@ def _rope_index_owner(model):
 def mrope_positions(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                     inputs: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     """Multimodal RoPE positions (Qwen2.5-VL, Qwen3-VL) of left-padded rows from the model's own
-    ``get_rope_index``: ``([3, B, T] int64, [B, 1] int64 delta)``; an image's tokens get
-    (temporal, height, width) positions of its merged patch grid, text tokens one
+    ``get_rope_index``: ``([3, B, T] int64, [B, 1] int64 delta)``; an image's (a video's)
+    tokens get (temporal, height, width) positions of its merged patch grid, text tokens one
     position on all three, and a token after the prompt at 1-D position ``p`` sits at
     ``p + delta`` on all three.
 
     Args:
         input_ids: ``[B, T]`` int64, the image placeholders expanded.
         attention_mask: ``[B, T]``, 1 on real tokens.
-        inputs: the rows' media inputs (``image_grid_thw`` ``[images, 3]`` int64 in row
-            order); without any grid, the 1-D positions (:func:`text_positions`).
+        inputs: the rows' media inputs (``image_grid_thw`` ``[images, 3]`` and
+            ``video_grid_thw`` ``[videos, 3]`` int64 in row order; Qwen2.5-VL's
+            ``second_per_grid_ts`` ``[videos]`` float32, the seconds one temporal patch
+            spans, which space the video tokens' temporal positions); without any grid,
+            the 1-D positions (:func:`text_positions`).
     """
     if inputs.get("image_grid_thw") is None and inputs.get("video_grid_thw") is None:
         return text_positions(model, input_ids, attention_mask, inputs)
@@ -70,6 +73,7 @@ def mrope_positions(model, input_ids: torch.Tensor, attention_mask: torch.Tensor
     return owner.get_rope_index(input_ids, mm_token_type_ids=types,
                                 image_grid_thw=inputs.get("image_grid_thw"),
                                 video_grid_thw=inputs.get("video_grid_thw"),
+                                second_per_grid_ts=inputs.get("second_per_grid_ts"),
                                 attention_mask=attention_mask)
 
 
@@ -98,6 +102,10 @@ class Family:
     later_media: bool = True
 
 
+QWEN_VL_KEYS = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw")
+"""The media inputs of Qwen2.5-VL and Qwen3-VL images and video (Qwen2.5-VL adds
+``second_per_grid_ts``)."""
+
 FAMILIES = {
     "text": Family("text", ()),
     "idefics3": Family("idefics3", ("idefics3",),
@@ -106,12 +114,11 @@ FAMILIES = {
                           media_keys=("input_features", "feature_attention_mask"),
                           cat_keys=("input_features", "feature_attention_mask")),
     "qwen2.5-vl": Family("qwen2.5-vl", ("qwen2_5_vl",),
-                         media_keys=("pixel_values", "image_grid_thw"),
-                         cat_keys=("pixel_values", "image_grid_thw"),
+                         media_keys=QWEN_VL_KEYS + ("second_per_grid_ts",),
+                         cat_keys=QWEN_VL_KEYS + ("second_per_grid_ts",),
                          positions=mrope_positions, later_media=False),
     "qwen3-vl": Family("qwen3-vl", ("qwen3_vl",),
-                       media_keys=("pixel_values", "image_grid_thw"),
-                       cat_keys=("pixel_values", "image_grid_thw"),
+                       media_keys=QWEN_VL_KEYS, cat_keys=QWEN_VL_KEYS,
                        positions=mrope_positions, later_media=False),
 }
 """The families relax knows, by name."""
@@ -158,5 +165,5 @@ def cat_keys_of(keys) -> frozenset[str]:
     return rules.pop()
 
 
-__all__ = ["FAMILIES", "Family", "cat_keys_of", "family_of", "mrope_positions",
+__all__ = ["FAMILIES", "QWEN_VL_KEYS", "Family", "cat_keys_of", "family_of", "mrope_positions",
            "text_positions"]

@@ -1,11 +1,12 @@
-"""A row's images and audio as model inputs, the same way in the rollout engine and the
-trainer.
+"""A row's images, video and audio as model inputs, the same way in the rollout engine and
+the trainer.
 
 A prompt row carries its media by reference (``media`` items: inline bytes or a blob URI,
 :mod:`relax.producers.media`) and its text with ``<relax:image>`` / ``<relax:audio>``
 marks where a chat message had a media part. :func:`chat_with_media` turns that back into
-content parts (items with no mark, from an ``--image-field`` / ``--audio-field`` column,
-open the last user message, as SmolVLM, Qwen2-VL and Qwen2-Audio prompts put them), and
+content parts (items with no mark, from an ``--image-field`` / ``--video-field`` /
+``--audio-field`` column, open the last user message, as SmolVLM, Qwen2-VL and Qwen2-Audio
+prompts put them), and
 the model's own transformers processor renders the chat template and expands each item
 into its placeholder tokens (:func:`encode_prompt`). The trainer never re-renders the
 text: it takes the rollout's ``prompt_ids`` and recomputes only the media inputs from the
@@ -20,6 +21,14 @@ Media inputs, per prompt (what the processor returns besides the token ids):
   flattened patches of the N images) and ``image_grid_thw`` ``[N, 3]`` int64 (each
   image's temporal, height and width patch counts; the trainer's and the engine's
   multimodal RoPE positions come from them);
+* video (Qwen2.5-VL, Qwen3-VL): ``pixel_values_videos`` ``[patches, C * 2 * P * P]``
+  float32 and ``video_grid_thw`` ``[N, 3]`` int64 of the N clips' frames (two frames a
+  temporal patch), and for Qwen2.5-VL ``second_per_grid_ts`` ``[N]`` float32 (seconds a
+  temporal patch spans); Qwen3-VL writes each temporal patch's timestamp into the prompt
+  text instead (``<0.1 seconds>``). A video item holds the frames ``relax publish``
+  sampled, with their timestamps (:func:`relax.schemas.media.video_frames`); the
+  processor takes them as they are (no re-sampling) with the timestamps as their
+  metadata (:func:`videos_of`);
 * audio (Qwen2-Audio, Whisper features): ``input_features`` ``[N, mel, frames]`` float32
   (log-mel, padded to the feature extractor's ``chunk_length`` seconds) and
   ``feature_attention_mask`` ``[N, frames]`` int, N clips of the prompt.
@@ -97,9 +106,42 @@ def audio_of(items: list[dict] | None, rate: int, seconds: float) -> list[np.nda
     return out
 
 
+def videos_of(items: list[dict] | None) -> list[tuple[list, object]]:
+    """The ``video`` items' frames and their ``transformers.video_utils.VideoMetadata``, in
+    order: ``(F PIL RGB frames, metadata)`` per clip.
+
+    The metadata puts the stored timestamps ``t_i`` (seconds) where a transformers video
+    processor reads them: ``fps = 1 / s`` with ``s`` the mean spacing of the frames
+    (``(t_last - t_0) / (F - 1)``; one frame: the clip's frame time) and
+    ``frames_indices = t_i / s``, so ``frames_indices / fps`` (the timestamps Qwen3-VL
+    writes) are the ``t_i`` and the sampled rate (``F / total_num_frames * fps``, of which
+    Qwen2.5-VL's ``second_per_grid_ts`` is ``temporal_patch_size / rate``) is ``1 / s``.
+
+    Raises:
+        ValueError: an item that is not a frame strip (:func:`relax.schemas.media.video_frames`).
+        FileNotFoundError: a blob URI that does not exist.
+    """
+    from transformers.video_utils import VideoMetadata
+
+    from relax.schemas.media import video_frames
+
+    out = []
+    for it in items or []:
+        if it["kind"] != "video":
+            continue
+        frames, times, info = video_frames(item_bytes(it))
+        step = (times[-1] - times[0]) / (len(times) - 1) if len(times) > 1 else 0.0
+        step = step if step > 0 else 1.0 / info["fps"]
+        out.append((frames, VideoMetadata(
+            total_num_frames=len(frames), fps=1.0 / step, width=info["width"],
+            height=info["height"], duration=times[-1] + step,
+            frames_indices=[t / step for t in times])))
+    return out
+
+
 def mark_media(messages: list[dict], items: list[dict] | None) -> list[dict]:
     """``messages`` (``{role, content: str}``) with a mark for every item beyond the
-    marks already there, at the start of the last user message (images, then audio):
+    marks already there, at the start of the last user message (images, video, then audio):
     afterwards the marks alone say where every item is, so that messages added later
     (multi-turn) do not move them.
 
@@ -107,7 +149,7 @@ def mark_media(messages: list[dict], items: list[dict] | None) -> list[dict]:
         ValueError: more marks of a kind than items of that kind.
     """
     extra = ""
-    for kind in ("image", "audio"):
+    for kind in ("image", "video", "audio"):
         have = sum(1 for it in items or [] if it["kind"] == kind)
         marks = sum(1 for m in messages for k, _ in split_marked(m["content"]) if k == kind)
         if marks > have:
@@ -120,26 +162,27 @@ def mark_media(messages: list[dict], items: list[dict] | None) -> list[dict]:
             for i, m in enumerate(messages)]
 
 
-def refuse_video(items: list[dict] | None) -> None:
-    """Raise ValueError if ``items`` hold a ``video`` item: ``relax publish`` stores a
-    clip's sampled frames, but no model family here takes video yet, and dropping it would
-    train on the text alone without a word."""
+def refuse_video(processor, items: list[dict] | None) -> None:
+    """Raise ValueError if ``items`` hold a ``video`` item and ``processor`` (the model's)
+    has no video processor: the model's family takes no video (Qwen2.5-VL and Qwen3-VL
+    do), and dropping the clip would train on the text alone without a word."""
     n = sum(1 for it in items or [] if it["kind"] == "video")
-    if n:
-        raise ValueError(f"the row has {n} video items; no model family relax runs takes "
-                         "video yet (issue 56): publish it without --video-field")
+    if n and getattr(processor, "video_processor", None) is None:
+        raise ValueError(f"the row has {n} video items; the model's processor "
+                         f"({type(processor).__name__}) takes no video (families with video: "
+                         "qwen2.5-vl, qwen3-vl): publish it without --video-field or train a "
+                         "model of those")
 
 
 def chat_with_media(messages: list[dict], items: list[dict] | None) -> list[dict]:
     """``messages`` (``{role, content: str}``) with content parts for the media: each
-    ``<relax:image>`` / ``<relax:audio>`` mark becomes an ``{"type": kind}`` part in
-    place; the items beyond the marks open the last user message (:func:`mark_media`).
-    Text-only input comes back unchanged.
+    ``<relax:image>`` / ``<relax:video>`` / ``<relax:audio>`` mark becomes an
+    ``{"type": kind}`` part in place; the items beyond the marks open the last user
+    message (:func:`mark_media`). Text-only input comes back unchanged.
 
     Raises:
-        ValueError: more marks of a kind than items of that kind; a video item.
+        ValueError: more marks of a kind than items of that kind.
     """
-    refuse_video(items)
     marked = mark_media(messages, items)
     if not items:
         return messages
@@ -203,9 +246,11 @@ def encode_prompt(processor, messages: list[dict], items: list[dict] | None
     inputs (see the module docstring; empty dict without media) of one prompt.
 
     Raises:
-        ValueError: see :func:`chat_with_media` and :func:`audio_of`; audio for a
-            processor without a feature extractor.
+        ValueError: see :func:`chat_with_media`, :func:`audio_of` and :func:`videos_of`;
+            audio for a processor without a feature extractor, video for one without a
+            video processor (:func:`refuse_video`).
     """
+    refuse_video(processor, items)
     chat = chat_with_media(messages, items)
     text = processor.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
     enc = processor(text=[text], return_tensors="pt", **_media_kwargs(processor, items))
@@ -213,10 +258,15 @@ def encode_prompt(processor, messages: list[dict], items: list[dict] | None
 
 
 def _media_kwargs(processor, items: list[dict] | None) -> dict:
-    """The processor's keyword arguments for the items' images and audio (decoded)."""
+    """The processor's keyword arguments for the items' images, video and audio (decoded;
+    video frames as they are, not re-sampled)."""
     kwargs = {}
     if images := images_of(items):
         kwargs["images"] = [images]
+    if videos := videos_of(items):
+        kwargs["videos"] = [frames for frames, _ in videos]
+        kwargs["video_metadata"] = [meta for _, meta in videos]
+        kwargs["do_sample_frames"] = False
     if audio := _audio(processor, items):
         kwargs["audio"] = audio
         kwargs["sampling_rate"] = processor.feature_extractor.sampling_rate
@@ -228,8 +278,9 @@ def unexpanded_ids(processor, messages: list[dict], items: list[dict] | None) ->
     it (what an engine that runs the processor itself takes, such as SGLang).
 
     Raises:
-        ValueError: see :func:`chat_with_media`.
+        ValueError: see :func:`chat_with_media` and :func:`refuse_video`.
     """
+    refuse_video(processor, items)
     text = processor.apply_chat_template(chat_with_media(messages, items),
                                          add_generation_prompt=True, tokenize=False)
     return list(processor.tokenizer.encode(text, add_special_tokens=False))
@@ -240,8 +291,9 @@ def tokens_of(processor, text: str, items: list[dict]) -> list[int]:
     ``items``), each placeholder expanded by the processor; no special tokens added.
 
     Raises:
-        ValueError: see :func:`audio_of`.
+        ValueError: see :func:`audio_of`, :func:`videos_of` and :func:`refuse_video`.
     """
+    refuse_video(processor, items)
     enc = processor(text=[text], add_special_tokens=False, **_media_kwargs(processor, items))
     return [int(t) for t in enc["input_ids"][0]]
 
@@ -251,15 +303,20 @@ def _inputs(enc) -> dict[str, torch.Tensor]:
 
 
 def media_inputs(processor, items: list[dict] | None) -> dict[str, torch.Tensor]:
-    """The media inputs :func:`encode_prompt` gives for ``items`` (the image processor
-    and the feature extractor alone; empty dict without media).
+    """The media inputs :func:`encode_prompt` gives for ``items`` (the image processor,
+    the processor's video path without text, and the feature extractor; empty dict
+    without media).
 
     Raises:
-        ValueError: a video item (:func:`refuse_video`)."""
-    refuse_video(items)
+        ValueError: see :func:`refuse_video` and :func:`videos_of`."""
+    refuse_video(processor, items)
     out = {}
     if images := images_of(items):
         out.update(_inputs(processor.image_processor(images=[images], return_tensors="pt")))
+    if videos := videos_of(items):
+        out.update(_inputs(processor(videos=[frames for frames, _ in videos],
+                                     video_metadata=[meta for _, meta in videos],
+                                     do_sample_frames=False, return_tensors="pt")))
     if audio := _audio(processor, items):
         fe = processor.feature_extractor
         enc = fe(audio, sampling_rate=fe.sampling_rate, padding="max_length",
@@ -342,4 +399,5 @@ def cache_arg(module) -> str:
 
 __all__ = ["MEDIA_KEYS", "audio_of", "cache_arg", "chat_with_media", "encode_prompt", "images_of",
            "item_bytes", "kv_cache", "mark_media", "media_inputs", "media_inputs_of",
-           "observation_media", "refuse_video", "stack_media", "tokens_of", "unexpanded_ids"]
+           "observation_media", "refuse_video", "stack_media", "tokens_of", "unexpanded_ids",
+           "videos_of"]

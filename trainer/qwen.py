@@ -10,18 +10,24 @@ config and model classes, for tests and CPU recipes.
   block) over images resized to 112 x 112 (an 8 x 8 patch grid: 16 image tokens per
   image), the same text trunk with multimodal RoPE (``mrope_section`` [2, 3, 3] of its
   8 rotary frequencies), its processor ``Qwen2_5_VLProcessor`` with
-  ``Qwen2VLImageProcessor`` (and ``Qwen2VLVideoProcessor``, which the processor class
-  requires; both need torchvision);
+  ``Qwen2VLImageProcessor`` and ``Qwen2VLVideoProcessor`` (video frames resized to 56 x
+  56, two frames a temporal patch: 4 video tokens per 2 frames, and ``second_per_grid_ts``
+  from the frames' timestamps; both need torchvision);
 * ``tiny-qwen3-vl``: ``Qwen3VLForConditionalGeneration``: a 2-block vision encoder (patch
   16, merge 2, learned 8 x 8 position grid, its block-0 features also added to text layer
   0: DeepStack) over images resized to 128 x 128 (16 image tokens per image), the same
   text trunk with interleaved multimodal RoPE (``mrope_section`` [4, 2, 2]),
-  ``Qwen3VLProcessor`` with ``Qwen2VLImageProcessor`` and ``Qwen3VLVideoProcessor``.
+  ``Qwen3VLProcessor`` with ``Qwen2VLImageProcessor`` and ``Qwen3VLVideoProcessor`` (64 x
+  64 frames kept, 4 video tokens per 2 frames, each pair of frames written as
+  ``<T seconds><|vision_start|>...<|vision_end|>`` with its mean timestamp).
 
 All use the SmolLM2 tokenizer and chat template (ids as ``tiny-llama``'s); the VL model
 adds Qwen2-VL's four vision tokens (ids 49152-49155), and its template renders an
-``{"type": "image"}`` part as ``<|vision_start|><|image_pad|><|vision_end|>``, which the
-processor expands to one ``<|image_pad|>`` per merged patch. Seeds fixed
+``{"type": "image"}`` part as ``<|vision_start|><|image_pad|><|vision_end|>`` and a
+``{"type": "video"}`` part as ``<|vision_start|><|video_pad|><|vision_end|>``
+(:data:`VL_PLACEHOLDERS`, as the real models' templates do), which the processor expands
+to one pad token per merged patch. The video processors take the frames ``relax
+publish`` sampled as they are (``do_sample_frames`` off). Seeds fixed
 (:data:`QWEN_SEED`), so the weights are bit-identical everywhere.
 """
 
@@ -35,6 +41,18 @@ QWEN_SEED = 2468
 QWEN25_VL_IMAGE_SIZE = 112
 QWEN3_VL_IMAGE_SIZE = 128
 VISION_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
+VL_PLACEHOLDERS = {"image": "<|vision_start|><|image_pad|><|vision_end|>",
+                   "video": "<|vision_start|><|video_pad|><|vision_end|>"}
+"""What the VL models' chat template writes for an image / a video part (as the real
+Qwen2.5-VL and Qwen3-VL templates do); the processor expands each."""
+QWEN25_VL_VIDEO_SIZE = {"shortest_edge": 56 * 56, "longest_edge": 56 * 56}
+"""Qwen2.5-VL video frames: resized to 56 x 56 pixels each (a 4 x 4 patch grid)."""
+QWEN3_VL_VIDEO_SIZE = {"shortest_edge": 2 * 64 * 64, "longest_edge": 32 * 64 * 64}
+"""Qwen3-VL video: its pixel budget over all frames (64 x 64 frames kept as they are up to
+32 frames: a 4 x 4 patch grid)."""
+VL_REVISION = 2
+"""Revision of the VL folders' files (revision 2: video parts in the template, the video
+processors' sizes); a cached folder of another revision is not used."""
 MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
            decoder_sparse_step=1, norm_topk_prob=True)
 
@@ -115,28 +133,31 @@ def tiny_qwen3_vl_config(vocab_size: int, token_ids: dict[str, int]):
         vision_end_token_id=token_ids["<|vision_end|>"])
 
 
-def _vl_dir(name: str, patch: int, size: int, processor: str, videos: str, model: str,
-            config) -> Path:
+def _vl_dir(name: str, patch: int, size: int, processor: str, videos: str, video_size: dict,
+            model: str, config) -> Path:
     """A tiny Qwen VL folder: the SmolLM2 tokenizer with :data:`VISION_TOKENS`, the
     transformers ``processor`` class over ``Qwen2VLImageProcessor`` (images resized to
     ``size`` x ``size``, ``patch`` pixels a patch, merge 2) and the ``videos`` processor
-    class, and the ``model`` class built from ``config(vocab_size, token_ids)``."""
+    class (``video_size`` its pixel budget; frames taken as given, not re-sampled), and
+    the ``model`` class built from ``config(vocab_size, token_ids)``."""
     import transformers
 
     from relax.trainer.model_store import cache_dir, publish_folder, smollm2_tokenizer_dir
     from relax.trainer.vlm import smollm2_template
 
     def build(tmp: Path) -> None:
-        template = smollm2_template("image", "<|vision_start|><|image_pad|><|vision_end|>")
+        template = smollm2_template(VL_PLACEHOLDERS)
         tok = transformers.AutoTokenizer.from_pretrained(smollm2_tokenizer_dir())
         tok.add_special_tokens({"additional_special_tokens": VISION_TOKENS})
         tok.chat_template = template
         grid = dict(patch_size=patch, merge_size=2, temporal_patch_size=2)
         images = transformers.Qwen2VLImageProcessor(min_pixels=size * size,
                                                     max_pixels=size * size, **grid)
+        clips = getattr(transformers, videos)(do_sample_frames=False, cap_pixels_per_frame=False,
+                                              size=video_size, **grid)
         proc = getattr(transformers, processor)(
             image_processor=images, tokenizer=tok, chat_template=template,
-            video_processor=getattr(transformers, videos)(**grid))
+            video_processor=clips)
         ids = {t: tok.convert_tokens_to_ids(t) for t in VISION_TOKENS}
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(QWEN_SEED)
@@ -146,14 +167,15 @@ def _vl_dir(name: str, patch: int, size: int, processor: str, videos: str, model
         net.save_pretrained(tmp, safe_serialization=True)
         proc.save_pretrained(tmp)
 
-    return publish_folder(build, cache_dir() / "models" / name)
+    return publish_folder(build, cache_dir() / "models" / f"{name}-r{VL_REVISION}")
 
 
 def tiny_qwen25_vl_dir() -> Path:
     """The ``tiny-qwen2.5-vl`` folder (model, tokenizer, processor), built into the model
     cache once."""
     return _vl_dir("tiny-qwen2.5-vl", 14, QWEN25_VL_IMAGE_SIZE, "Qwen2_5_VLProcessor",
-                   "Qwen2VLVideoProcessor", "Qwen2_5_VLForConditionalGeneration",
+                   "Qwen2VLVideoProcessor", QWEN25_VL_VIDEO_SIZE,
+                   "Qwen2_5_VLForConditionalGeneration",
                    tiny_qwen25_vl_config)
 
 
@@ -161,16 +183,20 @@ def tiny_qwen3_vl_dir() -> Path:
     """The ``tiny-qwen3-vl`` folder (model, tokenizer, processor), built into the model
     cache once."""
     return _vl_dir("tiny-qwen3-vl", 16, QWEN3_VL_IMAGE_SIZE, "Qwen3VLProcessor",
-                   "Qwen3VLVideoProcessor", "Qwen3VLForConditionalGeneration",
+                   "Qwen3VLVideoProcessor", QWEN3_VL_VIDEO_SIZE, "Qwen3VLForConditionalGeneration",
                    tiny_qwen3_vl_config)
 
 
 __all__ = [
     "MOE",
     "QWEN3_VL_IMAGE_SIZE",
+    "QWEN3_VL_VIDEO_SIZE",
     "QWEN25_VL_IMAGE_SIZE",
+    "QWEN25_VL_VIDEO_SIZE",
     "QWEN_SEED",
     "VISION_TOKENS",
+    "VL_PLACEHOLDERS",
+    "VL_REVISION",
     "tiny_qwen3_config",
     "tiny_qwen3_dir",
     "tiny_qwen3_vl_config",

@@ -25,10 +25,12 @@ IMAGE_SIZE = 64
 IMAGE_TOKENS = ["<image>", "<fake_token_around_image>", "<global-img>", "<end_of_utterance>"]
 
 
-def smollm2_template(kind: str, placeholder: str) -> str:
+def smollm2_template(placeholders: dict[str, str]) -> str:
     """SmolLM2-Instruct's chat template with content parts: a ``{"type": kind}`` part
-    renders as ``placeholder`` (which the model's processor expands), a text part as its
-    text."""
+    renders as ``placeholders[kind]`` (which the model's processor expands), a text part
+    as its text, a part of another type as nothing."""
+    parts = "".join(f"{{% {'if' if i == 0 else 'elif'} part['type'] == '{kind}' %}}{text}"
+                    for i, (kind, text) in enumerate(placeholders.items()))
     return (
         "{% for message in messages %}"
         "{% if loop.first and messages[0]['role'] != 'system' %}<|im_start|>system\n"
@@ -36,13 +38,13 @@ def smollm2_template(kind: str, placeholder: str) -> str:
         "{% endif %}<|im_start|>{{ message['role'] }}\n"
         "{% if message['content'] is string %}{{ message['content'] }}"
         "{% else %}{% for part in message['content'] %}"
-        f"{{% if part['type'] == '{kind}' %}}{placeholder}"
+        f"{parts}"
         "{% elif part['type'] == 'text' %}{{ part['text'] }}"
         "{% endif %}{% endfor %}{% endif %}<|im_end|>\n"
         "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
 
-CHAT_TEMPLATE = smollm2_template("image", "<image>")
+CHAT_TEMPLATE = smollm2_template({"image": "<image>"})
 """SmolLM2-Instruct's template with image parts (see the module docstring)."""
 
 

@@ -119,11 +119,15 @@ def media_fields(media: list[list[dict] | None]) -> dict:
 
     Raises:
         FileNotFoundError: a blob URI that does not exist.
+        ValueError: a video item (not sent to SGLang: the rollout refuses such rows).
     """
     import base64
 
     from relax.trainer.multimodal import item_bytes
 
+    if any(it["kind"] == "video" for items in media for it in items or []):
+        raise ValueError("video items are not sent to SGLang (its server samples a clip "
+                         "itself; relax stores the frames it sampled): use the HF engine")
     out = {}
     for kind, field in (("image", "image_data"), ("audio", "audio_data")):
         per = [[f"data:{it['mime']};base64,{base64.b64encode(item_bytes(it)).decode()}"

@@ -7,6 +7,8 @@ the engine's prefill and the trainer's forward."""
 from __future__ import annotations
 
 import dataclasses
+import itertools
+import re
 from pathlib import Path
 
 import pyarrow as pa
@@ -20,7 +22,15 @@ from relax.schemas.media import MEDIA_MARK
 from relax.schemas.v1 import TRAIN_SAMPLES
 from relax.trainer.batching import collate
 from relax.trainer.families import FAMILIES, cat_keys_of, family_of, mrope_positions
-from relax.trainer.multimodal import encode_prompt, media_inputs, stack_media, unexpanded_ids
+from relax.trainer.multimodal import (
+    chat_with_media,
+    encode_prompt,
+    images_of,
+    media_inputs,
+    stack_media,
+    unexpanded_ids,
+    videos_of,
+)
 
 G, TEMPERATURE = 3, 0.7
 
@@ -93,6 +103,9 @@ def test_each_model_type_has_one_family_and_unknown_media_models_are_refused():
     assert cat_keys_of({"image_grid_thw", "pixel_values"}) == {"image_grid_thw", "pixel_values"}
     assert cat_keys_of({"pixel_attention_mask", "pixel_values"}) == set()
     assert cat_keys_of({"input_features"}) == {"input_features"}
+    video = {"pixel_values_videos", "video_grid_thw"}
+    assert cat_keys_of(video) == video  # Qwen2.5-VL and Qwen3-VL alike
+    assert cat_keys_of(video | {"second_per_grid_ts"}) == video | {"second_per_grid_ts"}
     with pytest.raises(ValueError, match=r"media inputs \['pixel_values'\]: 3 families take "
                                          r"them \(idefics3, qwen2.5-vl, qwen3-vl\) with 2 "
                                          "batching rules"):
@@ -276,6 +289,173 @@ def test_qwen_vl_engine_logprobs_equal_the_trainers_on_image_prompts(qwen_vl):
     visual = {n: p.detach().clone() for n, p in backend.model.named_parameters()
               if ".visual." in n or n.startswith("visual.")}
     assert visual
+    stats = backend.train_step([mb])
+    moved = max(float((p.detach() - visual[n]).abs().max())
+                for n, p in backend.model.named_parameters() if n in visual)
+    assert stats["grad_norm"] > 0 and moved > 1e-5, (stats, moved)
+
+
+# ------------------------------------------------------------------ Qwen2.5-VL, Qwen3-VL video
+
+
+def _clips(n: int, fps: float = 8.0) -> list[tuple[str, str, dict]]:
+    """``n`` moving-square clips (8 frames of 64 x 64 at 8 fps) as published video items,
+    frames sampled at ``fps``: ``(question, answer, item)``."""
+    from relax.producers.sources import read_source
+
+    opts = MediaOptions(video_fps=fps, video_max_frames=8)
+    return [(r.record["question"], r.record["answer"],
+             media_item("video", r.record["video"], "video", opts))
+            for r in read_source(f"moving_square:test?size={n}&seed=4")]
+
+
+def _video_spans(ids: list[int], tok) -> list[list[int]]:
+    """Per ``<|vision_start|>`` that opens video tokens, how many ``<|video_pad|>`` follow
+    it before its ``<|vision_end|>``."""
+    pad, start, end = (tok.convert_tokens_to_ids(t) for t in
+                       ("<|video_pad|>", "<|vision_start|>", "<|vision_end|>"))
+    spans = []
+    for s in (i for i, t in enumerate(ids) if t == start and ids[i + 1] == pad):
+        n = next(j for j in range(s + 1, len(ids)) if ids[j] != pad) - s - 1
+        assert ids[s + 1 + n] == end
+        spans.append(n)
+    return spans
+
+
+def test_qwen_vl_each_video_is_expanded_once_in_its_own_message(qwen_vl):
+    """Two clips (8 and 4 frames) over three turns: each clip's video tokens appear once,
+    in the message it came in (Qwen2.5-VL: one ``<|vision_start|><|video_pad|> x 4T
+    <|vision_end|>`` per clip; Qwen3-VL: one such group of 4 per two frames, each after
+    its timestamp ``<t seconds>``); the trainer's rebuilt grids ask for exactly the
+    placeholders the rollout holds; the SGLang-style unexpanded ids hold one placeholder
+    per clip."""
+    engine, proc = qwen_vl
+    (q0, _, v0), = _clips(1)
+    (_, _, v1), = _clips(1, fps=4.0)  # the same clip, every second frame: 4 frames
+    video = MEDIA_MARK.format(kind="video")
+    messages = [{"role": "user", "content": f"{video}{q0}"},
+                {"role": "assistant", "content": "left"},
+                {"role": "user", "content": f"and slower? {video}"}]
+    ids, inputs = encode_prompt(proc, messages, [v0, v1])
+    tok = proc.tokenizer
+    assert inputs["video_grid_thw"].tolist() == [[4, 4, 4], [2, 4, 4]]
+    assert inputs["pixel_values_videos"].shape[0] == 64 + 32
+    qwen3 = "second_per_grid_ts" not in inputs
+    pad = tok.convert_tokens_to_ids("<|video_pad|>")
+    assert ids.count(pad) == 24 and ids.count(tok.convert_tokens_to_ids("<|image_pad|>")) == 0
+    assert _video_spans(ids, tok) == ([4] * 6 if qwen3 else [16, 8])
+    text = tok.decode(ids)
+    head, tail = text.split("and slower?")
+    assert head.count("<|video_pad|>") == 16 and tail.count("<|video_pad|>") == 8
+    assert head.rindex("<|video_pad|>") < head.index(q0) < head.index("left")
+    if qwen3:  # the mean timestamp of each two frames: 8 fps, then 4 fps
+        stamps = [float(x) for x in re.findall(r"<([0-9.]+) seconds>", text)]
+        assert stamps == [0.1, 0.3, 0.6, 0.8, 0.1, 0.6], stamps
+    else:  # two frames a temporal patch: 0.25 s at 8 fps, 0.5 s at 4 fps
+        assert inputs["second_per_grid_ts"].tolist() == [0.25, 0.5]
+    again = media_inputs(proc, [v0, v1])  # what the trainer rebuilds from the row
+    assert again.keys() == inputs.keys()
+    assert all(torch.equal(again[k], inputs[k]) for k in inputs)
+    merge = engine.model.config.vision_config.spatial_merge_size
+    assert int((again["video_grid_thw"].prod(-1) // merge ** 2).sum()) == ids.count(pad)
+    short = unexpanded_ids(proc, messages, [v0, v1])
+    assert short.count(pad) == 2
+
+
+def _own_encoding(proc, messages, items):
+    """The processor's own output for a chat with media (``mm_token_type_ids`` too)."""
+    text = proc.apply_chat_template(chat_with_media(messages, items),
+                                    add_generation_prompt=True, tokenize=False)
+    kwargs = {}
+    if images := images_of(items):
+        kwargs["images"] = [images]
+    if videos := videos_of(items):
+        kwargs.update(videos=[f for f, _ in videos], video_metadata=[m for _, m in videos],
+                      do_sample_frames=False)
+    return proc(text=[text], return_tensors="pt", **kwargs)
+
+
+def test_qwen_vl_video_positions_are_the_models_own_rope_index(qwen_vl):
+    """A batch of left-padded prompts (a clip, text only, an image and a clip): the
+    multimodal RoPE positions equal ``get_rope_index`` of each prompt alone with the
+    processor's own token types (and Qwen2.5-VL's ``second_per_grid_ts``); a clip's
+    tokens span 4 temporal positions (Qwen2.5-VL: ``tokens_per_second`` x 0.25 s apart;
+    Qwen3-VL: one frame group each, with its timestamp text between)."""
+    engine, proc = qwen_vl
+    (q0, _, v0), (q1, _, v1) = _clips(2)
+    (_, png), = _vqa(1)
+    img = media_item("image", png, "image", MediaOptions())
+    video, image = MEDIA_MARK.format(kind="video"), MEDIA_MARK.format(kind="image")
+    encs, per = [], []
+    for content, items in ((f"{video}{q0}", [v0]), ("no video here", None),
+                           (f"{image} then {video}{q1}", [img, v1])):
+        ids, inputs = encode_prompt(proc, [{"role": "user", "content": content}], items)
+        per.append(inputs)
+        enc = _own_encoding(proc, [{"role": "user", "content": content}], items)
+        assert enc["input_ids"][0].tolist() == ids
+        encs.append(enc)
+    width = max(e["input_ids"].shape[1] for e in encs)
+    ids = torch.full((3, width), 2, dtype=torch.long)
+    mask = torch.zeros(3, width, dtype=torch.long)
+    for i, e in enumerate(encs):
+        n = e["input_ids"].shape[1]
+        ids[i, width - n:], mask[i, width - n:] = e["input_ids"][0], 1
+    inputs = stack_media(per, family_of(engine.model.config))
+    pos, delta = mrope_positions(engine.model, ids, mask, inputs)
+    for i, e in enumerate(encs):
+        own, own_delta = engine.model.model.get_rope_index(
+            e["input_ids"], mm_token_type_ids=e["mm_token_type_ids"],
+            image_grid_thw=e.get("image_grid_thw"), video_grid_thw=e.get("video_grid_thw"),
+            second_per_grid_ts=e.get("second_per_grid_ts"))
+        n = e["input_ids"].shape[1]
+        assert torch.equal(pos[:, i, width - n:], own[:, 0]), i
+        assert int(delta[i]) == int(own_delta[0])
+    pad = proc.tokenizer.convert_tokens_to_ids("<|video_pad|>")
+    first = pos[:, 0, (ids[0] == pad)]  # [3, 16]: the first prompt's clip
+    assert int(delta[1]) == 0 and int(delta[0]) < 0
+    temporal = sorted(set(first[0].tolist()))
+    assert len(temporal) == 4
+    if "second_per_grid_ts" in inputs:  # one grid: 4 x (2 x 2), 0.25 s a temporal patch
+        assert len(set(first[1].tolist())) == len(set(first[2].tolist())) == 2
+        tps = engine.model.config.vision_config.tokens_per_second
+        assert [b - a for a, b in itertools.pairwise(temporal)] == [int(tps * 0.25)] * 3
+    else:  # a 2 x 2 grid per frame group, each after its timestamp text
+        for g in first.reshape(3, 4, 4).unbind(1):
+            assert len(set(g[0].tolist())) == 1
+            assert len(set(g[1].tolist())) == len(set(g[2].tolist())) == 2
+        assert min(b - a for a, b in itertools.pairwise(temporal)) > 2
+
+
+def test_qwen_vl_engine_logprobs_equal_the_trainers_on_video_prompts(qwen_vl):
+    """Three moving-square prompts (one clip sampled at 4 fps, one marked mid-message), G=3
+    samples each: max |rollout - trainer| and |rollout - reference stage| <= 1e-5 (fp32),
+    the video grids, Qwen2.5-VL's ``second_per_grid_ts`` and multimodal RoPE on every side;
+    the engine without the clip samples another distribution; one AdamW step moves the
+    vision encoder."""
+    engine, proc = qwen_vl
+    prompts, media, inputs = [], [], []
+    clips = _clips(3)
+    clips[2] = (clips[2][0], clips[2][1], _clips(3, fps=4.0)[2][2])
+    for i, (q, _, item) in enumerate(clips):
+        content = q if i != 1 else f"Watch: {MEDIA_MARK.format(kind='video')}\n{q}"
+        ids, inp = encode_prompt(proc, [{"role": "user", "content": content}], [item])
+        prompts.append(ids)
+        media.append([item])
+        inputs.append(inp)
+    assert "video_grid_thw" in inputs[0] and "pixel_values" not in inputs[0]
+    name = engine.engine_id.removesuffix("-0")
+    diff, backend, mb, ref_diff = _c12(name, engine, prompts, inputs, media)
+    assert diff <= 1e-5 and ref_diff <= 1e-5, (diff, ref_diff)
+    assert mb.prompt_mask.sum(-1).tolist() == [len(p) for p in prompts]
+
+    params = SamplingParams(max_new_tokens=1, temperature=1.0, seed=1)
+    blind = engine.generate([prompts[0]], params)
+    seen = engine.generate([prompts[0]], params, media=[inputs[0]])
+    assert blind[0].token_ids != seen[0].token_ids or \
+        abs(blind[0].logprobs[0] - seen[0].logprobs[0]) > 1e-4
+
+    visual = {n: p.detach().clone() for n, p in backend.model.named_parameters()
+              if ".visual." in n or n.startswith("visual.")}
     stats = backend.train_step([mb])
     moved = max(float((p.detach() - visual[n]).abs().max())
                 for n, p in backend.model.named_parameters() if n in visual)
