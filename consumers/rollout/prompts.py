@@ -87,6 +87,7 @@ class PromptQueue:
         self.remaining: dict[tuple, int] = {}
         self.epoch: dict = {}
         self.revoked: set = set()  # prompt partitions taken away by a rebalance (I/O thread)
+        self.assigned: set = set()  # prompt partitions held now (the I/O thread's callbacks)
         self._revoked_lock = threading.Lock()
         self.pending_gids: dict[tuple, list[str]] = {}  # prompt message -> groups produced
         # groups produced here for prompts of partitions a rebalance took away, not
@@ -120,6 +121,7 @@ class PromptQueue:
         (TopicPartitions) until the stage thread's next :meth:`drop_revoked`."""
         with self._revoked_lock:
             self.revoked.update(partitions)
+            self.assigned.difference_update(partitions)
 
     def drop_revoked(self) -> None:
         """Forget the queued prompts of partitions a rebalance took away: their new owner
@@ -143,6 +145,8 @@ class PromptQueue:
         """The consumer's ``on_assign`` callback (its I/O thread): partitions came here;
         the stage thread's next :meth:`enqueue` reads the run's rollout state again first
         (:meth:`learn_state`)."""
+        with self._revoked_lock:
+            self.assigned.update(partitions)
         self._assigned.set()
 
     def learn_state(self) -> None:

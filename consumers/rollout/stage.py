@@ -96,6 +96,10 @@ class RolloutStage:
         run's allowance and the claim log's grants)."""
         return credit.credit_left(self.allowance(), self._granted())
 
+    def prompt_partitions(self) -> int:
+        """Prompt partitions this instance holds now (its consumer group's assignment)."""
+        return len(self._prompts.assigned)
+
     def groups_in_flight(self) -> int:
         """Groups of the run granted and not yet decided by the trainer
         (:func:`credit.groups_in_flight`)."""
@@ -184,12 +188,18 @@ class RolloutStage:
         """The prompt's token ids (a media prompt's expanded by the model's processor).
 
         Raises:
-            ValueError: media for a text-only model; see ``encode_prompt``.
+            ValueError: media for a text-only model, video for the SGLang engine; see
+                ``encode_prompt``.
         """
         msgs = prompt_messages(self._templated(item.row))
         if item.row.get("media") and self.processor is None:
             raise ValueError(f"the row has {len(item.row['media'])} media items but "
                              f"{self.cfg.model} takes no images or audio")
+        videos = sum(1 for it in item.row.get("media") or [] if it["kind"] == "video")
+        if videos and self.cfg.engine == "sglang":
+            raise ValueError(f"the row has {videos} video items; the SGLang engine is sent no "
+                             "video (its server samples a clip itself, relax stores the "
+                             "frames it sampled): run video on the HF engine")
         if self.processor is not None and item.row.get("media"):  # placeholders expanded
             ids, item.media_inputs = encode_prompt(self.processor, msgs, item.row["media"])
             return ids
@@ -278,7 +288,12 @@ class RolloutStage:
         """
         left = self.budget()
         queue = self._prompts
-        if not queue.items:
+        if queue.items:
+            # a poll with the held partitions paused: a rebalance (an instance joined or
+            # left) completes within one engine call instead of after the whole queue,
+            # and the prompts of a partition it took away are dropped before a claim
+            self._idle(consumer, lambda: None)
+        else:
             queue.fetch(consumer)
         if not queue.items:
             return 0

@@ -93,12 +93,18 @@ def test_a_fast_instance_takes_the_credit_a_slow_one_leaves(bus, unique):
     fast one starts the rest (a fixed share would have held it at 4); never more than the
     credit; when the trainer reports the 8 decided, the remaining 8 prompts are sampled;
     the slow instance leaves in the middle and the fast one samples what it left. Every
-    prompt's group exactly once."""
+    prompt's group exactly once.
+
+    The prompts are keyed by prompt_id: p0000-p0015 hash 10 to one partition and 6 to
+    the other, and which instance holds which is the group's choice, so the fast one has
+    6 or 10 of its own. The credit comes once each instance holds its partition (with
+    both partitions, the slow one would start every group it had queued before a
+    rebalance gave the fast one its share: the stage polls between engine calls)."""
     from relax.consumers.rollout.sampling import build_engine
 
     rows = prompt_rows(16, dataset=unique)
     rows = [dict(r, messages=None) for r in rows]
-    _publish_prompts(bus, unique, rows[:8] + rows[8:], partitions=2)
+    _publish_prompts(bus, unique, rows, partitions=2)
     base = dict(bus=bus, run=unique, dataset=unique, group_size=1, batch_groups=4,
                 max_staleness=1, max_new_tokens=3, follow_weights=False, metrics_every_s=0.5,
                 groups_per_generate=1)
@@ -110,7 +116,9 @@ def test_a_fast_instance_takes_the_credit_a_slow_one_leaves(bus, unique):
     runners = [_Runner(slow), _Runner(fast)]
     try:
         _wait(lambda: [r.check() for r in runners] and fast.stats.budget_waits > 0
-              and slow.stats.budget_waits > 0, what="both instances waiting for credit")
+              and slow.stats.budget_waits > 0 and fast.prompt_partitions() == 1
+              and slow.prompt_partitions() == 1,
+              what="both instances waiting for credit, a prompt partition each")
         _trainer_progress(bus, unique, consumed=0, needed=16)
         _wait(lambda: [r.check() for r in runners] and fast.stats.groups + slow.stats.groups >= 8,
               what="8 groups")
