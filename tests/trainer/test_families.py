@@ -460,3 +460,34 @@ def test_qwen_vl_engine_logprobs_equal_the_trainers_on_video_prompts(qwen_vl):
     moved = max(float((p.detach() - visual[n]).abs().max())
                 for n, p in backend.model.named_parameters() if n in visual)
     assert stats["grad_norm"] > 0 and moved > 1e-5, (stats, moved)
+
+
+def test_video_is_refused_where_it_is_not_taken():
+    """A video row fails with a reason, never as its text alone: for a model whose
+    processor has no video processor (tiny-vlm, Idefics3) at rendering and when the
+    trainer rebuilds its inputs; for the SGLang engine (not sent: its server samples a clip
+    itself) at the rollout's rendering and in the request."""
+    from relax.consumers.engines.sglang import media_fields
+    from relax.consumers.rollout import PromptItem, RolloutConfig, RolloutStage
+    from relax.trainer.models import load_processor
+
+    (q, _, item), = _clips(1)
+    msgs = [{"role": "user", "content": f"{MEDIA_MARK.format(kind='video')}{q}"}]
+    assert chat_with_media(msgs, [item])[0]["content"][0] == {"type": "video"}
+    vlm = load_processor("tiny-vlm")
+    for call in (lambda: encode_prompt(vlm, msgs, [item]), lambda: media_inputs(vlm, [item])):
+        with pytest.raises(ValueError, match=r"the row has 1 video items; the model's processor "
+                                             r"\(Idefics3Processor\) takes no video"):
+            call()
+    with pytest.raises(ValueError, match="video items are not sent to SGLang"):
+        media_fields([None, [item]])
+    cfg = RolloutConfig(bus={"bootstrap_servers": "unused:1"}, run="r", dataset="d",
+                        model="tiny-qwen2.5-vl", engine="sglang", sglang_url="http://unused:1")
+    engine = HFEngine("tiny-qwen2.5-vl", engine_id="e-0", device="cpu")
+    stage = RolloutStage(cfg, engine=engine)
+    row = {"prompt_id": "p", "prompt": q, "messages": None, "media": [item]}
+    with pytest.raises(ValueError, match="the SGLang engine is sent no video"):
+        stage._render(PromptItem(None, row, 0))
+    hf = RolloutStage(cfg.model_copy(update={"engine": "hf"}), engine=engine)
+    assert hf._render(PromptItem(None, row, 0)).count(
+        engine.tokenizer.convert_tokens_to_ids("<|video_pad|>")) == 16
