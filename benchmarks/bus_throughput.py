@@ -24,7 +24,7 @@ data in a temporary folder; kind ``kafka``) or the cluster at ``--bootstrap`` (k
   0.2 s (``rss_after_e2e``: the same after the e2e run). Kafka's RSS is mostly its JVM
   heap (at most 512 MiB), its log being on disk.
 * **tiny e2e** (``--no-e2e`` skips): ``recipes/tiny_ci.yaml`` trained on that broker
-  (:func:`relax.infra.launch.train` in this process, a temporary run_root): wall
+  (:func:`relax.infra.control.launch.train` in this process, a temporary run_root): wall
   seconds of the call, and the summary's steps, sampled, trained and balanced.
 
 Writes ``--out`` (JSON: machine, commit, settings, every figure) and prints a table.
@@ -50,7 +50,7 @@ import numpy as np
 import pyarrow as pa
 
 from relax.benchmarks.harness import RESULTS, ROOT, broker, write_result
-from relax.infra.kafka_broker import KAFKA_VERSION
+from relax.infra.broker.kafka import KAFKA_VERSION
 from relax.schemas import topics
 from relax.schemas.v1 import ROLLOUTS
 from relax.streams.client import BusConfig, consumer_kwargs, ensure_topics, producer_kwargs
@@ -246,8 +246,8 @@ class RssSampler(threading.Thread):
 def tiny_e2e(bootstrap: str, kind: str, timeout_s: float) -> dict:
     """``relax train recipes/tiny_ci.yaml --bootstrap BOOTSTRAP`` in this process, in a
     temporary run_root: wall seconds and the summary's counts."""
-    from relax.infra.launch import train
-    from relax.infra.recipe import load_recipe
+    from relax.infra.control.launch import train
+    from relax.infra.recipe.recipe import load_recipe
 
     with tempfile.TemporaryDirectory(prefix="relax-bench-e2e-") as root:
         recipe = load_recipe(ROOT / "recipes" / "tiny_ci.yaml", [

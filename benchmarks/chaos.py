@@ -11,7 +11,7 @@ optimizer steps (default 14) and a weight snapshot every ``--snapshot-every`` ve
 (default 2; the newest 3 are kept). So after step ``3 x snapshot-every`` (the window, 6)
 v0's snapshot is gone: a stage restarted later (rollout, reference) must load the newest
 kept one. Run 0 is undisturbed (the wall-time reference); runs 1..N get a plan drawn from
-``--seed`` by :func:`relax.infra.chaos.plan_kills`, each fault after a step in
+``--seed`` by :func:`relax.infra.control.chaos.plan_kills`, each fault after a step in
 ``1..plan-steps-1`` (default 1..9) plus 0-2 s, early (after a step in the window) or late
 (after it) with even odds. The steps after the plan's last are there so that a fault
 lands in a live run: an unloaded tiny step takes 0.3-0.6 s, and with 7 steps a fault
@@ -58,7 +58,7 @@ def _landed_after(killed: str) -> int:
 
 
 def _summary(a, stages, window, base, chaos, t_start) -> dict:
-    from relax.infra.chaos import BROKER_FAULTS
+    from relax.infra.control.chaos import BROKER_FAULTS
 
     def mean_wall(rs):
         return round(sum(r.wall_s for r in rs) / len(rs), 1) if rs else None
@@ -119,8 +119,9 @@ def main() -> None:
     import contextlib
     import tempfile
 
-    from relax.infra.broker import LocalBroker, stop_broker
-    from relax.infra.chaos import (
+    from relax.infra.broker.kafka import start_kafka
+    from relax.infra.broker.local import LocalBroker, stop_broker
+    from relax.infra.control.chaos import (
         BROKER_NODE_LOST,
         BROKER_RESTART,
         STAGES,
@@ -129,8 +130,7 @@ def main() -> None:
         chaos_run,
         plan_kills,
     )
-    from relax.infra.controller import start_local_ray
-    from relax.infra.kafka_broker import start_kafka
+    from relax.infra.control.controller import start_local_ray
 
     t_start = time.monotonic()
     os.environ.setdefault("RELAX_HOME", tempfile.mkdtemp(prefix="relax-chaos-home-"))

@@ -344,9 +344,9 @@ def run_relax(w: dict, mode: str, staleness: int, threads: int, run_root: str,
     (data-parallel ranks, each at the stage's torch threads)."""
     import yaml
 
-    from relax.infra.launch import train
-    from relax.infra.recipe import load_recipe
-    from relax.infra.report import step_rows
+    from relax.infra.control.launch import train
+    from relax.infra.observe.report import step_rows
+    from relax.infra.recipe.recipe import load_recipe
 
     tree = yaml.safe_load(RECIPE.read_text())
     tree.update(mode=mode, run=f"bench-{mode}{staleness}-{time.strftime('%H%M%S')}",

@@ -86,16 +86,16 @@ def broker(bootstrap: str | None = None,
     """``(bootstrap, broker pids)`` for the ``with`` block: the cluster at ``bootstrap``
     (no pids: nothing of it is measured), else a local Apache Kafka of ``nodes`` nodes
     (default 1) in a temporary folder, stopped and deleted afterwards
-    (:class:`relax.infra.broker.LocalBroker`).
+    (:class:`relax.infra.broker.local.LocalBroker`).
 
     Raises:
-        FileNotFoundError, TimeoutError: as :func:`relax.infra.kafka_broker.start_kafka`
+        FileNotFoundError, TimeoutError: as :func:`relax.infra.broker.kafka.start_kafka`
             (no Kafka installed: ``make install``; a node that does not come up).
     """
     if bootstrap:
         yield bootstrap, []
         return
-    from relax.infra.broker import LocalBroker
+    from relax.infra.broker.local import LocalBroker
 
     with LocalBroker(brokers=nodes) as handle:
         yield handle.bootstrap, handle.pids

@@ -29,7 +29,7 @@ from relax.benchmarks.harness import RESULTS, broker, tiny_recipe, write_result
 
 def one_run(bootstrap: str, run_root: str, instances: int, a) -> dict:
     """The run with ``instances`` rollout processes: steady samples/s and its summary."""
-    from relax.infra.launch import train
+    from relax.infra.control.launch import train
 
     recipe = tiny_recipe(bootstrap, run_root, f"scale{instances}-" + uuid.uuid4().hex[:4],
                          f"rollout.instances={instances}", f"trainer.steps={a.steps}",

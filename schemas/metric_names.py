@@ -85,7 +85,7 @@ REWARD_WEIGHT_PREFIX = "reward_weight."  # + reward name: weight from the row's 
 # on, written when a live reward change (relax reward attach --weight / detach) is applied
 
 # evaluation (component "eval"): eval.before writes policy_version 0 (the driver), eval.every
-# each evaluated policy_version (the eval stage, infra/eval_stage.py); one row each per eval
+# each evaluated policy_version (the eval stage, infra/control/eval_stage.py); one row each per eval
 EVAL_COMPONENT = "eval"                 # the component of these rows
 EVAL_ACCURACY = "eval_accuracy"        # greedy held-out accuracy at policy_version, in [0, 1]
 EVAL_N = "eval_n"                      # held-out prompts evaluated (eval.size)

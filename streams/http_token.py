@@ -1,5 +1,5 @@
 """The token rule of every HTTP endpoint of relax: the run's control API
-(:mod:`relax.infra.scale_api`), the dashboard (:mod:`relax.infra.dashboard`) and the
+(:mod:`relax.infra.control.scale_api`), the dashboard (:mod:`relax.infra.observe.dashboard`) and the
 trainer's Prometheus endpoint (:mod:`relax.trainer.telemetry`).
 
 * **The token** is ``$RELAX_API_TOKEN`` when set; else the one in the run's token file

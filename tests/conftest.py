@@ -28,8 +28,8 @@ def broker(tmp_path_factory):
     """``bootstrap_servers`` of a single-node Apache Kafka (KRaft) on free ports for the
     test session, its data in the session's temporary folder; stopped at the end.
     ``RELAX_TEST_BOOTSTRAP`` runs the suite against another Kafka cluster instead."""
-    from relax.infra.broker import stop_broker
-    from relax.infra.kafka_broker import start_kafka
+    from relax.infra.broker.kafka import start_kafka
+    from relax.infra.broker.local import stop_broker
 
     external = os.environ.get("RELAX_TEST_BOOTSTRAP")
     if external:
@@ -117,7 +117,7 @@ def local_ray(tmp_path_factory):
     cores in each run (the ``relax train`` subprocesses still start their own)."""
     import ray
 
-    from relax.infra.controller import start_local_ray
+    from relax.infra.control.controller import start_local_ray
 
     home = tmp_path_factory.getbasetemp() / "relax_home"  # what _relax_home gives each test
     home.mkdir(exist_ok=True)
@@ -137,8 +137,9 @@ def tiny_run(broker, local_ray, tmp_path_factory):
     """``(recipe, summary)`` of recipes/tiny_ci.yaml run end to end through the session
     broker (every stage its own process); its topics stay on the broker for the tests
     that read them (archive, monitor, dashboard, recompute-loss)."""
-    from relax.infra.launch import train
     from testdata import tiny_recipe
+
+    from relax.infra.control.launch import train
 
     root = tmp_path_factory.mktemp("runs")
     recipe = tiny_recipe(broker, root, "tiny" + uuid.uuid4().hex[:6],

@@ -9,6 +9,12 @@ modules import each other without a circle (a lazy import that closes one still 
 and no module imports another module's ``_private`` names: two modules that need each
 other's private parts are one module, and one that needs the other's is a seam to name.
 Modules are split where a seam is, not at a line count.
+
+Inside ``infra/`` the same rule holds between its folders (docs/architecture.md,
+"infra/"), top to bottom: ``cli/`` > ``control/`` > ``offline/`` > ``recipe/``,
+``observe/``, ``broker/``. A folder imports its own modules and those of folders on a
+lower floor; the three bottom folders import none of each other, and every module of
+``infra/`` is in one of the folders.
 """
 
 from __future__ import annotations
@@ -19,6 +25,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 LAYERS = ("schemas", "streams", "trainer", "consumers", "producers", "infra")
 RANK = {name: i for i, name in enumerate(LAYERS)}
+INFRA_FLOORS = {"recipe": 0, "observe": 0, "broker": 0, "offline": 1, "control": 2, "cli": 3}
+"""The folders of ``infra/`` and their floor (0 at the bottom)."""
 
 
 def _package_of(path: Path) -> str:
@@ -176,3 +184,49 @@ def test_the_checker_sees_a_lazy_circle_and_a_private_import(tmp_path):
     assert module_imports(a, modules) == [(1, "relax.x.b", "helper")]
     assert sorted(module_imports(b, modules)) == [
         (3, "relax.x", None), (3, "relax.x.a", None), (5, "relax.x.a", "_secret")]
+
+
+def infra_upward_imports(modules: dict[str, Path] | None = None) -> list[str]:
+    """``module:line imports module`` for every import between two folders of ``infra/``
+    that does not point down :data:`INFRA_FLOORS` (lazy ones included)."""
+    modules = _modules() if modules is None else modules
+    bad = []
+    for me, path in sorted(modules.items()):
+        src = me.split(".")
+        if src[:2] != ["relax", "infra"] or len(src) < 3:
+            continue
+        for line, target, _ in module_imports(path, modules):
+            dst = target.split(".")
+            if dst[:2] == ["relax", "infra"] and len(dst) > 2 and dst[2] != src[2] \
+                    and INFRA_FLOORS[dst[2]] >= INFRA_FLOORS[src[2]]:
+                bad.append(f"{me}:{line} imports {target}")
+    return bad
+
+
+def test_infra_folders_import_down():
+    bad = infra_upward_imports()
+    assert not bad, "imports between infra/ folders that do not point down:\n" + "\n".join(bad)
+
+
+def test_every_infra_module_is_in_a_folder():
+    infra = ROOT / "infra"
+    loose = sorted(p.name for p in infra.glob("*.py") if p.name != "__init__.py")
+    folders = {p.name for p in infra.iterdir() if (p / "__init__.py").exists()}
+    assert not loose, f"modules of infra/ outside its folders: {loose}"
+    assert folders == set(INFRA_FLOORS), folders ^ set(INFRA_FLOORS)
+
+
+def test_the_checker_sees_an_infra_import_up_or_across(tmp_path):
+    """An import up a floor (lazy too) and one between two bottom folders are found; one
+    down a floor and one inside a folder are not."""
+    files = {name: tmp_path / f"{name.replace('.', '_')}.py" for name in (
+        "relax.infra.recipe.a", "relax.infra.recipe.b", "relax.infra.observe.c",
+        "relax.infra.control.d")}
+    files["relax.infra.recipe.a"].write_text(
+        "from relax.infra.recipe.b import x\ndef f():\n    from relax.infra.control import d\n")
+    files["relax.infra.recipe.b"].write_text("import relax.infra.observe.c\n")
+    files["relax.infra.observe.c"].write_text("")
+    files["relax.infra.control.d"].write_text("from relax.infra.recipe.a import y\n")
+    assert infra_upward_imports(files) == [
+        "relax.infra.recipe.a:3 imports relax.infra.control.d",
+        "relax.infra.recipe.b:1 imports relax.infra.observe.c"]

@@ -67,8 +67,9 @@ def test_the_wheel_holds_every_subpackage_and_the_command_runs(installed, tmp_pa
     files = json.loads(out.stdout.strip().splitlines()[-1])
     site = str(installed)
     assert all(f.startswith(site) for f in files.values()), files  # from the wheel
-    static = Path(files["relax.infra"]).parent / "static" / "dashboard.html"
-    assert static.is_file() and (static.parent.parent / "kafka" / "pom.xml").is_file()
+    infra = Path(files["relax.infra"]).parent
+    assert (infra / "observe" / "static" / "dashboard.html").is_file()
+    assert (infra / "kafka" / "pom.xml").is_file()
     relax = installed / "bin" / "relax"
     help_ = subprocess.run([str(relax), "--help"], capture_output=True, text=True, timeout=120)
     assert help_.returncode == 0 and "train" in help_.stdout, help_.stderr[-2000:]

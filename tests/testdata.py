@@ -302,7 +302,7 @@ def s3_uri(endpoint: str, path: str) -> str:
 
 def tiny_recipe(broker: str, run_root, run: str, *overrides: str):
     """recipes/tiny_ci.yaml on ``broker``, writing under ``run_root``, as run ``run``."""
-    from relax.infra.recipe import load_recipe
+    from relax.infra.recipe.recipe import load_recipe
 
     return load_recipe(RECIPES / "tiny_ci.yaml", [f"bootstrap_servers={broker}",
                                                   f"run_root={run_root}", f"run={run}",

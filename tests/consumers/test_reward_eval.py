@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from relax.infra.cli import app
+from relax.infra.cli.app import app
 
 GSM8K_TEST = Path("/work/shared/data/gsm8k/test.jsonl")
 

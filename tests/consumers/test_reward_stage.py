@@ -13,7 +13,7 @@ from testdata import rollout_rows
 from typer.testing import CliRunner
 
 from relax.consumers.reward.stage import RewardStage, RewardStageConfig
-from relax.infra.cli import app
+from relax.infra.cli.app import app
 from relax.streams.read import read_table
 from relax.schemas import topics
 from relax.schemas.v1 import ROLLOUTS

@@ -425,7 +425,7 @@ def test_multiturn_rows_through_the_hf_engine_hold_one_version(tokenizer):
 def test_relax_rollout_command_runs_the_stage(bus, unique, tmp_path):
     from typer.testing import CliRunner
 
-    from relax.infra.cli import app
+    from relax.infra.cli.app import app
 
     _publish_prompts(bus, unique, prompt_rows(2, dataset=unique))
     (tmp_path / "rollout.yaml").write_text("group_size: 2\nmax_new_tokens: 3\nbatch_groups: 4\n")

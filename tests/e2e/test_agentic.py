@@ -27,8 +27,8 @@ TINY = ("model=tiny-llama", "trainer.steps=2", "rollout.group_size=4",
                                          "rollout.max_total_tokens=96")),
 ])
 def test_agentic_recipe_with_the_tiny_model(broker, tmp_path, recipe_name, reward, overrides):
-    from relax.infra.launch import train
-    from relax.infra.recipe import load_recipe
+    from relax.infra.control.launch import train
+    from relax.infra.recipe.recipe import load_recipe
 
     run = "agent" + uuid.uuid4().hex[:6]
     recipe = load_recipe(RECIPES / f"{recipe_name}.yaml", [

@@ -333,7 +333,7 @@ class _Injected:
 
 
 def test_a_live_run_routes_every_bad_message_and_every_failed_score(broker, tmp_path, table):
-    from relax.infra.launch import train
+    from relax.infra.control.launch import train
 
     cfg = BusConfig(bootstrap_servers=broker)
     tag = uuid.uuid4().hex[:6]
@@ -475,7 +475,7 @@ def test_a_reward_that_fails_its_warm_up_fails_the_run_at_once_without_restarts(
     reward and what it must return, instead of after max_restarts restarts."""
     import time
 
-    from relax.infra.launch import RunFailed, train
+    from relax.infra.control.launch import RunFailed, train
     from testdata import tiny_recipe
 
     run = "warm" + uuid.uuid4().hex[:6]
@@ -499,7 +499,7 @@ def test_a_reward_that_fails_its_warm_up_fails_the_run_at_once_without_restarts(
 def _cli(*args: str):
     from typer.testing import CliRunner
 
-    from relax.infra.cli import app
+    from relax.infra.cli.app import app
 
     return CliRunner().invoke(app, list(args))
 
@@ -648,7 +648,7 @@ def test_a_reward_that_fails_every_row_ends_the_run_in_one_line(broker, tmp_path
 
     from typer.testing import CliRunner
 
-    from relax.infra.cli import app
+    from relax.infra.cli.app import app
 
     keys, extra, first = FAIL_EVERY_ROW[how]
     run = f"fail{how}" + uuid.uuid4().hex[:6]
@@ -685,7 +685,7 @@ def test_a_reward_that_fails_every_row_ends_the_run_in_one_line(broker, tmp_path
 def test_a_reward_that_fails_some_rows_does_not_end_the_run(broker, tmp_path, table):
     """About 30 % of the counted reward's rows fail ("yes"), with the check on the last 2
     groups only: those rollouts are dropped, the others train, the run ends."""
-    from relax.infra.launch import train
+    from relax.infra.control.launch import train
 
     run = "failsome" + uuid.uuid4().hex[:6]
     reward = ('rewards=[{name: flaky, fn: "testdata:failing_reward", '
@@ -716,7 +716,7 @@ def test_a_reward_that_hangs_in_its_first_poll_ends_the_run_after_unscored_s(
 
     from typer.testing import CliRunner
 
-    from relax.infra.cli import app
+    from relax.infra.cli.app import app
 
     run = "failwait" + uuid.uuid4().hex[:6]
     reward = ('rewards=[{name: bad, fn: "testdata:failing_reward", timeout_s: 20, '

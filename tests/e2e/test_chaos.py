@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from testdata import kill_when, tiny_recipe
 
-from relax.infra.chaos import Kill, chaos_run, plan_kills
+from relax.infra.control.chaos import Kill, chaos_run, plan_kills
 
 pytestmark = [pytest.mark.e2e, pytest.mark.usefixtures("local_ray")]
 
@@ -71,7 +71,7 @@ def _frozen_after_step_1(run_dir: Path, stage: str):
 
 
 def test_frozen_stage_is_noticed_and_restarted(broker, tmp_path):
-    from relax.infra.launch import train
+    from relax.infra.control.launch import train
 
     run = "frozen" + uuid.uuid4().hex[:6]
     recipe = tiny_recipe(broker, tmp_path, run, "stall_timeout_s=20", FAST_PARITY,
@@ -87,7 +87,7 @@ def test_frozen_stage_is_noticed_and_restarted(broker, tmp_path):
 
 
 def test_frozen_stage_past_its_restarts_fails_the_run_with_a_report(broker, tmp_path):
-    from relax.infra.launch import RunFailed, train
+    from relax.infra.control.launch import RunFailed, train
 
     # 8 steps (16 groups): when step 1's checkpoint is in place, the credit has let at most
     # consumed + (max_staleness + 1) x batch_groups groups start, so the run cannot end
@@ -112,8 +112,8 @@ def test_local_broker_restart_stops_the_run_with_what_was_lost(tmp_path):
     lost and how to go on (not a traceback)."""
     import time
 
-    from relax.infra.broker import start_kafka, stop_broker
-    from relax.infra.launch import RunFailed, train
+    from relax.infra.broker.local import start_kafka, stop_broker
+    from relax.infra.control.launch import RunFailed, train
 
     h = start_kafka(tmp_path / "kafka-a")
     handles = [h]
@@ -148,8 +148,8 @@ def test_a_dead_local_broker_ends_the_run_at_once_with_how_to_go_on(tmp_path):
 
     from testdata import PARITY_REWARD, RECIPES
 
-    from relax.infra.launch import RunFailed, train
-    from relax.infra.recipe import load_recipe
+    from relax.infra.control.launch import RunFailed, train
+    from relax.infra.recipe.recipe import load_recipe
 
     run = "dead" + uuid.uuid4().hex[:6]
     recipe = load_recipe(RECIPES / "tiny_ci.yaml", [f"run_root={tmp_path}", f"run={run}",

@@ -1,4 +1,4 @@
-"""Colocated mode (``mode: colocate``, :mod:`relax.infra.colocate`): the trainer and one HF
+"""Colocated mode (``mode: colocate``, :mod:`relax.infra.control.colocate`): the trainer and one HF
 rollout engine in one process on the same parameter tensors, the rewards, the aggregate
 and the ledger as in the other modes, strictly on-policy."""
 
@@ -12,9 +12,9 @@ import pytest
 from testdata import assert_on_policy, tiny_recipe
 
 from relax.consumers.engines.base import SamplingParams
-from relax.infra.chaos import Kill, chaos_run
-from relax.infra.sections import RecipeError
-from relax.infra.stages import run_bus, stage_specs
+from relax.infra.control.chaos import Kill, chaos_run
+from relax.infra.recipe.sections import RecipeError
+from relax.infra.recipe.specs import run_bus, stage_specs
 
 STEPS = 4
 BATCH_GROUPS = 2
@@ -49,7 +49,7 @@ def test_colocate_refuses_what_it_cannot_run(broker, tmp_path, override, key):
 
 
 def test_the_engine_generates_with_the_trainers_parameters(broker, bus, tmp_path):
-    from relax.infra.colocate import ColocateConfig, ColocatedStage
+    from relax.infra.control.colocate import ColocateConfig, ColocatedStage
 
     _, specs = _colocate_spec(broker, tmp_path, "c" + uuid.uuid4().hex[:6])
     stage = ColocatedStage(ColocateConfig(**specs[-1].config), bus)
@@ -81,7 +81,7 @@ def test_the_engine_generates_with_the_trainers_parameters(broker, bus, tmp_path
 @pytest.mark.e2e
 @pytest.mark.usefixtures("local_ray")
 def test_colocated_run_trains_every_sample_on_policy(broker, tmp_path):
-    from relax.infra.launch import train
+    from relax.infra.control.launch import train
 
     run = "coloc" + uuid.uuid4().hex[:6]
     recipe = tiny_recipe(broker, tmp_path, run, "mode=colocate", f"trainer.steps={STEPS}",

@@ -23,7 +23,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.usefixtures("local_ray")]
 
 
 def test_tiny_ppo_run_trains_the_critic_and_survives_a_trainer_kill(broker, tmp_path):
-    from relax.infra.launch import train
+    from relax.infra.control.launch import train
 
     run = "ppo" + uuid.uuid4().hex[:6]
     recipe = tiny_recipe(broker, tmp_path, run, "advantage.estimator=gae",

@@ -27,7 +27,7 @@ COEF = 0.5
 
 def test_distillation_run_uses_the_teachers_logprobs_per_token(tiny_run, broker, tmp_path):
     from relax.consumers.reference import response_logprobs
-    from relax.infra.launch import train
+    from relax.infra.control.launch import train
     from relax.trainer.models import load_model
 
     _, first = tiny_run

@@ -24,9 +24,9 @@ from pathlib import Path
 import pytest
 from testdata import tiny_recipe
 
-from relax.infra.broker import stop_broker
-from relax.infra.chaos import chaos_run
-from relax.infra.kafka_broker import kafka_missing, start_kafka
+from relax.infra.broker.kafka import kafka_missing, start_kafka
+from relax.infra.broker.local import stop_broker
+from relax.infra.control.chaos import chaos_run
 
 pytestmark = [pytest.mark.e2e, pytest.mark.kafka]
 
@@ -48,7 +48,7 @@ def _assert_whole(r, run_root: Path) -> dict:
 
 
 def _steps(run_root: Path, run: str) -> list[dict]:
-    from relax.infra.report import step_rows
+    from relax.infra.observe.report import step_rows
 
     lines = (run_root / run / "metrics.jsonl").read_text().splitlines()
     return step_rows([json.loads(ln) for ln in lines])

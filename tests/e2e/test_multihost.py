@@ -98,7 +98,7 @@ def test_stages_on_three_hosts(tmp_path):
         for name in h.names:  # a route for Ray's own address lookup; no uplink behind it
             h.run(name, ["ip", "route", "add", "default", "dev", "eth0"], check=True)
         bootstrap, ray_head = f"{a}:19092", f"{a}:6379"
-        h.run("a", [sys.executable, "-m", "relax.infra.cli", "broker", "start", "--host", a,
+        h.run("a", [sys.executable, "-m", "relax.infra.cli.app", "broker", "start", "--host", a,
                     "--port", "19092"], env=env, check=True, timeout=60)
         h.popen("a", [sys.executable, "-m", "moto.server", "-H", a, "-p", "19000"], env=env,
                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -111,7 +111,7 @@ def test_stages_on_three_hosts(tmp_path):
                              "--disable-usage-stats"], env=env, timeout=180,
                       capture_output=True, text=True)
             assert r.returncode == 0, f"ray start on {name}: {r.stdout[-1500:]}{r.stderr[-3000:]}"
-        r = h.run("a", [sys.executable, "-m", "relax.infra.cli", "train",
+        r = h.run("a", [sys.executable, "-m", "relax.infra.cli.app", "train",
                         str(RECIPES / "tiny_ci.yaml"), f"run={run}", f"run_root={root}",
                         PARITY_REWARD, f"ray_address={ray_head}", "rollout.instances=2",
                         "trainer.steps=4", "resources.trainer.host=a",

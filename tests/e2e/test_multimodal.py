@@ -209,8 +209,8 @@ def test_vqa_recipe_through_the_broker_trains_the_tiny_vlm(broker, local_ray, tm
 
     from testdata import PARITY_REWARD, RECIPES
 
-    from relax.infra.launch import train
-    from relax.infra.recipe import load_recipe
+    from relax.infra.control.launch import train
+    from relax.infra.recipe.recipe import load_recipe
     from relax.streams.client import BusConfig
     from relax.streams.read import read_table
     from relax.trainer.models import load_model
@@ -249,8 +249,8 @@ def test_speech_recipe_through_the_broker_trains_the_tiny_audio_model(broker, lo
 
     from testdata import PARITY_REWARD, RECIPES
 
-    from relax.infra.launch import train
-    from relax.infra.recipe import load_recipe
+    from relax.infra.control.launch import train
+    from relax.infra.recipe.recipe import load_recipe
     from relax.streams.client import BusConfig
     from relax.streams.read import read_table
     from relax.trainer.models import load_model
@@ -275,8 +275,8 @@ def test_speech_recipe_through_the_broker_trains_the_tiny_audio_model(broker, lo
     start = load_model("tiny-audio").state_dict()
     moved = max(float((final[k] - start[k]).abs().max()) for k in final if "audio_tower" in k)
     assert moved > 1e-5, moved
-    # the run's CPU timeline (infra/cpu_timeline.py): every stage sampled, drawn
-    from relax.infra.cpu_timeline import read_timeline
+    # the run's CPU timeline (infra/observe/cpu_timeline.py): every stage sampled, drawn
+    from relax.infra.observe.cpu_timeline import read_timeline
 
     cpu = read_timeline(Path(s["run_dir"]) / "cpu_timeline.jsonl")
     assert {"trainer", "rollout-0", "aggregate"} <= {r["name"] for r in cpu}
@@ -434,8 +434,8 @@ def test_environment_images_go_through_the_broker_into_training(broker, local_ra
     so the trainer runs the returned images through its response pass."""
     import uuid
 
-    from relax.infra.launch import train
-    from relax.infra.recipe import load_recipe
+    from relax.infra.control.launch import train
+    from relax.infra.recipe.recipe import load_recipe
     from relax.streams.client import BusConfig
     from relax.streams.read import read_table
     from testdata import PARITY_REWARD, RECIPES

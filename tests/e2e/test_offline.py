@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from relax.infra.offline import recompute_losses, train_from_archive
+from relax.infra.offline.offline import recompute_losses, train_from_archive
 from relax.producers.archive import archive_run
 
 pytestmark = pytest.mark.e2e
@@ -68,7 +68,7 @@ def test_recompute_loss_says_which_steps_it_could_not_check_and_why(archived, tm
 
 
 def test_train_from_archive(archived, tmp_path):
-    from relax.infra.recipe import load_recipe
+    from relax.infra.recipe.recipe import load_recipe
 
     recipe, summary, out = archived
     rec = load_recipe(tree=recipe.model_dump(mode="json") | {"run": "offline1",
@@ -86,7 +86,7 @@ def test_train_from_archive_with_the_live_batches_reproduces_the_runs_losses(arc
     import json
     from pathlib import Path
 
-    from relax.infra.recipe import load_recipe
+    from relax.infra.recipe.recipe import load_recipe
 
     recipe, summary, out = archived
     rec = load_recipe(tree=recipe.model_dump(mode="json") | {"run": "offline2",

@@ -54,7 +54,7 @@ def _check_versions(r: dict) -> list[int]:
 @pytest.mark.usefixtures("local_ray")
 def test_a_partial_rollout_run_splits_generations_and_counts_staleness_per_token(
         broker, tmp_path):
-    from relax.infra.launch import train
+    from relax.infra.control.launch import train
 
     run = "partial" + uuid.uuid4().hex[:6]
     recipe = tiny_recipe(broker, tmp_path, run, "rollout.partial_rollout=true",

@@ -86,7 +86,7 @@ def test_cli_last_line_and_reinforce_pp_over_the_global_batch(tmp_path, broker):
     advantages have mean 0 and sample std 1 over its rows (per-group normalisation, what
     the aggregator alone would do, gives a pooled std below 1)."""
     run = "cli" + uuid.uuid4().hex[:6]
-    r = subprocess.run([sys.executable, "-m", "relax.infra.cli", "train",
+    r = subprocess.run([sys.executable, "-m", "relax.infra.cli.app", "train",
                         str(RECIPES / "tiny_ci.yaml"), f"run={run}", f"run_root={tmp_path}",
                         PARITY_REWARD, "advantage.estimator=reinforce_pp",
                         "--bootstrap", broker, "--timeout-s", "400"],
@@ -114,7 +114,7 @@ def test_cli_last_line_and_reinforce_pp_over_the_global_batch(tmp_path, broker):
 def _train(recipe, on_step, timeout_s=500) -> tuple[dict, list[str]]:
     """``train`` with its progress lines kept; a run that does not finish fails with
     those lines and the tail of every stage's log (what each stage was waiting for)."""
-    from relax.infra.launch import train
+    from relax.infra.control.launch import train
 
     lines: list[str] = []
     try:

@@ -1,7 +1,7 @@
-"""``relax train --resume RUN`` (``infra/resume.py``): a run whose driver was SIGKILLed
+"""``relax train --resume RUN`` (``infra/control/resume.py``): a run whose driver was SIGKILLed
 goes on from each stage's committed offsets and the trainer's newest checkpoint, and
 ends with every sampled rollout in exactly one ledger bucket over both parts and none
-trained twice (``relax.infra.chaos.lost_and_trained_twice``). The driver runs as a
+trained twice (``relax.infra.control.chaos.lost_and_trained_twice``). The driver runs as a
 ``relax train`` subprocess on the test's broker (``--bootstrap``) so it can be killed;
 a run that cannot go on is refused with one line and exit 2."""
 
@@ -20,12 +20,12 @@ from pathlib import Path
 import pytest
 from testdata import PARITY_REWARD, RECIPES
 
-from relax.infra.broker import pid_alive
-from relax.infra.chaos import lost_and_trained_twice
+from relax.infra.broker.local import pid_alive
+from relax.infra.control.chaos import lost_and_trained_twice
 
 pytestmark = pytest.mark.e2e
 
-CLI = [sys.executable, "-m", "relax.infra.cli", "train"]
+CLI = [sys.executable, "-m", "relax.infra.cli.app", "train"]
 EVAL = ('eval={source: "reasoning_gym:basic_arithmetic?size=40&seed=7&min_digits=1'
         '&max_digits=1", size: 4, max_new_tokens: 2, after: false, '
         'reward: {name: e, fn: "testdata:parity_reward"}}')

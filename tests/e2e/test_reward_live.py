@@ -21,7 +21,7 @@ from relax.trainer.ledger import Ledger
 
 pytestmark = [pytest.mark.e2e, pytest.mark.usefixtures("local_ray")]
 
-CLI = [sys.executable, "-m", "relax.infra.cli", "reward"]
+CLI = [sys.executable, "-m", "relax.infra.cli.app", "reward"]
 
 
 def _changes(bus: BusConfig, run: str) -> list[dict]:
@@ -40,7 +40,7 @@ def test_reward_attached_then_detached_counts_only_for_groups_sampled_in_between
     then its final reward is exactly parity + 0.5, otherwise parity alone; no group waits
     for it and times out; the metrics give its weight at both versions and the ledger
     names it for exactly the rollouts trained with it."""
-    from relax.infra.launch import train
+    from relax.infra.control.launch import train
 
     run = "live" + uuid.uuid4().hex[:6]
     recipe = tiny_recipe(broker, tmp_path, run, "trainer.steps=30")

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from testdata import tiny_recipe
 
-from relax.infra.chaos import Kill, chaos_run
+from relax.infra.control.chaos import Kill, chaos_run
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.usefixtures("local_ray")]
 
@@ -41,7 +41,7 @@ def _rollout_engines(broker: str, run: str) -> set[str]:
 
 
 def test_late_joiners_past_the_snapshot_window_a_long_run_finishes_whole(broker, tmp_path):
-    from relax.infra.scale_client import scale_to
+    from relax.infra.cli.scale import scale_to
 
     run = "soak" + uuid.uuid4().hex[:6]
     recipe = tiny_recipe(broker, tmp_path, run, f"trainer.steps={STEPS}",

@@ -17,7 +17,7 @@ GROUP_SIZE = 4
 
 
 def test_sync_run_trains_every_sample_on_policy(broker, tmp_path):
-    from relax.infra.launch import train
+    from relax.infra.control.launch import train
 
     run = "sync" + uuid.uuid4().hex[:6]
     recipe = tiny_recipe(broker, tmp_path, run, "mode=sync", "max_staleness=0",

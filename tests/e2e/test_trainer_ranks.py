@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from testdata import kill_when, tiny_recipe
 
-from relax.infra.launch import train
+from relax.infra.control.launch import train
 
 pytestmark = [pytest.mark.e2e, pytest.mark.usefixtures("local_ray")]
 

@@ -1,4 +1,4 @@
-"""The stage processes' malloc settings (``relax.infra.allocator``): a value already set
+"""The stage processes' malloc settings (``relax.infra.control.allocator``): a value already set
 wins, and in a fresh process the settings stop the page faults a training step's large
 buffers cost in a worker thread (what a stage's step runs in: a Ray actor's thread)."""
 
@@ -8,7 +8,7 @@ import os
 import subprocess
 import sys
 
-from relax.infra.allocator import RETAIN, retain_freed_memory
+from relax.infra.control.allocator import RETAIN, retain_freed_memory
 
 PROBE = r"""
 import resource, threading, torch

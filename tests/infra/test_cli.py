@@ -1,4 +1,4 @@
-"""The bus commands of infra/cli.py as a user runs them (typer CliRunner, real broker)."""
+"""The bus commands of infra/cli/app.py as a user runs them (typer CliRunner, real broker)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import json
 import pyarrow as pa
 from typer.testing import CliRunner
 
-from relax.infra.cli import app
+from relax.infra.cli.app import app
 from relax.schemas import topics
 from relax.schemas.v1 import REWARDS
 from relax.streams.client import ensure_topics, producer_kwargs
@@ -103,7 +103,7 @@ def test_a_topic_or_run_that_is_not_there_is_an_error_not_an_empty_answer(bus, u
 
 
 def test_a_runs_failed_records_are_kept_in_its_folder(bus, unique, tmp_path):
-    from relax.infra.run_errors import write_run_errors
+    from relax.infra.control.run_errors import write_run_errors
 
     rewards = _reward_run(bus, unique)
     names = [rewards, topics.errors_topic(rewards), topics.run_topic(unique, topics.ROLLOUTS)]

@@ -6,7 +6,7 @@ import pytest
 import typer
 from typer.testing import CliRunner
 
-from relax.infra.cli import app
+from relax.infra.cli.app import app
 
 
 def _command_paths(t: typer.Typer, prefix=()):

@@ -1,4 +1,4 @@
-"""The run's CPU timeline (infra/cpu_timeline.py): real processes, read from /proc."""
+"""The run's CPU timeline (infra/observe/cpu_timeline.py): real processes, read from /proc."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from relax.infra.cpu_timeline import (BUSY, CpuTimeline, cpu_seconds, descendants,
+from relax.infra.observe.cpu_timeline import (BUSY, CpuTimeline, cpu_seconds, descendants,
                                       plot_timeline, read_timeline, run_processes)
 
 pytestmark = pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="needs /proc")
@@ -134,7 +134,7 @@ def test_a_run_follows_its_stages_the_broker_itself_and_what_it_started(tmp_path
 
 
 def test_processes_that_barely_ran_share_one_panel_their_sum():
-    from relax.infra.cpu_timeline import SMALL_CORES, _small_ones_summed
+    from relax.infra.observe.cpu_timeline import SMALL_CORES, _small_ones_summed
 
     rows = [{"ts": t, "name": n, "cores": c} for t in (1.0, 2.0)
             for n, c in (("trainer", 1.8), ("raylet", 0.004), ("gcs_server", 0.006))]

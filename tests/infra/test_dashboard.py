@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from testdata import produce_run
 
-from relax.infra.dashboard import Dashboard
+from relax.infra.observe.dashboard import Dashboard
 from relax.schemas import topics
 
 CHROMIUM = Path("/usr/bin/chromium")

@@ -11,10 +11,10 @@ import httpx
 import pytest
 from pydantic import ValidationError
 
-from relax.infra.dashboard import Dashboard
-from relax.infra.recipe import ApiSection
-from relax.infra.scale_api import ApiServer, build_app
-from relax.infra.scaling import RolloutScaler
+from relax.infra.control.scale_api import ApiServer, build_app
+from relax.infra.control.scaling import RolloutScaler
+from relax.infra.observe.dashboard import Dashboard
+from relax.infra.recipe.recipe import ApiSection
 from relax.streams.http_token import WideBindError, endpoint_token, is_loopback
 from relax.trainer.telemetry import Telemetry, TelemetryConfig
 
@@ -120,7 +120,7 @@ def test_a_wide_bind_without_the_env_token_is_refused(bus, unique, tmp_path, mon
 def test_relax_dashboard_refuses_a_wide_bind_in_one_line():
     from typer.testing import CliRunner
 
-    from relax.infra.cli import app
+    from relax.infra.cli.app import app
 
     r = CliRunner().invoke(app, ["dashboard", "--run", "x", "--host", "0.0.0.0",
                                  "--bootstrap", "127.0.0.1:1"])

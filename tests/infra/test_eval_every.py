@@ -1,5 +1,5 @@
 """``eval.every``: greedy held-out accuracy during training (the eval stage,
-infra/eval_stage.py), in the metrics topic, the monitor, TensorBoard; and its pure
+infra/control/eval_stage.py), in the metrics topic, the monitor, TensorBoard; and its pure
 pieces (which versions are due, the rows, the monitor's fold)."""
 
 from __future__ import annotations
@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from relax.infra.eval_stage import DueVersions, last_due
-from relax.infra.evaluate import EvalResult, eval_metrics, next_due
-from relax.infra.monitor import eval_points, render
-from relax.infra.monitor_reader import MetricsFold
+from relax.infra.control.eval_stage import DueVersions, last_due
+from relax.infra.observe.monitor import eval_points, render
+from relax.infra.observe.monitor_reader import MetricsFold
+from relax.infra.offline.evaluate import EvalResult, eval_metrics, next_due
 from relax.schemas import metric_names as M
 
 EVAL_SOURCE = ("reasoning_gym:basic_arithmetic?size=40&seed=7&min_digits=1&max_digits=1")
@@ -99,8 +99,8 @@ def test_eval_every_writes_held_out_accuracy_during_a_tiny_run(broker, tmp_path)
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     from testdata import tiny_recipe
 
-    from relax.infra.launch import train
-    from relax.infra.monitor import snapshot
+    from relax.infra.control.launch import train
+    from relax.infra.observe.monitor import snapshot
     from relax.streams.client import BusConfig
     from relax.streams.read import read_table
 
@@ -145,9 +145,9 @@ def test_the_stage_scores_installed_weights_as_relax_eval_scores_the_model(tmp_p
     same rows, same greedy responses, same count correct."""
     from testdata import tiny_recipe
 
-    from relax.infra.eval_stage import EvalStage, EvalStageConfig
-    from relax.infra.evaluate import greedy_accuracy, greedy_accuracy_of
-    from relax.infra.stages import run_bus, stage_specs
+    from relax.infra.control.eval_stage import EvalStage
+    from relax.infra.offline.evaluate import greedy_accuracy, greedy_accuracy_of
+    from relax.infra.recipe.specs import EvalStageConfig, run_bus, stage_specs
 
     recipe = tiny_recipe("localhost:9", tmp_path, "evpar", f'eval={{source: "{EVAL_SOURCE}", '
                          'size: 8, max_new_tokens: 6, every: 1, reward: {name: e, '

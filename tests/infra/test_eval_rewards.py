@@ -1,17 +1,18 @@
-"""Held-out evaluation with a user's reward (``infra/evaluate.py``, ``infra/launch.py``): it
-is scored as the reward stage scores, so a reward that fails on some rows costs those rows
-only, one that cannot work fails the run with one line naming its recipe key, and an eval
-source too short for ``eval.size`` is a recipe error found before anything is made."""
+"""Held-out evaluation with a user's reward (``infra/offline/evaluate.py``,
+``infra/control/launch.py``): it is scored as the reward stage scores, so a reward that
+fails on some rows costs those rows only, one that cannot work fails the run with one line
+naming its recipe key, and an eval source too short for ``eval.size`` is a recipe error
+found before anything is made."""
 
 from __future__ import annotations
 
 import pytest
 from testdata import tiny_recipe
 
-from relax.infra import launch
-from relax.infra.evaluate import eval_rows, greedy_accuracy
-from relax.infra.recipe import RecipeError
-from relax.infra.run_watch import RunFailed
+from relax.infra.control import launch
+from relax.infra.control.run_watch import RunFailed
+from relax.infra.offline.evaluate import eval_rows, greedy_accuracy
+from relax.infra.recipe.recipe import RecipeError
 
 SOURCE = "reasoning_gym:basic_arithmetic?size=40&seed=7&min_digits=1&max_digits=1"
 
@@ -79,7 +80,7 @@ def test_an_eval_source_short_of_eval_size_is_a_recipe_error_before_anything_is_
 def test_relax_eval_measures_a_model_on_the_recipes_eval_set(tmp_path):
     from typer.testing import CliRunner
 
-    from relax.infra.cli import app
+    from relax.infra.cli.app import app
 
     base = ["eval", "recipes/tiny_ci.yaml", f"run_root={tmp_path}",
             f'eval={{source: "{SOURCE}", size: 6, max_new_tokens: 2, '

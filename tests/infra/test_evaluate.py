@@ -1,4 +1,4 @@
-"""Held-out evaluation of audio prompts (``infra/evaluate.py``): spoken questions share one
+"""Held-out evaluation of audio prompts (``infra/offline/evaluate.py``): spoken questions share one
 instruction text, so the held-out rows are told apart by their audio, and they are decoded
 with their audio through the model's processor, as the rollout stage renders them."""
 
@@ -8,7 +8,7 @@ import shutil
 
 import pytest
 
-from relax.infra.evaluate import eval_rows, greedy_accuracy, prompt_key, source_keys
+from relax.infra.offline.evaluate import eval_rows, greedy_accuracy, prompt_key, source_keys
 from relax.producers.media import MediaOptions
 
 AUDIO = MediaOptions(fields=(("audio", "audio"),))

@@ -1,6 +1,6 @@
-"""The local Ray a run starts (``relax.infra.controller.start_local_ray``)."""
+"""The local Ray a run starts (``relax.infra.control.controller.start_local_ray``)."""
 
-from relax.infra.controller import RAY_IDLE_CONFIG
+from relax.infra.control.controller import RAY_IDLE_CONFIG
 
 
 def test_the_local_ray_runs_with_relax_system_settings(local_ray):

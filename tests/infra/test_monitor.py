@@ -10,7 +10,7 @@ import pytest
 from rich.console import Console
 from testdata import alternating_rewards, produce_run, rollout_rows, train_sample_rows
 
-from relax.infra.monitor import (
+from relax.infra.observe.monitor import (
     MetricsFold,
     Monitor,
     Reading,
@@ -40,7 +40,7 @@ def _consume_all(c: BatchConsumer, messages: int, max_polls: int = 40) -> None:
 def test_lag_is_positive_while_a_consumer_is_stopped_and_zero_after_it_commits(bus, unique):
     from typer.testing import CliRunner
 
-    from relax.infra.cli import app
+    from relax.infra.cli.app import app
 
     run = unique
     written = produce_run(bus, run, steps=3)
@@ -199,7 +199,7 @@ def test_metrics_fold_timeline_keeps_each_stages_busy_frac_rows():
     from Arrow (datetime) and one in ms since epoch give the same seconds."""
     import datetime as dt
 
-    from relax.infra.monitor_reader import TIMELINE_POINTS
+    from relax.infra.observe.monitor_reader import TIMELINE_POINTS
 
     f = MetricsFold()
     f.add([{"ts": 1_700_000_005_000, "component": "rollout-0", "name": "busy_frac", "value": 0.5,
@@ -222,7 +222,7 @@ def test_monitor_once_on_a_run_with_no_topics_says_so_and_exits_1(bus, unique):
     # e.g. the demo's run, whose own broker stopped with it: empty tables would read as idle
     from typer.testing import CliRunner
 
-    from relax.infra.cli import app
+    from relax.infra.cli.app import app
 
     res = CliRunner().invoke(app, ["monitor", "--run", unique, "--once", "--json",
                                    "--bootstrap", bus.bootstrap_servers])

@@ -1,4 +1,4 @@
-"""One ``key=value`` grammar for every command (``infra/overrides.py``): recipe overrides,
+"""One ``key=value`` grammar for every command (``infra/recipe/overrides.py``): recipe overrides,
 ``relax stage --set`` and ``relax reward --option`` read a value the same way."""
 
 from __future__ import annotations
@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import typer
 
-from relax.infra.overrides import parse_override, parse_settings
-from relax.infra.reward_cli import parse_options
-from relax.infra.stage_cli import stage_settings
+from relax.infra.cli.reward import parse_options
+from relax.infra.cli.stages import stage_settings
+from relax.infra.recipe.overrides import parse_override, parse_settings
 
 ITEMS = ["lr=2e-5", "steps=3", "on=true", "names=[a, b]", "engine=hf", "opt.beta=0.9"]
 WANT = {"lr": 2e-5, "steps": 3, "on": True, "names": ["a", "b"], "engine": "hf",

@@ -1,4 +1,4 @@
-"""Recipe checks before anything starts (infra/preflight.py), and ``relax train`` on a bad recipe."""
+"""Recipe checks before anything starts (infra/recipe/preflight.py), and ``relax train`` on a bad recipe."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 from testdata import RECIPES, tiny_recipe
 
-from relax.infra.preflight import preflight
-from relax.infra.recipe import RecipeError, load_recipe
+from relax.infra.recipe.preflight import preflight
+from relax.infra.recipe.recipe import RecipeError, load_recipe
 
 
 def _recipe(*overrides: str):
@@ -124,7 +124,7 @@ def test_hub_model_in_the_local_cache_passes(tmp_path, monkeypatch):
 
 
 def test_train_checks_before_anything_starts(tmp_path):
-    from relax.infra.launch import train
+    from relax.infra.control.launch import train
 
     recipe = _recipe(f"run_root={tmp_path}", "run=pf", "trainer.accuracy_reward=acc")
     with pytest.raises(RecipeError, match="^trainer.accuracy_reward: "):

@@ -1,4 +1,4 @@
-"""A recipe reaches every stage option (infra/recipe.py, infra/stages.py); shared keys,
+"""A recipe reaches every stage option (infra/recipe/recipe.py, infra/recipe/specs.py); shared keys,
 the kl: block and reward names are set once."""
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from relax.consumers.aggregate import AggregateConfig
 from relax.consumers.reference import ReferenceConfig
 from relax.consumers.reward.stage import RewardStageConfig
 from relax.consumers.rollout import RolloutConfig
-from relax.infra.recipe import RecipeError, load_recipe
-from relax.infra.sections import (
+from relax.infra.recipe.recipe import RecipeError, load_recipe
+from relax.infra.recipe.sections import (
     AGGREGATE_WIRING,
     REFERENCE_WIRING,
     TEACHER_WIRING,
@@ -22,7 +22,7 @@ from relax.infra.sections import (
     ROLLOUT_WIRING,
     TRAINER_WIRING,
 )
-from relax.infra.stages import run_bus, stage_specs
+from relax.infra.recipe.specs import run_bus, stage_specs
 from relax.streams.client import FETCH_WAIT_MS, BusConfig, consumer_kwargs
 from relax.trainer.config import TrainerConfig
 from relax.trainer.loop import TrainerStageConfig
@@ -204,7 +204,7 @@ def test_a_dumped_recipe_loads_again_unchanged():
 def test_bus_settings_are_recipe_keys():
     """Replication, retention and client settings reach the run's BusConfig (and with
     it every stage's config)."""
-    from relax.infra.sections import BUS_WIRING
+    from relax.infra.recipe.sections import BUS_WIRING
 
     r = _recipe("bus.replication_factor=3", "bus.min_insync_replicas=2",
                 "bus.retention_ms=86400000", "bus.compression=lz4", "max_message_bytes=4194304",

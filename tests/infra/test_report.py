@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from relax.infra.report import accounting, stall_report, step_rows
+from relax.infra.observe.report import accounting, stall_report, step_rows
 
 
 def _row(ts, comp, name, value, v=None):

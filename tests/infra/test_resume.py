@@ -1,4 +1,4 @@
-"""What ``relax train --resume`` checks before a run goes on (``infra/resume.py``): which
+"""What ``relax train --resume`` checks before a run goes on (``infra/control/resume.py``): which
 recipe changes it takes, which run folder a name means, a finished run, steps below the
 newest checkpoint, a driver still alive, and which leftover stage processes it stops.
 (``tests/e2e/test_resume.py`` kills and resumes real runs.)"""
@@ -15,8 +15,8 @@ import pytest
 import yaml
 from testdata import tiny_recipe
 
-from relax.infra.broker import pid_alive
-from relax.infra.resume import (
+from relax.infra.broker.local import pid_alive
+from relax.infra.control.resume import (
     ResumeRefused,
     prepare_resume,
     process_started_at,

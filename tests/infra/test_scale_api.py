@@ -17,7 +17,7 @@ import httpx
 import pytest
 from testdata import PARITY_REWARD, RECIPES
 
-from relax.infra.scale_client import ApiClient, scale_to
+from relax.infra.cli.scale import ApiClient, scale_to
 
 pytestmark = pytest.mark.e2e
 
@@ -57,7 +57,7 @@ def test_scale_rollouts_1_2_1_in_a_live_run(broker, tmp_path):
     log = tmp_path / "train.log"
     with open(log, "w") as out:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "relax.infra.cli", "train", str(RECIPES / "tiny_ci.yaml"),
+            [sys.executable, "-m", "relax.infra.cli.app", "train", str(RECIPES / "tiny_ci.yaml"),
              # 120 steps: scaling out and back in (with the wait for rollout-1's rows)
              # takes 15-40 s here and a tiny step under a second: runs of 20 and then 40
              # steps ended in CI while they scaled (40 steps ran 38-47 s in all)

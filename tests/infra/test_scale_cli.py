@@ -6,7 +6,7 @@ import json
 
 from typer.testing import CliRunner
 
-from relax.infra.cli import app
+from relax.infra.cli.app import app
 from relax.streams.ports import free_port
 
 

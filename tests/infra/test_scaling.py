@@ -7,7 +7,7 @@ from datetime import datetime, timedelta, timezone
 
 import pytest
 
-from relax.infra.scaling import RolloutScaler, ScaleConflict, ScaleError, moved_servers
+from relax.infra.control.scaling import RolloutScaler, ScaleConflict, ScaleError, moved_servers
 
 
 def _scaler(applied: list[int]) -> RolloutScaler:
@@ -131,7 +131,7 @@ def test_an_engine_inside_the_instances_scales_by_count_only():
 def test_the_api_takes_servers_on_an_sglang_run_and_counts_on_another():
     from fastapi.testclient import TestClient
 
-    from relax.infra.scale_api import build_app
+    from relax.infra.control.scale_api import build_app
 
     def serve(urls):
         sc = RolloutScaler(1, 3, lambda n, u: [], engine_urls=urls)

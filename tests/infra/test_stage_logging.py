@@ -1,4 +1,4 @@
-"""What a stage's log keeps of the Kafka client's own records (``infra/stages.py``)."""
+"""What a stage's log keeps of the Kafka client's own records (``infra/recipe/specs.py``)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import logging
 
 from kafka.errors import Cancelled, KafkaConnectionError
 
-from relax.infra.stages import not_a_cancelled_refresh
+from relax.infra.control.runners import not_a_cancelled_refresh
 
 
 def _record(msg: str, *args) -> logging.LogRecord:

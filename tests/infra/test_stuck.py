@@ -1,4 +1,4 @@
-"""The progress check's rules (infra/stuck.py) on metrics rows made by hand: a counted
+"""The progress check's rules (infra/control/stuck.py) on metrics rows made by hand: a counted
 reward whose last groups all failed, or that scored nothing while groups waited, is
 named; one that fails some rows, abstains, or is not counted never is."""
 
@@ -8,8 +8,9 @@ import datetime as dt
 
 import pytest
 
-from relax.infra.recipe import RecipeError
-from relax.infra.stuck import ProgressCheck, StuckConfig
+from relax.infra.control.stuck import ProgressCheck
+from relax.infra.recipe.recipe import RecipeError
+from relax.infra.recipe.sections import StuckConfig
 from relax.schemas import metric_names as M
 
 GROUP = 4

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from relax.infra.watch import (
+from relax.infra.control.watch import (
     StageWatch,
     broker_state_lost,
     input_group,
@@ -54,8 +54,8 @@ def test_a_finished_trainer_s_last_steps_still_get_their_lines_and_on_step(tmp_p
     watch loop reads the metrics to their end before it returns."""
     from testdata import RECIPES
 
-    from relax.infra.recipe import load_recipe
-    from relax.infra.run_watch import RunWatch
+    from relax.infra.control.run_watch import RunWatch
+    from relax.infra.recipe.recipe import load_recipe
     from relax.schemas import metric_names as M
 
     def row(step: int) -> dict:
@@ -87,8 +87,8 @@ def test_a_finished_trainer_s_last_steps_still_get_their_lines_and_on_step(tmp_p
 def test_how_to_go_on_names_a_lora_checkpoint_as_an_adapter(tmp_path):
     from testdata import RECIPES
 
-    from relax.infra.recipe import load_recipe
-    from relax.infra.run_watch import how_to_go_on
+    from relax.infra.control.run_watch import how_to_go_on
+    from relax.infra.recipe.recipe import load_recipe
     from relax.trainer.checkpoint import STATE_FILE
 
     ckpt = tmp_path / "checkpoints" / "step_000002"

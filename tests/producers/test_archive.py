@@ -80,7 +80,7 @@ def test_archive_replay_roundtrip_of_a_synthetic_run(bus, unique, tmp_path):
 def test_archive_is_resumable_second_pass_adds_only_new_rows(bus, unique, tmp_path):
     from typer.testing import CliRunner
 
-    from relax.infra.cli import app
+    from relax.infra.cli.app import app
 
     out = tmp_path / "archive"
     first = produce_run(bus, unique, steps=2)
@@ -136,7 +136,7 @@ def test_archive_follow_keeps_going_until_sigterm(bus, unique, tmp_path):
             time.sleep(0.1)
 
     proc = subprocess.Popen(
-        [sys.executable, "-m", "relax.infra.cli", "archive", "--run", unique, "--out", str(out),
+        [sys.executable, "-m", "relax.infra.cli.app", "archive", "--run", unique, "--out", str(out),
          "--follow", "--interval", "0.2", "--bootstrap", bus.bootstrap_servers],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:

@@ -186,7 +186,7 @@ def test_easy_vqa_publishes_with_its_images_and_bad_media_rows_go_to_errors(
 def test_cli_publishes_chat_messages_with_image_parts(broker, unique, tmp_path):
     from typer.testing import CliRunner
 
-    from relax.infra.cli import app
+    from relax.infra.cli.app import app
 
     (tmp_path / "a.png").write_bytes(png())
     msg = [{"role": "user", "content": [{"type": "image", "image": "a.png"},
@@ -210,7 +210,7 @@ def test_spoken_arithmetic_is_synthesised_and_published_as_16khz_wav(broker, uni
     import numpy as np
     from typer.testing import CliRunner
 
-    from relax.infra.cli import app
+    from relax.infra.cli.app import app
     from relax.producers.speech import INSTRUCTION, questions
 
     if shutil.which("espeak-ng") is None:

@@ -21,7 +21,7 @@ def test_publish_gsm8k_test_file_with_the_cli(broker, unique):
         pytest.skip(f"{GSM8K_TEST} is absent")
     from typer.testing import CliRunner
 
-    from relax.infra.cli import app
+    from relax.infra.cli.app import app
 
     topic = f"prompts.{unique}"
     args = ["publish", str(GSM8K_TEST), "--topic", topic, "--prompt-field", "question",
@@ -175,7 +175,7 @@ def test_hf_hub_source_fails_clearly_when_it_cannot_be_loaded(broker, unique):
 def _publish_cli(*args):
     from typer.testing import CliRunner
 
-    from relax.infra.cli import app
+    from relax.infra.cli.app import app
 
     return CliRunner().invoke(app, ["publish", *map(str, args)])
 

@@ -180,7 +180,7 @@ def test_publish_video_rows_through_the_broker(bus, unique, tmp_path):
 def test_cli_publishes_moving_square_with_video_field(bus, unique):
     from typer.testing import CliRunner
 
-    from relax.infra.cli import app
+    from relax.infra.cli.app import app
 
     topic = f"prompts.{unique}"
     res = CliRunner().invoke(app, ["publish", "moving_square:train?size=4&seed=1", "--topic",

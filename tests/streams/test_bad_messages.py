@@ -197,7 +197,7 @@ def test_metrics_readers_skip_what_is_not_a_metrics_batch(bus, unique):
     crash of the run."""
     from kafka import KafkaProducer
 
-    from relax.infra.launch import MetricsFollower
+    from relax.infra.control.launch import MetricsFollower
     from relax.schemas import metric_names as M
     from relax.streams.metrics import MetricsWriter
     from relax.streams.progress import PROGRESS_KEY, TrainerProgress, progress_row
@@ -233,7 +233,7 @@ def test_metrics_follower_reads_to_the_end_written_before_the_call(bus, unique):
     """``read_to_end`` returns only once every record written before it is read (the
     end of a run read its metrics with one 1 s poll, and after a Kafka node was lost
     that missed the last steps: a finished 5-step run counted fewer)."""
-    from relax.infra.run_watch import MetricsFollower
+    from relax.infra.control.run_watch import MetricsFollower
     from relax.schemas import metric_names as M
     from relax.streams.metrics import MetricsWriter
     from relax.streams.producer import BatchProducer

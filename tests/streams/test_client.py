@@ -117,8 +117,8 @@ def test_clients_find_a_killed_kafka_within_seconds_of_its_return(tmp_path, uniq
     import os
     import signal
 
-    from relax.infra.broker import stop_broker
-    from relax.infra.kafka_broker import kafka_missing, start_kafka
+    from relax.infra.broker.kafka import kafka_missing, start_kafka
+    from relax.infra.broker.local import stop_broker
     from relax.streams.consumer import BatchConsumer
 
     reason = kafka_missing()

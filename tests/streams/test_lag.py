@@ -8,7 +8,7 @@ import pyarrow as pa
 import pytest
 from kafka.errors import KafkaError
 
-from relax.infra.broker import LocalBroker
+from relax.infra.broker.local import LocalBroker
 from relax.schemas import topics
 from relax.schemas.v1 import METRICS
 from relax.streams.client import BusConfig, ensure_topics

@@ -18,9 +18,9 @@ import pytest
 from pydantic import ValidationError
 from testdata import PARITY_REWARD, RECIPES, tiny_recipe
 
-from relax.infra import kafka_secure
-from relax.infra.broker import save_state, stop_broker
-from relax.infra.kafka_broker import start_kafka
+from relax.infra.broker import secure as kafka_secure
+from relax.infra.broker.kafka import start_kafka
+from relax.infra.broker.local import save_state, stop_broker
 from relax.streams.bus_check import BusUnreachable, check_bus
 from relax.streams.client import (
     BusConfig,
@@ -31,7 +31,7 @@ from relax.streams.client import (
 )
 from relax.streams.ports import free_port
 
-CLI = [sys.executable, "-m", "relax.infra.cli"]
+CLI = [sys.executable, "-m", "relax.infra.cli.app"]
 
 SASL_SSL = {"security_protocol": "SASL_SSL", "sasl_mechanism": "SCRAM-SHA-256",
                 "sasl_username": "relax", "sasl_password_file": "/x/client.password",
@@ -231,8 +231,8 @@ def test_relax_train_on_a_bus_it_cannot_use_exits_2_in_one_line_before_anything_
 def test_train_called_in_process_checks_the_bus_before_the_run_folder(secure, tmp_path):
     """``relax train`` checks before loading the recipe; ``launch.train`` (what tests and
     scripts call with a loaded recipe) checks too."""
-    from relax.infra.launch import train
-    from relax.infra.recipe import RecipeError
+    from relax.infra.control.launch import train
+    from relax.infra.recipe.recipe import RecipeError
 
     (tmp_path / "pw").write_text("not-the-password\n")
     recipe = tiny_recipe(secure.bootstrap, tmp_path / "runs", "inproc",
@@ -275,7 +275,7 @@ def test_a_sasl_ssl_run_needs_bootstrap_servers(tmp_path):
 @pytest.mark.e2e
 def test_the_tiny_run_on_sasl_ssl_is_whole_and_leaves_the_password_nowhere(secure, local_ray,
                                                                            tmp_path):
-    from relax.infra.launch import train
+    from relax.infra.control.launch import train
 
     password = Path(secure.security["sasl_password_file"]).read_text().strip()
     run = "secure" + uuid.uuid4().hex[:6]

@@ -10,7 +10,7 @@ import pyarrow as pa
 import pytest
 import torch
 
-from relax.infra.recipe import RecipeError, load_recipe
+from relax.infra.recipe.recipe import RecipeError, load_recipe
 from relax.schemas.v1 import TRAIN_SAMPLES
 from relax.trainer.advantage import compute_advantages
 from relax.trainer.advantage.reinforce_pp import (reinforce_pp_advantages,

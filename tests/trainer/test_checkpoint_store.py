@@ -13,8 +13,8 @@ import pytest
 import torch
 from testdata import s3_uri, train_sample_table
 
-from relax.infra.recipe import load_recipe
-from relax.infra.stages import disk_warnings, run_bus
+from relax.infra.recipe.recipe import load_recipe
+from relax.infra.recipe.specs import disk_warnings, run_bus
 from relax.streams.fsuri import open_uri
 from relax.trainer import checkpoint
 from relax.trainer.backends.torch_backend import TorchBackend

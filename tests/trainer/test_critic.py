@@ -11,7 +11,7 @@ import pytest
 import torch
 from testdata import RECIPES, tiny_model, train_sample_table
 
-from relax.infra.recipe import RecipeError, load_recipe
+from relax.infra.recipe.recipe import RecipeError, load_recipe
 from relax.schemas import metric_names as M
 from relax.trainer import checkpoint
 from relax.trainer.advantage.gae import gae_advantages, masked_whiten, outcome_token_rewards

@@ -281,7 +281,7 @@ def test_a_lora_run_through_the_broker(broker, local_ray, tmp_path):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from relax.infra.launch import train
+    from relax.infra.control.launch import train
     from relax.streams.client import BusConfig
     from relax.streams.read import read_table
     from relax.trainer.models import load_model

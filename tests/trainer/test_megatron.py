@@ -433,7 +433,7 @@ def test_a_tp2_and_a_pp2_megatron_run_through_the_broker(broker, local_ray, tmp_
 
     from testdata import tiny_recipe
 
-    from relax.infra.launch import train
+    from relax.infra.control.launch import train
     from relax.streams.client import BusConfig
     from relax.streams.read import read_table
     from relax.trainer.models import load_model

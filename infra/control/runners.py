@@ -1,0 +1,103 @@
+"""Runs one stage process: :func:`run_stage` builds the stage of a
+:class:`~relax.infra.recipe.specs.StageSpec`'s ``kind`` from its JSON config inside
+whatever process runs it (a Ray actor of :mod:`relax.infra.control.controller`, a plain
+subprocess, a test) and runs it until told to stop. The stages' configs and the specs are
+made from the recipe by :mod:`relax.infra.recipe.specs`; this module holds what starts
+them, the infra stages (:mod:`~relax.infra.control.eval_stage`,
+:mod:`~relax.infra.control.colocate`) included.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from pathlib import Path
+
+from relax.streams.client import BusConfig
+
+
+def _rollout(config: dict, bus: BusConfig, should_stop: Callable[[], bool]) -> None:
+    from relax.consumers.rollout import RolloutConfig, RolloutStage
+
+    RolloutStage(RolloutConfig(**config)).run(should_stop)
+
+
+def _reward(config: dict, bus: BusConfig, should_stop: Callable[[], bool]) -> None:
+    from relax.consumers.reward.stage import RewardStage, RewardStageConfig
+
+    RewardStage(RewardStageConfig(**config)).run(should_stop)
+
+
+def _reference(config: dict, bus: BusConfig, should_stop: Callable[[], bool]) -> None:
+    from relax.consumers.reference import ReferenceConfig, ReferenceStage
+
+    ReferenceStage(ReferenceConfig(**config)).run(should_stop)
+
+
+def _aggregate(config: dict, bus: BusConfig, should_stop: Callable[[], bool]) -> None:
+    from relax.consumers.aggregate import AggregateConfig, AggregateStage
+
+    AggregateStage(AggregateConfig(**config), bus).run(should_stop)
+
+
+def _eval(config: dict, bus: BusConfig, should_stop: Callable[[], bool]) -> None:
+    from relax.infra.control.eval_stage import EvalStage
+    from relax.infra.recipe.specs import EvalStageConfig
+
+    EvalStage(EvalStageConfig(**config)).run(should_stop)
+
+
+def _trainer(config: dict, bus: BusConfig, should_stop: Callable[[], bool]) -> None:
+    from relax.trainer.loop import TrainerStage, TrainerStageConfig
+
+    TrainerStage(TrainerStageConfig(**config), bus).run(should_stop)
+
+
+def _colocate(config: dict, bus: BusConfig, should_stop: Callable[[], bool]) -> None:
+    from relax.infra.control.colocate import ColocateConfig, ColocatedStage
+
+    ColocatedStage(ColocateConfig(**config), bus).run(should_stop)
+
+
+RUNNERS: dict[str, Callable[[dict, BusConfig, Callable[[], bool]], None]] = {
+    "rollout": _rollout,
+    "reward": _reward,
+    "reference": _reference,
+    "aggregate": _aggregate,
+    "eval": _eval,
+    "trainer": _trainer,
+    "colocate": _colocate,
+}
+
+
+def not_a_cancelled_refresh(record: logging.LogRecord) -> bool:
+    """Log filter: False for kafka-python 3.0's ``ERROR Metadata refresh: failed
+    Cancelled``, which every client logs at start-up when it closes its bootstrap
+    connection with a metadata request in flight (``Cancelled`` is retriable: the refresh
+    loop retries it); True for every other record, other metadata failures included."""
+    return not (record.msg == "Metadata refresh: failed %s" and record.args
+                and type(record.args[0]).__name__ == "Cancelled")
+
+
+def run_stage(kind: str, config: dict, bus: BusConfig, should_stop: Callable[[], bool],
+              torch_threads: int | None = None, log_file: str | None = None) -> None:
+    """Build stage ``kind`` from ``config`` and run it until ``should_stop()`` or its
+    own end (the trainer ends after its last step).
+
+    Raises:
+        ValueError: unknown kind (lists the valid ones); whatever the stage raises.
+    """
+    if kind not in RUNNERS:
+        raise ValueError(f"unknown stage kind {kind!r}; valid: {', '.join(RUNNERS)}")
+    if log_file:
+        Path(log_file).parent.mkdir(parents=True, exist_ok=True)
+        logging.basicConfig(filename=log_file, level=logging.INFO, force=True,
+                            format="%(asctime)s %(name)s %(levelname)s %(message)s")
+        logging.getLogger("kafka").setLevel(logging.WARNING)
+        logging.getLogger("kafka.coordinator").setLevel(logging.INFO)  # joins, assignments
+        logging.getLogger("kafka.cluster").addFilter(not_a_cancelled_refresh)
+    if torch_threads:
+        import torch
+
+        torch.set_num_threads(torch_threads)
+    RUNNERS[kind](config, bus, should_stop)
