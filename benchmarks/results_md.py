@@ -169,6 +169,25 @@ def sandbox(d: dict) -> tuple[str, list[str]]:
             table(["program", "calls", "min ms", "median ms", "max ms"], rows))
 
 
+def staleness(d: dict) -> tuple[str, list[str]]:
+    s, base = d["settings"], d["base"]
+    rows = [[c["loss"], c["max_staleness"], len(c["seeds"]), c["accuracy_after_mean"],
+             c["accuracy_after_std"], ", ".join(f"{a:.2f}" for a in c["accuracy_after"]),
+             c["staleness_mean"], c["staleness_max"],
+             None if c["masked_token_share"] is None else f"{c['masked_token_share']:.2%}",
+             c["wall_s_mean"]] for c in d["cells"]]
+    done = [c for c in d["cells"] if c["accuracy_after_mean"] is not None]
+    return (", ".join(f"{c['loss']} s={c['max_staleness']} {c['accuracy_after_mean']:.2f}"
+                      for c in done),
+            [(f"{s['recipe']}: {s['steps']} steps of {s['batch_groups']} groups x "
+              f"{s['group_size']} ({s['trained_samples']} trained samples a run); greedy "
+              f"held-out accuracy on {s['eval_size']} prompts, base model "
+              f"{base['accuracy']:.2f}; masked: the loss tokens PPO-clip clipped "
+              f"(clip_frac_low + clip_frac_high) or M2PO dropped (m2po_masked_frac)."), "",
+             *table(["loss", "max staleness", "seeds", "accuracy after", "std", "per seed",
+                     "staleness reached (mean)", "max", "masked tokens", "wall s"], rows)])
+
+
 BENCHMARKS: list[tuple[str, str, str, Callable]] = [
     ("e2e_", "End to end: relax async / sync, a plain loop, TRL", "e2e_vs_trl.py", e2e),
     ("bus_throughput", "Bus throughput, latency and broker memory", "bus_throughput.py",
@@ -189,6 +208,8 @@ BENCHMARKS: list[tuple[str, str, str, Callable]] = [
     ("gpu_backends", "GPU: megatron against torch back end, generation, refit",
      "gpu_backends.py", gpu_backends),
     ("chaos", "Chaos: stages and the broker failed at random moments", "chaos.py", chaos),
+    ("staleness", "Far off-policy: GRPO against M2PO at max_staleness 0, 4, 16",
+     "staleness.py", staleness),
 ]
 """``(file prefix, title, script, renderer)``: a renderer takes a result document and
 returns ``(headline, markdown lines)``."""
