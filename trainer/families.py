@@ -9,8 +9,9 @@ A family says three things:
   several prompts are batched (``cat_keys``: item by item, ``[sum n, ...]`` in prompt
   order; the other keys prompt by prompt, ``[1, N, ...]`` padded to ``[U, max N, ...]``);
 * its **position ids** (``positions``): plain 1-D positions from the attention mask, or
-  multimodal RoPE (Qwen2.5-VL, Qwen3-VL: ``[3, B, T]`` temporal/height/width positions
-  from the model's own ``get_rope_index`` over the image and video grids), with the offset
+  multimodal RoPE (Qwen2.5-VL, Qwen3-VL, the Qwen2.5-Omni thinker: ``[3, B, T]``
+  temporal/height/width positions from the model's own ``get_rope_index`` over the image
+  and video grids), with the offset
   (``delta``) that the tokens after the prompt add to their 1-D position;
 * the config ``model_type`` values it covers (``model_types``).
 
@@ -77,6 +78,33 @@ def mrope_positions(model, input_ids: torch.Tensor, attention_mask: torch.Tensor
                                 attention_mask=attention_mask)
 
 
+def omni_positions(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                   inputs: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Multimodal RoPE positions of the Qwen2.5-Omni thinker from its own
+    ``get_rope_index``: ``([3, B, T] int64, [B, 1] int64 delta)`` as
+    :func:`mrope_positions`, with audio tokens on one position each (their count from
+    ``feature_attention_mask``) and a video's temporal positions
+    ``video_second_per_grid`` x ``position_id_per_seconds`` apart; audio and video
+    separate (no audio taken from the video).
+
+    Args:
+        input_ids: ``[B, T]`` int64, the placeholders expanded.
+        attention_mask: ``[B, T]``, 1 on real tokens.
+        inputs: the rows' media inputs (grids ``[n, 3]`` int64, ``feature_attention_mask``
+            ``[clips, frames]``, ``video_second_per_grid`` ``[videos]`` float32, in row
+            order); without any image or video grid, the 1-D positions
+            (:func:`text_positions`, which the model's own are there).
+    """
+    if inputs.get("image_grid_thw") is None and inputs.get("video_grid_thw") is None:
+        return text_positions(model, input_ids, attention_mask, inputs)
+    owner = _rope_index_owner(model)
+    features = inputs.get("feature_attention_mask")
+    return owner.get_rope_index(input_ids, inputs.get("image_grid_thw"),
+                                inputs.get("video_grid_thw"), attention_mask, False,
+                                None if features is None else features.sum(-1),
+                                inputs.get("video_second_per_grid"))
+
+
 @dataclass(frozen=True)
 class Family:
     """One model family (see the module docstring).
@@ -106,6 +134,9 @@ QWEN_VL_KEYS = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_
 """The media inputs of Qwen2.5-VL and Qwen3-VL images and video (Qwen2.5-VL adds
 ``second_per_grid_ts``)."""
 
+OMNI_KEYS = QWEN_VL_KEYS + ("video_second_per_grid", "input_features", "feature_attention_mask")
+"""The media inputs of the Qwen2.5-Omni thinker: images, video and audio in one prompt."""
+
 FAMILIES = {
     "text": Family("text", ()),
     "idefics3": Family("idefics3", ("idefics3",),
@@ -120,6 +151,8 @@ FAMILIES = {
     "qwen3-vl": Family("qwen3-vl", ("qwen3_vl",),
                        media_keys=QWEN_VL_KEYS, cat_keys=QWEN_VL_KEYS,
                        positions=mrope_positions, later_media=False),
+    "qwen2.5-omni": Family("qwen2.5-omni", ("qwen2_5_omni_thinker",), media_keys=OMNI_KEYS,
+                           cat_keys=OMNI_KEYS, positions=omni_positions, later_media=False),
 }
 """The families relax knows, by name."""
 
@@ -165,5 +198,5 @@ def cat_keys_of(keys) -> frozenset[str]:
     return rules.pop()
 
 
-__all__ = ["FAMILIES", "QWEN_VL_KEYS", "Family", "cat_keys_of", "family_of", "mrope_positions",
-           "text_positions"]
+__all__ = ["FAMILIES", "OMNI_KEYS", "QWEN_VL_KEYS", "Family", "cat_keys_of", "family_of",
+           "mrope_positions", "omni_positions", "text_positions"]

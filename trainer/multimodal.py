@@ -264,13 +264,32 @@ def _media_kwargs(processor, items: list[dict] | None) -> dict:
     if images := images_of(items):
         kwargs["images"] = [images]
     if videos := videos_of(items):
-        kwargs["videos"] = [frames for frames, _ in videos]
-        kwargs["video_metadata"] = [meta for _, meta in videos]
-        kwargs["do_sample_frames"] = False
+        kwargs.update(_video_kwargs(processor, videos))
     if audio := _audio(processor, items):
         kwargs["audio"] = audio
         kwargs["sampling_rate"] = processor.feature_extractor.sampling_rate
     return kwargs
+
+
+def _video_kwargs(processor, videos: list[tuple[list, object]]) -> dict:
+    """The processor's keyword arguments for decoded clips (:func:`videos_of`): the frames
+    as they are (``do_sample_frames`` off), their metadata, and as ``videos_kwargs`` the
+    video processor's own ``size`` (the Qwen2.5-Omni processor's class default would win
+    otherwise) and the clips' sampled rate as ``fps`` (what Qwen2.5-Omni derives
+    ``video_second_per_grid`` from; the others read the metadata).
+
+    Raises:
+        ValueError: clips sampled at different rates in one prompt for a processor that
+            takes one ``fps`` per call (its ``video_second_per_grid`` would be wrong).
+    """
+    rates = sorted({round(meta.fps, 6) for _, meta in videos})
+    if len(rates) > 1 and "video_second_per_grid" in processor.model_input_names:
+        raise ValueError(f"the prompt's clips are sampled at {rates} frames/s; "
+                         f"{type(processor).__name__} takes one rate per prompt: publish them "
+                         "with one video_fps")
+    return {"videos": [frames for frames, _ in videos],
+            "video_metadata": [meta for _, meta in videos], "do_sample_frames": False,
+            "videos_kwargs": {"size": dict(processor.video_processor.size), "fps": rates[0]}}
 
 
 def unexpanded_ids(processor, messages: list[dict], items: list[dict] | None) -> list[int]:
@@ -304,19 +323,18 @@ def _inputs(enc) -> dict[str, torch.Tensor]:
 
 def media_inputs(processor, items: list[dict] | None) -> dict[str, torch.Tensor]:
     """The media inputs :func:`encode_prompt` gives for ``items`` (the image processor,
-    the processor's video path without text, and the feature extractor; empty dict
-    without media).
+    the processor over the clips with a text of one video token each, and the feature
+    extractor; empty dict without media).
 
     Raises:
-        ValueError: see :func:`refuse_video` and :func:`videos_of`."""
+        ValueError: see :func:`refuse_video`, :func:`videos_of` and :func:`_video_kwargs`."""
     refuse_video(processor, items)
     out = {}
     if images := images_of(items):
         out.update(_inputs(processor.image_processor(images=[images], return_tensors="pt")))
     if videos := videos_of(items):
-        out.update(_inputs(processor(videos=[frames for frames, _ in videos],
-                                     video_metadata=[meta for _, meta in videos],
-                                     do_sample_frames=False, return_tensors="pt")))
+        out.update(_inputs(processor(text=[processor.video_token * len(videos)],
+                                     return_tensors="pt", **_video_kwargs(processor, videos))))
     if audio := _audio(processor, items):
         fe = processor.feature_extractor
         enc = fe(audio, sampling_rate=fe.sampling_rate, padding="max_length",

@@ -21,6 +21,14 @@ config and model classes, for tests and CPU recipes.
   64 frames kept, 4 video tokens per 2 frames, each pair of frames written as
   ``<T seconds><|vision_start|>...<|vision_end|>`` with its mean timestamp).
 
+* ``tiny-qwen2.5-omni``: ``Qwen2_5OmniThinkerForConditionalGeneration`` (the thinker:
+  no talker, text out): ``tiny-qwen2.5-vl``'s vision encoder and text trunk (images 112 x
+  112, video frames 56 x 56) and a 2-layer Whisper-style audio encoder (80 log-mel bins,
+  25 audio tokens a second, clips of at most :data:`OMNI_CLIP_SECONDS` s), its processor
+  ``Qwen2_5OmniProcessor`` (``Qwen2VLImageProcessor``, ``Qwen2VLVideoProcessor``,
+  ``WhisperFeatureExtractor`` at 16 kHz) with Qwen2.5-Omni's seven media tokens
+  (:data:`OMNI_TOKENS`, ids 49152-49158) and template parts (:data:`OMNI_PLACEHOLDERS`).
+
 All use the SmolLM2 tokenizer and chat template (ids as ``tiny-llama``'s); the VL model
 adds Qwen2-VL's four vision tokens (ids 49152-49155), and its template renders an
 ``{"type": "image"}`` part as ``<|vision_start|><|image_pad|><|vision_end|>`` and a
@@ -50,6 +58,17 @@ QWEN25_VL_VIDEO_SIZE = {"shortest_edge": 56 * 56, "longest_edge": 56 * 56}
 QWEN3_VL_VIDEO_SIZE = {"shortest_edge": 2 * 64 * 64, "longest_edge": 32 * 64 * 64}
 """Qwen3-VL video: its pixel budget over all frames (64 x 64 frames kept as they are up to
 32 frames: a 4 x 4 patch grid)."""
+OMNI_TOKENS = {"image_token": "<|IMAGE|>", "video_token": "<|VIDEO|>",
+               "audio_token": "<|AUDIO|>", "vision_bos_token": "<|vision_bos|>",
+               "vision_eos_token": "<|vision_eos|>", "audio_bos_token": "<|audio_bos|>",
+               "audio_eos_token": "<|audio_eos|>"}
+"""Qwen2.5-Omni's seven media tokens, by the tokenizer attribute its processor reads."""
+OMNI_PLACEHOLDERS = {"image": "<|vision_bos|><|IMAGE|><|vision_eos|>",
+                     "video": "<|vision_bos|><|VIDEO|><|vision_eos|>",
+                     "audio": "<|audio_bos|><|AUDIO|><|audio_eos|>"}
+"""What the Omni thinker's chat template writes for an image / video / audio part."""
+OMNI_CLIP_SECONDS = 5
+"""Longest audio clip of ``tiny-qwen2.5-omni`` (seconds): the feature extractor pads to it."""
 VL_REVISION = 2
 """Revision of the VL folders' files (revision 2: video parts in the template, the video
 processors' sizes); a cached folder of another revision is not used."""
@@ -170,6 +189,67 @@ def _vl_dir(name: str, patch: int, size: int, processor: str, videos: str, video
     return publish_folder(build, cache_dir() / "models" / f"{name}-r{VL_REVISION}")
 
 
+def tiny_qwen25_omni_config(vocab_size: int, token_ids: dict[str, int]):
+    """``Qwen2_5OmniThinkerConfig`` of ``tiny-qwen2.5-omni`` (see the module docstring);
+    ``token_ids``: the ids of :data:`OMNI_TOKENS`' tokens, by their names."""
+    from transformers import Qwen2_5OmniThinkerConfig
+
+    text = _text(vocab_size)
+    text["tie_word_embeddings"] = False
+    text["rope_parameters"] = {**text["rope_parameters"], "mrope_section": [2, 3, 3]}
+    vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2,
+                  out_hidden_size=text["hidden_size"], patch_size=14, spatial_merge_size=2,
+                  temporal_patch_size=2, window_size=56, fullatt_block_indexes=[1])
+    audio = dict(d_model=32, encoder_layers=2, encoder_attention_heads=2, encoder_ffn_dim=64,
+                 num_mel_bins=80, max_source_positions=OMNI_CLIP_SECONDS * 50, n_window=50,
+                 output_dim=text["hidden_size"])
+    return Qwen2_5OmniThinkerConfig(
+        text_config=text, vision_config=vision, audio_config=audio, tie_word_embeddings=False,
+        image_token_index=token_ids["image_token"], video_token_index=token_ids["video_token"],
+        audio_token_index=token_ids["audio_token"],
+        vision_start_token_id=token_ids["vision_bos_token"],
+        vision_end_token_id=token_ids["vision_eos_token"],
+        audio_start_token_id=token_ids["audio_bos_token"],
+        audio_end_token_id=token_ids["audio_eos_token"])
+
+
+def tiny_qwen25_omni_dir() -> Path:
+    """The ``tiny-qwen2.5-omni`` folder (thinker, tokenizer, processor), built into the
+    model cache once."""
+    import transformers
+
+    from relax.trainer.model_store import cache_dir, publish_folder, smollm2_tokenizer_dir
+    from relax.trainer.vlm import smollm2_template
+
+    def build(tmp: Path) -> None:
+        template = smollm2_template(OMNI_PLACEHOLDERS)
+        tok = transformers.AutoTokenizer.from_pretrained(smollm2_tokenizer_dir(),
+                                                         extra_special_tokens=OMNI_TOKENS)
+        tok.chat_template = template
+        grid = dict(patch_size=14, merge_size=2, temporal_patch_size=2)
+        size = QWEN25_VL_IMAGE_SIZE
+        proc = transformers.Qwen2_5OmniProcessor(
+            image_processor=transformers.Qwen2VLImageProcessor(
+                min_pixels=size * size, max_pixels=size * size, **grid),
+            video_processor=transformers.Qwen2VLVideoProcessor(
+                do_sample_frames=False, cap_pixels_per_frame=False, size=QWEN25_VL_VIDEO_SIZE,
+                **grid),
+            feature_extractor=transformers.WhisperFeatureExtractor(
+                feature_size=80, sampling_rate=16_000, chunk_length=OMNI_CLIP_SECONDS),
+            tokenizer=tok, chat_template=template)
+        ids = {name: tok.convert_tokens_to_ids(t) for name, t in OMNI_TOKENS.items()}
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(QWEN_SEED)
+            net = transformers.Qwen2_5OmniThinkerForConditionalGeneration(
+                tiny_qwen25_omni_config(len(tok), ids)).float()
+        net.generation_config.eos_token_id = 2
+        net.generation_config.pad_token_id = 2
+        net.save_pretrained(tmp, safe_serialization=True)
+        proc.save_pretrained(tmp)
+
+    return publish_folder(build, cache_dir() / "models" / "tiny-qwen2.5-omni")
+
+
 def tiny_qwen25_vl_dir() -> Path:
     """The ``tiny-qwen2.5-vl`` folder (model, tokenizer, processor), built into the model
     cache once."""
@@ -189,6 +269,9 @@ def tiny_qwen3_vl_dir() -> Path:
 
 __all__ = [
     "MOE",
+    "OMNI_CLIP_SECONDS",
+    "OMNI_PLACEHOLDERS",
+    "OMNI_TOKENS",
     "QWEN3_VL_IMAGE_SIZE",
     "QWEN3_VL_VIDEO_SIZE",
     "QWEN25_VL_IMAGE_SIZE",
@@ -201,6 +284,8 @@ __all__ = [
     "tiny_qwen3_dir",
     "tiny_qwen3_vl_config",
     "tiny_qwen3_vl_dir",
+    "tiny_qwen25_omni_config",
+    "tiny_qwen25_omni_dir",
     "tiny_qwen25_vl_config",
     "tiny_qwen25_vl_dir",
 ]

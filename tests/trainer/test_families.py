@@ -106,9 +106,14 @@ def test_each_model_type_has_one_family_and_unknown_media_models_are_refused():
     video = {"pixel_values_videos", "video_grid_thw"}
     assert cat_keys_of(video) == video  # Qwen2.5-VL and Qwen3-VL alike
     assert cat_keys_of(video | {"second_per_grid_ts"}) == video | {"second_per_grid_ts"}
-    with pytest.raises(ValueError, match=r"media inputs \['pixel_values'\]: 3 families take "
-                                         r"them \(idefics3, qwen2.5-vl, qwen3-vl\) with 2 "
-                                         "batching rules"):
+    assert cat_keys_of({"input_features", "feature_attention_mask", "video_second_per_grid"}) \
+        == {"input_features", "feature_attention_mask", "video_second_per_grid"}  # Omni
+    from transformers import Qwen2_5OmniThinkerConfig
+
+    assert family_of(Qwen2_5OmniThinkerConfig()).name == "qwen2.5-omni"
+    with pytest.raises(ValueError, match=r"media inputs \['pixel_values'\]: 4 families take "
+                                         r"them \(idefics3, qwen2.5-vl, qwen3-vl, "
+                                         r"qwen2.5-omni\) with 2 batching rules"):
         cat_keys_of({"pixel_values"})
     with pytest.raises(ValueError, match="0 families take them"):
         cat_keys_of({"input_values"})
@@ -491,3 +496,153 @@ def test_video_is_refused_where_it_is_not_taken():
     hf = RolloutStage(cfg.model_copy(update={"engine": "hf"}), engine=engine)
     assert hf._render(PromptItem(None, row, 0)).count(
         engine.tokenizer.convert_tokens_to_ids("<|video_pad|>")) == 16
+
+
+# ------------------------------------------------------------------ Qwen2.5-Omni thinker
+
+
+@pytest.fixture(scope="module")
+def omni():
+    """``(engine, processor)`` of ``tiny-qwen2.5-omni``."""
+    from relax.trainer.models import load_processor
+
+    return (HFEngine("tiny-qwen2.5-omni", engine_id="tiny-qwen2.5-omni-0", device="cpu"),
+            load_processor("tiny-qwen2.5-omni"))
+
+
+def _speech(n: int) -> list[tuple[str, dict]]:
+    from relax.producers.sources import read_source
+
+    return [(r.record["question"], media_item("audio", r.record["audio"], "audio",
+                                              MediaOptions()))
+            for r in read_source(f"speech_arith:?size={n}&seed=4")]
+
+
+def _omni_prompt(i: int):
+    """Prompt ``i`` of three kinds: ``(messages, items)``: 0 all four kinds in one user
+    message, 1 an image then (a turn later) a clip and speech, 2 speech alone."""
+    (q, png), = _vqa(1) if i != 1 else _vqa(2)[1:]
+    (_, _, clip), = _clips(1)
+    (spoken, wav), = _speech(1)
+    img = media_item("image", png, "image", MediaOptions())
+    image, video, audio = (MEDIA_MARK.format(kind=k) for k in ("image", "video", "audio"))
+    if i == 0:
+        return [{"role": "user", "content": f"{image}{video}{audio} {q}"}], [img, clip, wav]
+    if i == 1:
+        return [{"role": "user", "content": f"{image}{q}"},
+                {"role": "assistant", "content": "circle"},
+                {"role": "user", "content": f"now {video} and {audio}?"}], [img, clip, wav]
+    return [{"role": "user", "content": f"{audio}{spoken}"}], [wav]
+
+
+def test_omni_takes_text_image_audio_and_video_in_one_prompt_each_expanded_once(omni):
+    """All four kinds across turns: each item's placeholders appear once, in the message
+    it came in (16 image tokens, 16 video tokens, the clip's audio tokens by its
+    length); the trainer rebuilds the same inputs; the unexpanded ids hold one
+    placeholder each."""
+    _, proc = omni
+    tok = proc.tokenizer
+    messages, items = _omni_prompt(1)
+    ids, inputs = encode_prompt(proc, messages, items)
+    assert set(inputs) == set(FAMILIES["qwen2.5-omni"].media_keys)
+    img, vid, aud = (tok.convert_tokens_to_ids(t) for t in ("<|IMAGE|>", "<|VIDEO|>", "<|AUDIO|>"))
+    audio_len = int(inputs["feature_attention_mask"].sum())
+    n_audio = ((audio_len - 1) // 2 + 1 - 2) // 2 + 1  # the encoder's two stride-2 steps
+    assert (ids.count(img), ids.count(vid), ids.count(aud)) == (16, 16, n_audio) and n_audio > 20
+    assert inputs["video_second_per_grid"].tolist() == [0.25]
+    text = tok.decode(ids)
+    head, tail = text.split("circle")
+    assert head.count("<|IMAGE|>") == 16 and "<|VIDEO|>" not in head and "<|AUDIO|>" not in head
+    assert tail.index("<|VIDEO|>") < tail.index("<|AUDIO|>")
+    again = media_inputs(proc, items)
+    assert again.keys() == inputs.keys()
+    assert all(torch.equal(again[k], inputs[k]) and again[k].dtype == inputs[k].dtype
+               for k in inputs)
+    short = unexpanded_ids(proc, messages, items)
+    assert (short.count(img), short.count(vid), short.count(aud)) == (1, 1, 1)
+
+
+def test_omni_positions_are_the_models_own_rope_index(omni):
+    """Three left-padded prompts (all four kinds, image then clip and speech over turns,
+    speech alone): the batch's positions equal the thinker's ``get_rope_index`` of each
+    prompt alone with the processor's own inputs; a clip's 4 temporal patches sit
+    0.25 s x ``position_id_per_seconds`` apart."""
+    engine, proc = omni
+    encs, per = [], []
+    for i in range(3):
+        messages, items = _omni_prompt(i)
+        ids, inputs = encode_prompt(proc, messages, items)
+        per.append(inputs)
+        text = proc.apply_chat_template(chat_with_media(messages, items),
+                                        add_generation_prompt=True, tokenize=False)
+        own = {}
+        if images := images_of(items):
+            own["images"] = [images]
+        if videos := videos_of(items):
+            own.update(videos=[f for f, _ in videos], video_metadata=[m for _, m in videos],
+                       do_sample_frames=False,
+                       videos_kwargs={"size": dict(proc.video_processor.size), "fps": 8.0})
+        own["audio"] = [a for a in _waves(items)]
+        enc = proc(text=[text], return_tensors="pt", **own)
+        assert enc["input_ids"][0].tolist() == ids
+        encs.append(enc)
+    width = max(e["input_ids"].shape[1] for e in encs)
+    ids = torch.full((3, width), 2, dtype=torch.long)
+    mask = torch.zeros(3, width, dtype=torch.long)
+    for i, e in enumerate(encs):
+        n = e["input_ids"].shape[1]
+        ids[i, width - n:], mask[i, width - n:] = e["input_ids"][0], 1
+    inputs = stack_media(per, FAMILIES["qwen2.5-omni"])
+    pos, delta = FAMILIES["qwen2.5-omni"].positions(engine.model, ids, mask, inputs)
+    for i, e in enumerate(encs[:2]):  # prompts with a grid
+        own, own_delta = engine.model.model.get_rope_index(
+            e["input_ids"], e.get("image_grid_thw"), e.get("video_grid_thw"),
+            e["attention_mask"], False, e["feature_attention_mask"].sum(-1),
+            e.get("video_second_per_grid"))
+        n = e["input_ids"].shape[1]
+        assert torch.equal(pos[:, i, width - n:], own[:, 0]), i
+        assert int(delta[i]) == int(own_delta[0])
+    n = encs[2]["input_ids"].shape[1]
+    assert pos[:, 2, width - n:].tolist() == [list(range(n))] * 3 and int(delta[2]) == 0
+    vid = proc.tokenizer.convert_tokens_to_ids("<|VIDEO|>")
+    temporal = sorted(set(pos[0, 0, ids[0] == vid].tolist()))
+    step = int(0.25 * engine.model.config.position_id_per_seconds)
+    assert [b - a for a, b in itertools.pairwise(temporal)] == [step] * 3
+
+
+def _waves(items):
+    from relax.trainer.multimodal import audio_of
+
+    return audio_of(items, 16_000, 5)
+
+
+def test_omni_engine_logprobs_equal_the_trainers_with_all_four_kinds(omni):
+    """The three prompts, G=3 samples each: max |rollout - trainer| and |rollout -
+    reference stage| <= 1e-5 (fp32) with images, video and audio in one batch; without
+    its media the engine samples another distribution; one AdamW step moves the vision
+    and the audio encoders."""
+    engine, proc = omni
+    prompts, media, inputs = [], [], []
+    for i in range(3):
+        messages, items = _omni_prompt(i)
+        ids, inp = encode_prompt(proc, messages, items)
+        prompts.append(ids)
+        media.append(items)
+        inputs.append(inp)
+    diff, backend, mb, ref_diff = _c12("tiny-qwen2.5-omni", engine, prompts, inputs, media)
+    assert diff <= 1e-5 and ref_diff <= 1e-5, (diff, ref_diff)
+    assert mb.prompt_mask.sum(-1).tolist() == [len(p) for p in prompts]
+
+    params = SamplingParams(max_new_tokens=1, temperature=1.0, seed=1)
+    blind = engine.generate([prompts[0]], params)
+    seen = engine.generate([prompts[0]], params, media=[inputs[0]])
+    assert blind[0].token_ids != seen[0].token_ids or \
+        abs(blind[0].logprobs[0] - seen[0].logprobs[0]) > 1e-4
+
+    before = {n: p.detach().clone() for n, p in backend.model.named_parameters()
+              if ".visual." in n or ".audio_tower." in n}
+    stats = backend.train_step([mb])
+    for part in (".visual.", ".audio_tower."):
+        moved = max(float((p.detach() - before[n]).abs().max())
+                    for n, p in backend.model.named_parameters() if n in before and part in n)
+        assert stats["grad_norm"] > 0 and moved > 1e-5, (part, stats, moved)
