@@ -197,16 +197,19 @@ def test_cli_publishes_moving_square_with_video_field(bus, unique):
         assert "video" not in json.loads(r["metadata"])["fields"]
 
 
-def test_video_rows_are_refused_by_the_model_side_not_dropped():
-    """No model family takes video yet: a video row fails its rendering with a reason
-    instead of being trained on as text alone."""
+def test_video_rows_are_refused_by_a_model_without_video_not_dropped():
+    """A video row keeps its clip's place (a video part), and a model whose processor takes
+    no video (here: none) fails the row with a reason instead of training on its text
+    alone. The families that take video: tests/trainer/test_families.py."""
     from relax.trainer.multimodal import chat_with_media, media_inputs
 
     _, mp4 = clip()
     item = {"kind": "video", "uri": None, "data": check_video(mp4, "v"), "mime": "image/png",
             "turn": 0}
     msgs = [{"role": "user", "content": "<relax:video>Which way?"}]
-    for call in (lambda: chat_with_media(msgs, [item]), lambda: media_inputs(None, [item])):
-        with pytest.raises(ValueError, match="1 video items; no model family relax runs takes"):
-            call()
+    assert chat_with_media(msgs, [item])[0]["content"] == [
+        {"type": "video"}, {"type": "text", "text": "Which way?"}]
+    with pytest.raises(ValueError, match=r"1 video items; the model's processor \(NoneType\) "
+                                         "takes no video"):
+        media_inputs(None, [item])
 
