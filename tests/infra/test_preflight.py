@@ -26,7 +26,8 @@ def _error(*overrides: str) -> str:
 
 
 @pytest.mark.parametrize("name", ["tiny_ci", "arith_grpo_smollm2", "calc_tool_grpo",
-                                  "humaneval_sandbox", "arith_m2po_async"])
+                                  "humaneval_sandbox", "arith_m2po_async",
+                                  "gsm8k_lora_colocate"])
 def test_shipped_recipes_pass(name):
     preflight(load_recipe(RECIPES / f"{name}.yaml"))
 
