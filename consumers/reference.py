@@ -45,7 +45,10 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from relax.schemas import topics
 from relax.schemas.v1 import SCHEMAS
 from relax.schemas.validate import validate
-from relax.streams.client import BusConfig, ensure_topics
+from relax.streams.client import BusConfig
+from relax.streams.stage import RecordError, StageStats, process_once
+from relax.streams.stage_contract import (Declaration, Hooks, Input, OutTopic, Stage, Wiring,
+                                          run_stage)
 from relax.trainer.families import family_of
 from relax.trainer.logprobs import CHUNK_TOKENS, head_logprobs, token_logprobs
 from relax.trainer.multimodal import media_inputs, stack_media
@@ -55,7 +58,6 @@ class ReferenceConfig(BaseModel):
     """Settings of one reference instance.
 
     Attributes:
-        bus: bus settings.
         run: run name.
         model: reference model (name/folder/Hub id; the initial policy's weights), or
             the teacher model.
@@ -72,7 +74,6 @@ class ReferenceConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    bus: BusConfig
     run: str
     model: str = "tiny-llama"
     role: Literal["reference", "teacher"] = "reference"
@@ -247,18 +248,23 @@ def _logprobs(model, rows: list[dict], max_batch_tokens: int, processor=None
     return out
 
 
-class ReferenceStage:
-    """One reference instance: ``ReferenceStage(cfg).run(should_stop)``.
+class ReferenceStage(Stage):
+    """One reference instance on the stage contract
+    (:mod:`relax.streams.stage_contract`): ``ReferenceStage(cfg, bus).run(should_stop)``.
 
     Args:
         cfg: the settings.
+        bus: bus settings.
         model: a loaded model to use instead of loading ``cfg.model``.
     """
 
-    def __init__(self, cfg: ReferenceConfig, model=None):
+    kind = "reference"
+    config_type = ReferenceConfig
+
+    def __init__(self, cfg: ReferenceConfig, bus: BusConfig, model=None):
         from relax.trainer.models import load_model, load_processor
 
-        self.cfg = cfg
+        self.cfg, self.bus = cfg, bus
         device = cfg.device or ("cuda" if torch.cuda.is_available() else "cpu")
         self.model = model if model is not None else load_model(cfg.model, device=device)
         self.processor = load_processor(cfg.model)
@@ -267,7 +273,21 @@ class ReferenceStage:
         self.rollouts = topics.run_topic(cfg.run, topics.ROLLOUTS)
         self.out_topic = topics.run_topic(
             cfg.run, topics.TEACHER_LOGPROBS if cfg.role == "teacher" else topics.REF_LOGPROBS)
+        self.stats = StageStats()
+        self.w: Wiring | None = None
         self._subscriber = None
+
+    def declare(self) -> Declaration:
+        """Reads ``<run>.rollouts`` (which must exist) in consumer group ``<run>.<role>``;
+        writes ``<run>.ref_logprobs`` (or ``<run>.teacher_logprobs``) co-partitioned with
+        it, and ``<run>.rollouts.errors``."""
+        cfg = self.cfg
+        return Declaration(
+            run=cfg.run, component=cfg.member_id, producer_id=f"{cfg.run}-{cfg.member_id}",
+            input=Input((self.rollouts,), topics.group(cfg.run, cfg.role),
+                        stage=f"{cfg.role}/{cfg.member_id}", from_beginning=cfg.from_beginning,
+                        must_exist=True),
+            outputs=(OutTopic(self.out_topic),))
 
     def handle(self, delivery) -> list[tuple[str, pa.RecordBatch]]:
         """Stage function: ref log-probs of one delivery's rollouts.
@@ -275,8 +295,6 @@ class ReferenceStage:
         Raises:
             relax.streams.stage.RecordError: a row the model cannot score.
         """
-        from relax.streams.stage import RecordError
-
         rows = delivery.table.to_pylist()
         try:
             if self.cfg.role == "teacher":
@@ -304,63 +322,39 @@ class ReferenceStage:
         self.version = applied
         return True
 
-    def ensure_topics(self) -> None:
-        """Create the output topic (``<run>.ref_logprobs`` or ``<run>.teacher_logprobs``)
-        with the partition count of ``<run>.rollouts``.
+    def build(self, w: Wiring) -> None:
+        """Join the weight broadcast when ``follow_every`` > 0."""
+        from relax.streams.weights import WeightSubscriber
+
+        self.w = w
+        if self.cfg.follow_every:
+            self._subscriber = WeightSubscriber(
+                self.bus, self.cfg.run, member_id=self.cfg.member_id,
+                rendezvous=self.cfg.weights_rendezvous,
+                device=next(self.model.parameters()).device).start()
+
+    def turn(self) -> int:
+        """One :func:`relax.streams.stage.process_once` turn with :meth:`handle`; returns
+        the deliveries handled."""
+        cfg = self.cfg
+        return process_once(self.w.consumer, self.w.producer, self.handle,
+                            stage=f"{cfg.role}/{cfg.member_id}",
+                            poll_timeout_s=cfg.poll_timeout_s, stats=self.stats)
+
+    def hooks(self) -> Hooks:
+        """Before each turn, install newer weights (:meth:`maybe_follow`)."""
+        return Hooks(before=self.maybe_follow)
+
+    def close(self) -> None:
+        """Leave the weight broadcast."""
+        if self._subscriber is not None:
+            self._subscriber.close()
+
+    def run(self, should_stop: Callable[[], bool] = lambda: False) -> StageStats:
+        """Consume, score, produce and commit until ``should_stop()``
+        (:func:`relax.streams.stage_contract.run_stage`); returns the counters.
 
         Raises:
             ValueError: ``<run>.rollouts`` does not exist.
         """
-        from relax.streams.client import topic_partitions
-
-        have = topic_partitions(self.cfg.bus, [self.rollouts])
-        if not have.get(self.rollouts):
-            raise ValueError(f"run {self.cfg.run!r} has no topic {self.rollouts!r}")
-        ensure_topics(
-            self.cfg.bus,
-            {self.out_topic: have[self.rollouts], topics.errors_topic(self.rollouts): 1},
-        )
-
-    def run(self, should_stop: Callable[[], bool] = lambda: False):
-        """Consume, score, produce and commit until ``should_stop()``; returns the
-        :class:`relax.streams.stage.StageStats`."""
-        from relax.streams.consumer import BatchConsumer
-        from relax.streams.producer import BatchProducer
-        from relax.streams.metrics import MetricsWriter
-        from relax.streams.stage import BusyWindow, StageStats, process_once, run_loop
-        from relax.streams.weights import WeightSubscriber
-
-        cfg = self.cfg
-        self.ensure_topics()
-        producer = BatchProducer(cfg.bus, producer_id=f"{cfg.run}-{cfg.member_id}")
-        metrics = MetricsWriter(producer, cfg.run, cfg.member_id)
-        consumer = BatchConsumer(
-            cfg.bus,
-            topics.group(cfg.run, cfg.role),
-            [self.rollouts],
-            stage=f"{cfg.role}/{cfg.member_id}",
-            from_beginning=cfg.from_beginning,
-            error_producer=producer,
-            metrics=metrics,
-        )
-        if cfg.follow_every:
-            self._subscriber = WeightSubscriber(
-                cfg.bus,
-                cfg.run,
-                member_id=cfg.member_id,
-                rendezvous=cfg.weights_rendezvous,
-                device=next(self.model.parameters()).device,
-            ).start()
-        stats = StageStats()
-        try:
-            run_loop(lambda: process_once(consumer, producer, self.handle,
-                                          stage=f"{cfg.role}/{cfg.member_id}",
-                                          poll_timeout_s=cfg.poll_timeout_s, stats=stats),
-                     should_stop, before=self.maybe_follow,
-                     busy=BusyWindow(metrics))
-        finally:
-            if self._subscriber is not None:
-                self._subscriber.close()
-            consumer.close()
-            producer.close()
-        return stats
+        return run_stage(self, should_stop)

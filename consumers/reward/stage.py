@@ -35,14 +35,14 @@ from relax.consumers.reward import default_reward_name, load_reward_fn
 from relax.consumers.reward.pool import DEFAULT_MEMORY_LIMIT_BYTES, RewardPool, RowResult
 from relax.schemas import metric_names, topics
 from relax.schemas.v1 import REWARDS
-from relax.streams.client import BusConfig, ensure_topics, topic_partitions
+from relax.streams.client import BusConfig
 from relax.schemas.metric_names import (REWARD_ABSTAINS, REWARD_EXCEPTIONS,
                                         REWARD_MEMORY_ERRORS, REWARD_ROWS, REWARD_SCORE_S,
                                         REWARD_VALUE_MEAN, REWARD_WORKER_RESTARTS)
-from relax.streams.consumer import BatchConsumer
 from relax.streams.metrics import MetricsWriter
-from relax.streams.producer import BatchProducer
-from relax.streams.stage import BusyWindow, StageStats, process_once, run_loop
+from relax.streams.stage import StageStats, process_once
+from relax.streams.stage_contract import (Declaration, Hooks, Input, OutTopic, Stage, Wiring,
+                                          ensure_declared_topics, run_stage)
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +51,6 @@ class RewardStageConfig(BaseModel):
     """Settings of one reward consumer.
 
     Attributes:
-        bus: how to reach the bus.
         run: run name (reads ``<run>.rollouts``, writes ``<run>.rewards``).
         reward: a :data:`relax.consumers.reward.REWARD_FNS` name or ``module:function``.
         name: ``reward_name`` on the rows and in the consumer group
@@ -74,7 +73,6 @@ class RewardStageConfig(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    bus: BusConfig
     run: str
     reward: str
     name: str | None = None
@@ -155,87 +153,100 @@ def score_table(pool: RewardPool, table: pa.Table) -> list[RowResult]:
     return results  # type: ignore[return-value]
 
 
-class RewardStage:
-    """One reward consumer (module docstring for the contract).
+class RewardStage(Stage):
+    """One reward consumer (module docstring for the contract), on the stage contract
+    (:mod:`relax.streams.stage_contract`).
 
-    Usage: ``RewardStage(RewardStageConfig(bus=..., run="exp1", reward="gsm8k")).run(stop)``.
+    Usage: ``RewardStage(RewardStageConfig(run="exp1", reward="gsm8k"), bus).run(stop)``.
+
+    Args:
+        cfg: the settings.
+        bus: how to reach the bus.
 
     Raises (at construction):
         ValueError: unknown reward or bad name (lists the valid ones).
     """
 
-    def __init__(self, cfg: RewardStageConfig):
+    kind = "reward"
+    config_type = RewardStageConfig
+
+    def __init__(self, cfg: RewardStageConfig, bus: BusConfig):
         load_reward_fn(cfg.reward)
-        self.cfg, self.name = cfg, cfg.reward_name
+        self.cfg, self.bus, self.name = cfg, bus, cfg.reward_name
         self.component = f"reward.{self.name}"
         self.rollouts = topics.run_topic(cfg.run, topics.ROLLOUTS)
         self.rewards = topics.run_topic(cfg.run, topics.REWARDS)
         self.stats = StageStats()
         self.pool: RewardPool | None = None
+        self.w: Wiring | None = None
         self.assignment: set = set()
         """Partitions (``kafka.TopicPartition``) this instance owned at its last poll."""
 
+    def declare(self) -> Declaration:
+        """Reads ``<run>.rollouts`` (which must exist) in ``<run>.reward.<name>``; writes
+        ``<run>.rewards`` co-partitioned with it, and ``<run>.rollouts.errors``."""
+        return Declaration(
+            run=self.cfg.run, component=self.component, producer_id=self.component,
+            input=Input((self.rollouts,), topics.reward_group(self.cfg.run, self.name),
+                        stage=self.component, from_beginning=self.cfg.from_beginning,
+                        must_exist=True),
+            outputs=(OutTopic(self.rewards),))
+
     def ensure_topics(self) -> None:
         """Create the output topics that are missing: ``<run>.rewards`` with the
-        partition count of ``<run>.rollouts`` (co-partitioned), ``<run>.metrics`` and
-        ``<run>.rollouts.errors`` with one.
+        partition count of ``<run>.rollouts`` (co-partitioned) and ``<run>.rollouts.errors``
+        with one (:func:`relax.streams.stage_contract.ensure_declared_topics`).
 
         Raises:
             ValueError: when ``<run>.rollouts`` does not exist (names it), or the rewards
                 topic exists with another partition count.
         """
-        cfg = self.cfg.bus
-        metrics, errors = topics.run_topic(self.cfg.run, topics.METRICS), \
-            topics.errors_topic(self.rollouts)
-        have = topic_partitions(cfg, [self.rollouts, self.rewards, metrics, errors])
-        if not have.get(self.rollouts):
-            raise ValueError(f"run {self.cfg.run!r} has no topic {self.rollouts!r}: is the run "
-                             f"name right, and has the run started?")
-        want = {self.rewards: have[self.rollouts]}
-        want.update({t: 1 for t in (metrics, errors) if not have.get(t)})
-        ensure_topics(cfg, want)
+        ensure_declared_topics(self.bus, self.declare())
+
+    def build(self, w: Wiring) -> None:
+        """Start the scoring pool.
+
+        Raises:
+            relax.consumers.reward.pool.RewardLoadError: the function does not load in
+                a worker (bad options, import error, no start within the time limit).
+        """
+        cfg = self.cfg
+        self.w = w
+        self.pool = RewardPool(cfg.reward, cfg.options, workers=cfg.workers,
+                               timeout_s=cfg.timeout_s, memory_limit_bytes=cfg.memory_limit_bytes,
+                               batch_rows=cfg.batch_rows, startup_timeout_s=cfg.startup_timeout_s)
+
+    def hooks(self) -> Hooks:
+        """Ends after ``exit_when_idle_s`` idle while it owns partitions."""
+        return Hooks(exit_when_idle_s=self.cfg.exit_when_idle_s,
+                     idle_counts=lambda: bool(self.assignment))
+
+    def close(self) -> None:
+        """Stop the scoring pool."""
+        if self.pool is not None:
+            self.pool.close()
 
     def run(self, should_stop: Callable[[], bool] = lambda: False) -> StageStats:
         """Consume, score, produce and commit until ``should_stop()`` is true (or the
-        stage was idle for ``exit_when_idle_s``).
+        stage was idle for ``exit_when_idle_s``): :func:`relax.streams.stage_contract.run_stage`.
 
         Returns:
             the counters; ``errors`` counts rows written with an error (null value).
 
         Raises:
             ValueError: no ``<run>.rollouts`` topic (see :meth:`ensure_topics`).
-            relax.consumers.reward.pool.RewardLoadError: the function does not load in
-                a worker (bad options, import error, no start within the time limit).
+            relax.consumers.reward.pool.RewardLoadError: see :meth:`build`.
         """
-        cfg = self.cfg
-        self.ensure_topics()
-        producer = BatchProducer(cfg.bus, producer_id=self.component)
-        metrics = MetricsWriter(producer, cfg.run, self.component)
-        consumer = BatchConsumer(cfg.bus, topics.reward_group(cfg.run, self.name), [self.rollouts],
-                                 stage=self.component, from_beginning=cfg.from_beginning,
-                                 error_producer=producer, metrics=metrics)
-        try:
-            self.pool = RewardPool(cfg.reward, cfg.options, workers=cfg.workers,
-                                   timeout_s=cfg.timeout_s, memory_limit_bytes=cfg.memory_limit_bytes,
-                                   batch_rows=cfg.batch_rows, startup_timeout_s=cfg.startup_timeout_s)
-            run_loop(lambda: self.process_once(consumer, producer, metrics), should_stop,
-                     exit_when_idle_s=cfg.exit_when_idle_s, idle_counts=lambda: bool(self.assignment),
-                     busy=BusyWindow(metrics))
-        finally:
-            if self.pool is not None:
-                self.pool.close()
-            consumer.close()
-            producer.close()
-        return self.stats
+        return run_stage(self, should_stop)
 
-    def process_once(self, consumer: BatchConsumer, producer: BatchProducer,
-                     metrics: MetricsWriter) -> int:
+    def turn(self) -> int:
         """One turn (:func:`relax.streams.stage.process_once` with :meth:`_score` as its
         batch function). Returns the number of deliveries (0 for an empty poll)."""
-        n = process_once(consumer, producer, batch_fn=lambda ds: self._score(ds, metrics),
+        w = self.w
+        n = process_once(w.consumer, w.producer, batch_fn=lambda ds: self._score(ds, w.metrics),
                          stage=self.component, poll_timeout_s=self.cfg.poll_timeout_s,
                          max_records=self.cfg.max_records, stats=self.stats)
-        self.assignment = set(consumer.kafka.assignment())
+        self.assignment = set(w.consumer.kafka.assignment())
         return n
 
     def _score(self, deliveries: list, metrics: MetricsWriter) -> list[tuple]:

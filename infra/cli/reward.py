@@ -88,19 +88,20 @@ def attach_cmd(reward: str = typer.Argument(..., help="reward name or module:fun
         raise typer.BadParameter("--weight needs --from earliest (a counted reward must score "
                                  "every rollout from its policy_version on)", param_hint="--from")
     try:
-        cfg = RewardStageConfig(bus=bus_config(bootstrap), run=run, reward=reward, name=name,
+        bus = bus_config(bootstrap)
+        cfg = RewardStageConfig(run=run, reward=reward, name=name,
                                 options=parse_options(option), workers=workers,
                                 timeout_s=timeout_s, memory_limit_bytes=_memory(memory_limit_bytes),
                                 batch_rows=batch_rows, from_beginning=start == "earliest",
                                 exit_when_idle_s=exit_when_idle)
-        stage = RewardStage(cfg)
+        stage = RewardStage(cfg, bus)
     except ValueError as e:
         raise typer.BadParameter(str(e)) from None
     try:
         stage.ensure_topics()
         if weight is not None:
-            first = _announce_attach(cfg.bus, run, stage.name, weight, from_version)
-            stage = RewardStage(cfg.model_copy(update={"from_policy_version": first}))
+            first = _announce_attach(bus, run, stage.name, weight, from_version)
+            stage = RewardStage(cfg.model_copy(update={"from_policy_version": first}), bus)
     except ValueError as e:
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(1) from None

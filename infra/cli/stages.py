@@ -115,14 +115,13 @@ def reference_cmd(
 
     try:
         cfg = ReferenceConfig(
-            bus=bus_config(bootstrap),
             **stage_settings(config, sets, run=run, model=model, follow_every=follow_every),
         )
     except ValidationError as e:
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2) from None
     with _until_signal() as should_stop:
-        stats = ReferenceStage(cfg).run(should_stop)
+        stats = ReferenceStage(cfg, bus_config(bootstrap)).run(should_stop)
     typer.echo(f"rows_in={stats.rows_in} rows_out={stats.rows_out} errors={stats.errors}")
 
 

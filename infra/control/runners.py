@@ -25,13 +25,13 @@ def _rollout(config: dict, bus: BusConfig, should_stop: Callable[[], bool]) -> N
 def _reward(config: dict, bus: BusConfig, should_stop: Callable[[], bool]) -> None:
     from relax.consumers.reward.stage import RewardStage, RewardStageConfig
 
-    RewardStage(RewardStageConfig(**config)).run(should_stop)
+    RewardStage(RewardStageConfig(**config), bus).run(should_stop)
 
 
 def _reference(config: dict, bus: BusConfig, should_stop: Callable[[], bool]) -> None:
     from relax.consumers.reference import ReferenceConfig, ReferenceStage
 
-    ReferenceStage(ReferenceConfig(**config)).run(should_stop)
+    ReferenceStage(ReferenceConfig(**config), bus).run(should_stop)
 
 
 def _aggregate(config: dict, bus: BusConfig, should_stop: Callable[[], bool]) -> None:

@@ -73,9 +73,9 @@ def section_of(config: type[BaseModel], title: str, wiring: frozenset[str], doc:
 
 ROLLOUT_WIRING = frozenset({"bus", "run", "dataset", "model", "engine_id", "rollouts_partitions",
                             "environment_reward"})
-REWARD_WIRING = frozenset({"bus", "run", "reward", "name"})
-REFERENCE_WIRING = frozenset({"bus", "run", "model", "role"})
-TEACHER_WIRING = frozenset({"bus", "run", "role", "member_id", "follow_every",
+REWARD_WIRING = frozenset({"run", "reward", "name"})
+REFERENCE_WIRING = frozenset({"run", "model", "role"})
+TEACHER_WIRING = frozenset({"run", "role", "member_id", "follow_every",
                             "weights_rendezvous"})
 AGGREGATE_WIRING = frozenset({"run", "partitions", "advantage"})
 TRAINER_WIRING = frozenset({"run", "run_dir", "trainer", "processes", "rank_hosts",

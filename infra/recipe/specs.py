@@ -162,18 +162,18 @@ def stage_specs(recipe: Recipe, bus: BusConfig, run_dir: Path) -> list[StageSpec
         name = f"reward.{r.name}"
         options = r.model_dump(exclude={"fn", "weight"})
         config = _checked(f"stage {name} (reward)", RewardStageConfig,
-                          dict(options, bus=busd, run=run, reward=r.fn))
+                          dict(options, run=run, reward=r.fn))
         specs.append(StageSpec(name, "reward", config, recipe.resources_of("reward")))
     if recipe.reference.enabled:
         options = recipe.reference.model_dump(exclude={"enabled"})
         specs.append(StageSpec("reference", "reference", _checked(
             "stage reference (reference)", ReferenceConfig,
-            dict(options, bus=busd, run=run, model=recipe.model)),
+            dict(options, run=run, model=recipe.model)),
             recipe.resources_of("reference")))
     if recipe.teacher is not None:
         specs.append(StageSpec("teacher", "reference", _checked(
             "stage teacher (reference)", ReferenceConfig,
-            dict(recipe.teacher.model_dump(), bus=busd, run=run, role="teacher",
+            dict(recipe.teacher.model_dump(), run=run, role="teacher",
                  member_id="teacher-0")), recipe.resources_of("teacher")))
     if recipe.eval is not None and recipe.eval.every:
         specs.append(StageSpec("eval", "eval", _eval_config(recipe, busd, run_dir),

@@ -151,7 +151,7 @@ def test_reference_stage_on_the_broker(bus, unique, engine):
     p.send(rollouts, pa.RecordBatch.from_pylist(rows + [bad], schema=ROLLOUTS))
     p.close()
     stage = ReferenceStage(
-        ReferenceConfig(bus=bus, run=unique, poll_timeout_s=0.3), model=engine.model
+        ReferenceConfig(run=unique, poll_timeout_s=0.3), bus, model=engine.model
     )
     out_topic = topics.run_topic(unique, "ref_logprobs")
     table = _run_until(stage, bus, out_topic, len(rows))
@@ -175,7 +175,7 @@ def test_reference_follows_the_policy_every_n_versions(bus, unique, tmp_path):
     params = dict(policy.named_parameters())
     pub = WeightPublisher(bus, unique, checkpoint_dir=tmp_path)
     stage = ReferenceStage(
-        ReferenceConfig(bus=bus, run=unique, follow_every=2), model=load_model("tiny-llama")
+        ReferenceConfig(run=unique, follow_every=2), bus, model=load_model("tiny-llama")
     )
     before = {n: p.detach().clone() for n, p in stage.model.named_parameters()}
     try:
@@ -218,9 +218,9 @@ def test_teacher_stage_on_the_broker(bus, unique, engine):
     with torch.no_grad():
         for w in teacher.parameters():
             w.add_(0.05 * torch.randn(w.shape, generator=torch.Generator().manual_seed(1)))
-    stage = ReferenceStage(ReferenceConfig(bus=bus, run=unique, role="teacher", model="t-folder",
+    stage = ReferenceStage(ReferenceConfig(run=unique, role="teacher", model="t-folder",
                                            member_id="teacher-0", poll_timeout_s=0.3),
-                           model=teacher)
+                           bus, model=teacher)
     out_topic = topics.run_topic(unique, "teacher_logprobs")
     table = _run_until(stage, bus, out_topic, len(rows))
     validate(table, "teacher_logprobs")
@@ -237,4 +237,4 @@ def test_teacher_stage_on_the_broker(bus, unique, engine):
 
     assert group_offsets(bus, f"{unique}.teacher") == high_watermarks(bus, [rollouts])
     with pytest.raises(ValueError, match="a teacher is frozen"):
-        ReferenceConfig(bus=bus, run=unique, role="teacher", follow_every=1)
+        ReferenceConfig(run=unique, role="teacher", follow_every=1)

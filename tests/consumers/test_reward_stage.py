@@ -50,9 +50,9 @@ def _rows(n=8):
 def test_stage_scores_rollouts_and_a_second_reward_attaches_to_the_finished_run(bus, unique):
     run, rows = unique, _rows(8)
     _publish_rollouts(bus, run, rows)
-    cfg = RewardStageConfig(bus=bus, run=run, reward="gsm8k", exit_when_idle_s=1.5,
+    cfg = RewardStageConfig(run=run, reward="gsm8k", exit_when_idle_s=1.5,
                             poll_timeout_s=0.5)
-    stats = RewardStage(cfg).run()
+    stats = RewardStage(cfg, bus).run()
     assert stats.rows_in == 8 and stats.errors == 0 and stats.commits >= 1
     got = _rewards(bus, run, "gsm8k")
     assert sorted(got) == sorted(r["rollout_id"] for r in rows)
@@ -121,10 +121,10 @@ def test_stage_records_faulty_rewards_as_error_rows_and_keeps_going(bus, unique,
         r["response_text"] = text
     rows[6]["metadata"] = "[1, 2]"  # metadata must be a JSON object
     _publish_rollouts(bus, run, rows)
-    cfg = RewardStageConfig(bus=bus, run=run, reward=f"{faulty_stage_module}:flaky", name="flaky",
+    cfg = RewardStageConfig(run=run, reward=f"{faulty_stage_module}:flaky", name="flaky",
                             workers=2, timeout_s=2.0, memory_limit_bytes=512 << 20,
                             exit_when_idle_s=1.5, poll_timeout_s=0.5)
-    stats = RewardStage(cfg).run()
+    stats = RewardStage(cfg, bus).run()
     assert stats.rows_in == 8 and stats.errors == 4
     got = {r["rollout_id"]: r for r in _rewards(bus, run, "flaky").values()}
     by_text = {text: got[r["rollout_id"]] for r, text in zip(rows, responses)}
@@ -149,8 +149,8 @@ def test_two_instances_share_the_consumer_group(bus, unique):
     run = unique
     src = topics.run_topic(run, topics.ROLLOUTS)
     ensure_topics(bus, {src: 4})
-    cfg = RewardStageConfig(bus=bus, run=run, reward="gsm8k", poll_timeout_s=0.3)
-    stages = [RewardStage(cfg), RewardStage(cfg)]
+    cfg = RewardStageConfig(run=run, reward="gsm8k", poll_timeout_s=0.3)
+    stages = [RewardStage(cfg, bus), RewardStage(cfg, bus)]
     stop = threading.Event()
     threads = [threading.Thread(target=s.run, args=(stop.is_set,), daemon=True) for s in stages]
     for t in threads:
