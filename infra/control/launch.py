@@ -258,6 +258,7 @@ def train(recipe: Recipe, *, say: Callable[[str], None] = print,
             _last_eval(recipe, follower, controller, say)
         summary["train_s"] = round(time.time() - t_train, 1)
         timeline.close()
+        summary["peak_rss_mb"] = timeline.peak_rss_mb()  # each process of the run on this host
         controller.stop()  # finish: accounting, eval after, run folder
         _finish(recipe, bus, run_dir, follower, eval_rows, summary, say)
     summary["wall_s"] = round(time.time() - t_start, 1)

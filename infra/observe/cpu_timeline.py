@@ -15,6 +15,10 @@ of the interval (how many cores it really used at once). :func:`plot_timeline` d
 row per process with the trainer's step ends as vertical lines (``timeline.png``):
 a stage's busy and idle intervals, and who waits for whom, at a glance.
 
+Each sample also reads every followed process's peak resident set (``VmHWM`` of
+``/proc/<pid>/status``, exact between samples): :meth:`CpuTimeline.peak_rss_mb` gives
+each name's largest, what a run's ``summary.json`` records as ``peak_rss_mb``.
+
 Linux only (``/proc``); elsewhere, or for stages on other hosts, nothing is sampled.
 """
 
@@ -63,6 +67,19 @@ def thread_seconds(pid: int) -> dict[int, float] | None:
     return threads
 
 
+def peak_rss_bytes(pid: int) -> int | None:
+    """The process's peak resident set (``VmHWM``, bytes); None when it is gone (or has
+    no memory of its own: a kernel thread)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    return None
+
+
 BUSY = 0.25
 """A thread is busy in an interval when it ran for more than this share of it."""
 
@@ -89,6 +106,7 @@ class CpuTimeline:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="cpu-timeline", daemon=True)
         self._last: dict[int, tuple] = {}
+        self._peak: dict[str, int] = {}  # name -> largest VmHWM seen (bytes)
 
     def start(self) -> CpuTimeline:
         """Start sampling (returns self)."""
@@ -100,6 +118,14 @@ class CpuTimeline:
         self._stop.set()
         if self._thread.is_alive():
             self._thread.join(timeout=5)
+
+    def peak_rss_mb(self) -> dict[str, float]:
+        """``{name: MB}``: each followed process's peak resident set seen so far (its
+        ``VmHWM``; a restarted stage's largest over its processes), in MB (10^6 bytes),
+        largest first. RSS counts shared pages (libraries, ``/dev/shm`` buffers) in every
+        process that maps them, so the sum over names is an upper bound of the run's."""
+        return {n: round(b / 1e6, 1)
+                for n, b in sorted(self._peak.items(), key=lambda x: -x[1])}
 
     def __enter__(self) -> CpuTimeline:
         return self.start()
@@ -118,6 +144,9 @@ class CpuTimeline:
         rows = []
         for name, pid in self.pids().items():
             total = _stat_seconds(f"/proc/{pid}/stat")
+            peak = peak_rss_bytes(pid) if total is not None else None
+            if peak is not None:
+                self._peak[name] = max(self._peak.get(name, 0), peak)
             prev = self._last.get(pid)
             hot = prev is None or (now > prev[0]
                                    and (total or 0) - prev[1] >= BUSY * (now - prev[0]))

@@ -163,3 +163,27 @@ def test_a_process_that_wakes_up_gets_its_busy_thread_counted(tmp_path):
     first_busy = next(i for i, r in enumerate(rows) if r["threads"] == 1)
     assert any(r["cores"] < 0.1 for r in rows[:first_busy]), rows  # it slept first
     assert _threads_checked(rows) >= 3, rows
+
+
+def test_the_peak_resident_set_of_each_process_is_kept(tmp_path):
+    """A process that touches 200 MB and frees them: its peak (VmHWM) stays, this
+    process's too; a pid that is gone adds nothing."""
+    code = ("import time; b = bytearray(200_000_000); b[::4096] = b'x' * len(b[::4096]); "
+            "del b; time.sleep(30)")
+    child = subprocess.Popen([sys.executable, "-c", code])
+    try:
+        deadline = time.monotonic() + 30
+        timeline = CpuTimeline(tmp_path / "t.jsonl", lambda: {"hog": child.pid, "me": os.getpid(),
+                                                             "gone": 2 ** 22 + 7})
+        while time.monotonic() < deadline:
+            timeline.sample()
+            if timeline.peak_rss_mb().get("hog", 0) >= 200:
+                break
+            time.sleep(0.2)
+        peaks = timeline.peak_rss_mb()
+        assert 200 <= peaks["hog"] < 400, peaks
+        assert peaks["me"] > 10 and "gone" not in peaks, peaks
+        assert list(peaks) == sorted(peaks, key=lambda n: -peaks[n])
+    finally:
+        child.kill()
+        child.wait()
