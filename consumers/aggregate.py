@@ -51,13 +51,14 @@ from relax.consumers.reward.plan import RewardPlan, group_policy_version
 from relax.consumers.samples import AdvantageConfig, RewardCell, build_train_samples
 from relax.schemas import metric_names as M
 from relax.schemas import topics
-from relax.streams.client import BusConfig, ensure_topics
+from relax.streams.client import BusConfig
 from relax.streams.codec import decode
 from relax.streams.consumer import BatchConsumer
 from relax.streams.metrics import MetricsWriter
 from relax.streams.producer import BatchProducer
 from relax.streams.read import read_partition
-from relax.streams.stage import BusyWindow, Output, process_once, run_loop
+from relax.streams.stage import Output, process_once
+from relax.streams.stage_contract import Declaration, Input, OutTopic, Stage, Wiring, run_stage
 
 log = logging.getLogger(__name__)
 
@@ -209,14 +210,18 @@ class JoinState:
         return out
 
 
-class AggregateStage:
-    """The aggregator as a process: ``AggregateStage(cfg, bus).run(should_stop)``.
+class AggregateStage(Stage):
+    """The aggregator as a process on the stage contract
+    (:mod:`relax.streams.stage_contract`): ``AggregateStage(cfg, bus).run(should_stop)``.
 
     Args:
         cfg: aggregator configuration.
         bus: bus settings.
         instance: a name for this instance (producer id, metrics component).
     """
+
+    kind = "aggregate"
+    config_type = AggregateConfig
 
     def __init__(self, cfg: AggregateConfig, bus: BusConfig, instance: str = "aggregate-0"):
         self.cfg, self.bus, self.instance = cfg, bus, instance
@@ -228,14 +233,8 @@ class AggregateStage:
             self.inputs.append(topics.run_topic(run, topics.TEACHER_LOGPROBS))
         self.out_topic = topics.run_topic(run, topics.TRAIN_SAMPLES)
         self.changelog = topics.changelog_topic(run)
-        want = {t: cfg.partitions for t in self.inputs + [self.out_topic, self.changelog]}
-        want.update({topics.errors_topic(t): 1 for t in self.inputs})
-        ensure_topics(bus, want)
-        self.producer = BatchProducer(bus, producer_id=instance)
-        self.metrics = MetricsWriter(self.producer, run, instance)
         self.states: dict[int, JoinState] = {}
         self.plan = RewardPlan(cfg.advantage.rewards)
-        self.changes = ChangeFollower(bus, run)
         self._changes_at = 0.0  # time.monotonic() of the last read of the changes
         self._plan_through = -1  # changes were read to the end after a rollout of this version
         self._to_recover: set[int] = set()
@@ -243,13 +242,31 @@ class AggregateStage:
         self.emitted_rows = 0
         self._metrics_at = 0.0
         self._joined = False  # a delivery joined since the last metrics
-        self.consumer = BatchConsumer(bus, topics.group(run, "aggregate"), self.inputs,
-                                      stage="aggregate", error_producer=self.producer,
-                                      on_assign=self._assign, on_revoke=self._revoke,
-                                      metrics=self.metrics)
+        self.changes: ChangeFollower | None = None
+        self.producer: BatchProducer | None = None
+        self.consumer: BatchConsumer | None = None
+        self.metrics: MetricsWriter | None = None
+
+    def declare(self) -> Declaration:
+        """Reads the rollouts, rewards (and, when needed, ref and teacher log-probs) in
+        consumer group ``<run>.aggregate``, creating them with ``partitions``; writes
+        ``<run>.train_samples`` and ``<run>.aggregate_changelog`` (``partitions``) and the
+        inputs' error topics. The rebalance hooks rebuild and drop join state."""
+        p = self.cfg.partitions
+        return Declaration(
+            run=self.cfg.run, component=self.instance, producer_id=self.instance,
+            input=Input(tuple(self.inputs), topics.group(self.cfg.run, "aggregate"),
+                        stage="aggregate", partitions=p, on_assign=self._assign,
+                        on_revoke=self._revoke),
+            outputs=(OutTopic(self.out_topic, p), OutTopic(self.changelog, p)))
+
+    def build(self, w: Wiring) -> None:
+        """Take the wiring and follow the run's reward changes."""
+        self.producer, self.consumer, self.metrics = w.producer, w.consumer, w.metrics
+        self.changes = ChangeFollower(self.bus, self.cfg.run)
 
     def _assign(self, tps) -> None:
-        # runs on the consumer's I/O thread: only note it; step() recovers the state
+        # runs on the consumer's I/O thread: only note it; turn() recovers the state
         self._to_recover.update(tp.partition for tp in tps)
 
     def _revoke(self, tps) -> None:
@@ -274,7 +291,7 @@ class AggregateStage:
                  partition, n, time.monotonic() - t0, len(state.groups))
         return state
 
-    def step(self) -> int:
+    def turn(self) -> int:
         """One turn (:func:`relax.streams.stage.process_once`): join each delivery
         (:meth:`_join`), emit the groups that are ready (:meth:`_emit`), flush, commit.
         Returns deliveries handled."""
@@ -362,15 +379,12 @@ class AggregateStage:
                                    M.OLDEST_PARTIAL_S: now - min(firsts) if firsts else 0.0})
             self.metrics.flush()
 
-    def run(self, should_stop: Callable[[], bool]) -> None:
-        """Run :meth:`step` until ``should_stop()``; then close."""
-        try:
-            run_loop(self.step, should_stop, busy=BusyWindow(self.metrics))
-        finally:
-            self.close()
+    def run(self, should_stop: Callable[[], bool] = lambda: False) -> None:
+        """Run turns until ``should_stop()`` (:func:`relax.streams.stage_contract.run_stage`)."""
+        run_stage(self, should_stop)
 
     def close(self) -> None:
-        """Close the consumer (no commit beyond what was flushed) and the producer."""
-        self.consumer.close()
-        self.changes.close()
-        self.producer.close()
+        """Stop following the reward changes (the contract closes the consumer, with no
+        commit beyond what was flushed, and the producer)."""
+        if self.changes is not None:
+            self.changes.close()

@@ -14,6 +14,7 @@ from relax.schemas.v1 import REWARDS, ROLLOUTS
 from relax.consumers.aggregate import AggregateConfig, AggregateStage, JoinState
 from relax.streams.client import ensure_topics
 from relax.streams.producer import BatchProducer
+from relax.streams.stage_contract import wired
 
 from testdata import reward_rows, rollout_rows
 
@@ -79,7 +80,7 @@ def _wait_rows(bus, topic, n, stage=None, timeout_s=60):
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if stage is not None:
-            stage.step()
+            stage.turn()
         t = read_table(bus, topic)
         if t.num_rows >= n:
             return t
@@ -98,11 +99,12 @@ def test_stage_joins_and_survives_restart(bus, unique):
     _send(p, wt, reward_rows(rows[:4], "math", [1, 0, 0, 0]), REWARDS)
     _send(p, wt, reward_rows(rows[4:6], "math", [1, 1]), REWARDS)  # g0001 half done
     stage = AggregateStage(cfg, bus)
-    out = _wait_rows(bus, st, 4, stage)
-    assert set(out.column("group_id").to_pylist()) == {"g0000"}
-    for _ in range(3):
-        stage.step()
-    stage.close()  # g0001 and g0002 are partial: their rows live in the changelog only
+    with wired(stage):  # the stage contract's wiring, closed on exit
+        out = _wait_rows(bus, st, 4, stage)
+        assert set(out.column("group_id").to_pylist()) == {"g0000"}
+        for _ in range(3):
+            stage.turn()
+    # g0001 and g0002 are partial: their rows live in the changelog only
     m = [r for r in read_table(bus, topics.run_topic(run, "metrics")).to_pylist()
          if r["component"] == "aggregate-0"]
     last = {r["name"]: r["value"] for r in m}
@@ -113,8 +115,8 @@ def test_stage_joins_and_survives_restart(bus, unique):
     _send(p, wt, reward_rows(rows[8:12], "math", [1, 1, 0, 1]), REWARDS)
     _send(p, rt, rows[4:5], ROLLOUTS)  # a redelivered rollout
     stage2 = AggregateStage(cfg, bus, instance="aggregate-1")
-    out = _wait_rows(bus, st, 12, stage2)
-    stage2.close()
+    with wired(stage2):
+        out = _wait_rows(bus, st, 12, stage2)
     ids = out.column("rollout_id").to_pylist()
     assert sorted(ids) == sorted(r["rollout_id"] for r in rows) and len(ids) == 12
     by = {r["rollout_id"]: r for r in out.to_pylist()}
