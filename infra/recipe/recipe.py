@@ -69,8 +69,9 @@ STAGES = ("rollout", "reward", "reference", "teacher", "aggregate", "trainer", "
 class DataConfig(StrictModel):
     """Training prompts: published into ``prompts.<dataset>`` before the run if the topic
     is empty (a file, a saved HF dataset, ``hf://...`` or ``reasoning_gym:TASK?...``);
-    ``image_field`` / ``audio_field``: columns holding media (``relax publish
-    --image-field``)."""
+    ``image_field`` / ``audio_field`` / ``video_field``: columns holding media (``relax
+    publish --image-field``); ``video_fps`` / ``video_max_frames``: the frames publish
+    keeps of each clip (``relax publish --video-fps``, ``--video-max-frames``)."""
 
     dataset: str
     source: str | None = None
@@ -78,8 +79,21 @@ class DataConfig(StrictModel):
     label_field: str | None = "answer"
     image_field: str | None = None
     audio_field: str | None = None
+    video_field: str | None = None
+    video_fps: float = Field(2.0, gt=0, description="video frames kept per second of video")
+    video_max_frames: int = Field(32, ge=1, description="most frames kept of one video")
     limit: int | None = Field(None, ge=1)
     partitions: int = Field(4, ge=1)
+
+    def media(self):
+        """How publish reads the prompts' media
+        (:class:`relax.producers.media.MediaOptions`)."""
+        from relax.producers.media import MediaOptions
+
+        fields = ((self.image_field, "image"), (self.audio_field, "audio"),
+                  (self.video_field, "video"))
+        return MediaOptions(fields=tuple((f, k) for f, k in fields if f),
+                            video_fps=self.video_fps, video_max_frames=self.video_max_frames)
 
 
 class EvalConfig(StrictModel):

@@ -27,7 +27,7 @@ def _error(*overrides: str) -> str:
 
 @pytest.mark.parametrize("name", ["tiny_ci", "arith_grpo_smollm2", "calc_tool_grpo",
                                   "humaneval_sandbox", "arith_m2po_async",
-                                  "gsm8k_lora_colocate"])
+                                  "gsm8k_lora_colocate", "video_grpo", "omni_grpo"])
 def test_shipped_recipes_pass(name):
     preflight(load_recipe(RECIPES / f"{name}.yaml"))
 
