@@ -58,6 +58,7 @@ from relax.infra.recipe.sections import (  # ENVIRONMENT_REWARD, RecipeError, Re
     TeacherSection,
     TrainerSection,
 )
+from relax.producers.media import VIDEO_FPS, VIDEO_MAX_FRAMES, MediaOptions
 from relax.streams.http_token import check_bind
 from relax.trainer.config import TrainerConfig
 from relax.trainer.telemetry import TelemetryConfig
@@ -80,16 +81,15 @@ class DataConfig(StrictModel):
     image_field: str | None = None
     audio_field: str | None = None
     video_field: str | None = None
-    video_fps: float = Field(2.0, gt=0, description="video frames kept per second of video")
-    video_max_frames: int = Field(32, ge=1, description="most frames kept of one video")
+    video_fps: float = Field(VIDEO_FPS, gt=0, description="video frames kept per second of video")
+    video_max_frames: int = Field(VIDEO_MAX_FRAMES, ge=1, description="most frames kept of one "
+                                  "video")
     limit: int | None = Field(None, ge=1)
     partitions: int = Field(4, ge=1)
 
-    def media(self):
+    def media(self) -> MediaOptions:
         """How publish reads the prompts' media
         (:class:`relax.producers.media.MediaOptions`)."""
-        from relax.producers.media import MediaOptions
-
         fields = ((self.image_field, "image"), (self.audio_field, "audio"),
                   (self.video_field, "video"))
         return MediaOptions(fields=tuple((f, k) for f, k in fields if f),
