@@ -432,22 +432,25 @@ def test_qwen_vl_video_positions_are_the_models_own_rope_index(qwen_vl):
 
 
 def test_qwen_vl_engine_logprobs_equal_the_trainers_on_video_prompts(qwen_vl):
-    """Three moving-square prompts (one clip sampled at 4 fps, one marked mid-message), G=3
-    samples each: max |rollout - trainer| and |rollout - reference stage| <= 1e-5 (fp32),
-    the video grids, Qwen2.5-VL's ``second_per_grid_ts`` and multimodal RoPE on every side;
-    the engine without the clip samples another distribution; one AdamW step moves the
-    vision encoder."""
+    """Three moving-square prompts (one marked mid-message, one with an easy-vqa image
+    before its clip sampled at 4 fps), G=3 samples each: max |rollout - trainer| and
+    |rollout - reference stage| <= 1e-5 (fp32), the image and video grids, Qwen2.5-VL's
+    ``second_per_grid_ts`` and multimodal RoPE on every side; the engine without the clip
+    samples another distribution; one AdamW step moves the vision encoder."""
     engine, proc = qwen_vl
     prompts, media, inputs = [], [], []
     clips = _clips(3)
-    clips[2] = (clips[2][0], clips[2][1], _clips(3, fps=4.0)[2][2])
+    (_, png), = _vqa(1)
+    image = media_item("image", png, "image", MediaOptions())
     for i, (q, _, item) in enumerate(clips):
         content = q if i != 1 else f"Watch: {MEDIA_MARK.format(kind='video')}\n{q}"
-        ids, inp = encode_prompt(proc, [{"role": "user", "content": content}], [item])
+        items = [item] if i != 2 else [image, _clips(3, fps=4.0)[2][2]]
+        ids, inp = encode_prompt(proc, [{"role": "user", "content": content}], items)
         prompts.append(ids)
-        media.append([item])
+        media.append(items)
         inputs.append(inp)
     assert "video_grid_thw" in inputs[0] and "pixel_values" not in inputs[0]
+    assert inputs[2]["image_grid_thw"].tolist() == [[1, 8, 8]]
     name = engine.engine_id.removesuffix("-0")
     diff, backend, mb, ref_diff = _c12(name, engine, prompts, inputs, media)
     assert diff <= 1e-5 and ref_diff <= 1e-5, (diff, ref_diff)
