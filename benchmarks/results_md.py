@@ -169,6 +169,34 @@ def sandbox(d: dict) -> tuple[str, list[str]]:
             table(["program", "calls", "min ms", "median ms", "max ms"], rows))
 
 
+def memory(d: dict) -> tuple[str, list[str]]:
+    sizes = d["workload"]["sizes"]
+    rows = []
+    for name, systems in d["tries"].items():
+        for system, recs in systems.items():
+            for size, r in recs.items():
+                rows.append([name, system, size, sizes[size]["params"] / 1e9,
+                             {True: "yes", False: "no", None: "unknown"}[r["fits"]]
+                             + ("" if r["fits"] else f" ({r.get('why')})"), r.get("peak_rss_gb"),
+                             r.get("hwm_sum_gb"), r.get("processes"), r.get("wall_s"),
+                             d["configs"][name]["peak_rss_over_trl"].get(size)])
+    big = [[n, c["largest_params_relax"], c["largest_params_trl"]]
+           for n, c in d["configs"].items()]
+    w = d["workload"]
+    return (", ".join(f"{n}: relax {r and f'{r / 1e9:.2f}B'} / TRL {t and f'{t / 1e9:.2f}B'}"
+                      for n, r, t in big),
+            [(f"Qwen2 shapes of Qwen2.5 (random weights), {w['steps']} GRPO steps of "
+              f"{w['prompts_per_step']} prompt x group {w['group_size']}, "
+              f"{w['max_new_tokens']} new tokens; peak RSS of every process of the try "
+              f"(GiB, sampled every 0.25 s); a try killed under {w['floor_gib']} GiB "
+              f"available does not fit."), "",
+             *table(["configuration", "largest relax (params)", "largest TRL (params)"],
+                    [[n, r, t] for n, r, t in big]), "",
+             *table(["configuration", "system", "size", "params (B)", "fits",
+                     "peak RSS GiB", "sum of VmHWM GiB", "processes", "wall s",
+                     "relax / TRL"], rows)])
+
+
 def staleness(d: dict) -> tuple[str, list[str]]:
     s, base = d["settings"], d["base"]
     rows = [[c["loss"], c["max_staleness"], len(c["seeds"]), c["accuracy_after_mean"],
@@ -210,6 +238,8 @@ BENCHMARKS: list[tuple[str, str, str, Callable]] = [
     ("chaos", "Chaos: stages and the broker failed at random moments", "chaos.py", chaos),
     ("staleness", "Far off-policy: GRPO against M2PO at max_staleness 0, 4, 16",
      "staleness.py", staleness),
+    ("memory", "Memory: the largest model that RL-trains, relax against TRL", "memory.py",
+     memory),
 ]
 """``(file prefix, title, script, renderer)``: a renderer takes a result document and
 returns ``(headline, markdown lines)``."""
