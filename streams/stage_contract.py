@@ -200,10 +200,14 @@ def wired(stage: Stage) -> Iterator[Wiring]:
     commit beyond what was flushed) and the producer: the one ``finally`` of a stage.
 
     Raises:
+        ValueError: the stage was made without a bus.
         whatever :func:`ensure_declared_topics` or :meth:`Stage.build` raise.
     """
     d = stage.declare()
     bus = stage.bus
+    if bus is None:
+        raise ValueError(f"{type(stage).__name__} {d.component!r} was made without a bus: "
+                         f"pass the BusConfig to its constructor to run it")
     ensure_declared_topics(bus, d)
     producer = BatchProducer(bus, producer_id=d.producer_id)
     consumer = None

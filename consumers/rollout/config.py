@@ -15,7 +15,10 @@ class RolloutConfig(BaseModel):
     """Settings of one rollout instance.
 
     Attributes:
-        bus: bus settings.
+        bus: unused, and left out of the config's dump: the bus is
+            :class:`~relax.consumers.rollout.RolloutStage`'s argument (the stage contract,
+            :mod:`relax.streams.stage_contract`). Kept only until the callers that still
+            pass it (``benchmarks/``, ``tests/trainer/test_families.py``) drop it.
         run: run name (topics ``<run>.*``, consumer group ``<run>.rollout``).
         dataset: prompt topic ``prompts.<dataset>``.
         model: model name/folder/Hub id (``smollm2-135m``, ``tiny-llama``, ...).
@@ -60,7 +63,7 @@ class RolloutConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    bus: BusConfig
+    bus: BusConfig | None = Field(None, exclude=True)
     run: str
     dataset: str
     model: str = "tiny-llama"

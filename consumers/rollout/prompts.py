@@ -160,7 +160,7 @@ class PromptQueue:
         if not self._assigned.is_set():
             return
         self._assigned.clear()
-        saved = saved_state(self.cfg.bus, self._state_topic)
+        saved = saved_state(self.producer.cfg, self._state_topic)
         self.saved_epochs = saved.epochs
         self.epoch.clear()
         self.others_pending = {g for gids in saved.pending.values() for g in gids}

@@ -34,25 +34,32 @@ from relax.consumers.rollout.sampling import (
 )
 from relax.consumers.rollout.state import SavedState, saved_state
 from relax.schemas import topics
-from relax.streams.client import ensure_topics
+from relax.streams.client import BusConfig
 from relax.streams.progress import TrainerProgress
-from relax.streams.stage import BusyWindow, run_loop
+from relax.streams.stage_contract import (Declaration, Hooks, Input, OutTopic, Stage, Wiring,
+                                          run_stage)
 from relax.trainer.models import load_processor
 from relax.trainer.multimodal import encode_prompt
 
 log = logging.getLogger(__name__)
 
 
-class RolloutStage:
-    """One rollout instance: ``RolloutStage(cfg).run(should_stop)``.
+class RolloutStage(Stage):
+    """One rollout instance on the stage contract (:mod:`relax.streams.stage_contract`):
+    ``RolloutStage(cfg, bus).run(should_stop)``.
 
     Args:
         cfg: the settings.
+        bus: bus settings (None: a stage whose logic is used without running it).
         engine: an engine to use instead of building one from ``cfg`` (tests, sharing).
     """
 
-    def __init__(self, cfg: RolloutConfig, engine: Engine | None = None):
-        self.cfg = cfg
+    kind = "rollout"
+    config_type = RolloutConfig
+
+    def __init__(self, cfg: RolloutConfig, bus: BusConfig | None = None,
+                 engine: Engine | None = None):
+        self.cfg, self.bus = cfg, bus
         self.engine = engine if engine is not None else build_engine(cfg)
         self.tokenizer = self.engine.tokenizer
         self.processor = load_processor(cfg.model)
@@ -77,6 +84,10 @@ class RolloutStage:
         self._progress: TrainerProgress | None = None
         self._claims: ClaimLog | None = None
         self._started_ids: set[str] = set()
+        self._follower = None
+        self._reader = None
+        self._stop_when_exhausted = False
+        self.w: Wiring | None = None
 
     # ---------------------------------------------------------------- budget
     def _granted(self) -> int:
@@ -278,7 +289,7 @@ class RolloutStage:
                 self._learn(reader, self.cfg.poll_timeout_s)
             self.stats.budget_wait_s += time.perf_counter() - t0
 
-    def turn(self, consumer, producer) -> int:
+    def sample_turn(self, consumer, producer) -> int:
         """One turn once the gate (:meth:`ready`) is open: fetch prompts if needed,
         sample up to ``groups_per_generate`` groups within the credit, produce, flush,
         commit the prompts whose groups are all produced.
@@ -367,96 +378,100 @@ class RolloutStage:
         producer.flush()
 
     # ---------------------------------------------------------------- run loop
-    def ensure_topics(self) -> None:
-        """Create ``<run>.rollouts`` (``rollouts_partitions``), ``<run>.metrics``,
-        ``<run>.rollout_state`` and ``prompts.<dataset>.errors`` if missing (existing
-        topics are left as they are)."""
-        from relax.streams.client import topic_partitions
+    def declare(self) -> Declaration:
+        """Reads ``prompts.<dataset>`` in consumer group ``<run>.rollout`` (the prompt
+        queue's rebalance hooks); writes ``<run>.rollouts`` (``rollouts_partitions``),
+        ``<run>.rollout_state`` (1), ``<run>.rewards`` when it writes environment rewards
+        (co-partitioned with the rollouts), ``prompts.<dataset>.errors``; existing topics
+        are left as they are."""
+        cfg = self.cfg
+        outputs = [OutTopic(self.rollouts_topic, cfg.rollouts_partitions, strict=False),
+                   OutTopic(self._state_topic, 1, strict=False)]
+        if cfg.environment_reward:  # co-partitioned with the rollouts, like rewards
+            outputs.append(OutTopic(self.rewards_topic, cfg.rollouts_partitions, strict=False))
+        return Declaration(
+            run=cfg.run, component=cfg.engine_id, producer_id=f"{cfg.run}-{cfg.engine_id}",
+            input=Input((self.prompts_topic,), topics.group(cfg.run, "rollout"),
+                        stage=f"rollout/{cfg.engine_id}", from_beginning=cfg.from_beginning,
+                        on_assign=self._prompts.note_assigned,
+                        on_revoke=self._prompts.note_revoked),
+            outputs=tuple(outputs))
 
-        metrics = topics.run_topic(self.cfg.run, topics.METRICS)
-        errors = topics.errors_topic(self.prompts_topic)
-        want = {self.rollouts_topic: self.cfg.rollouts_partitions, metrics: 1, errors: 1,
-                self._state_topic: 1}
-        if self.cfg.environment_reward:  # co-partitioned with the rollouts, like rewards
-            want[self.rewards_topic] = self.cfg.rollouts_partitions
-        have = topic_partitions(self.cfg.bus, list(want))
-        todo = {t: n for t, n in want.items() if not have.get(t)}
-        if todo:
-            ensure_topics(self.cfg.bus, todo)
-
-    def run(
-        self, should_stop: Callable[[], bool] = lambda: False, *, stop_when_exhausted: bool = False
-    ) -> RolloutStats:
-        """Run until ``should_stop()`` (or, with ``stop_when_exhausted``, until every epoch
-        of the assigned prompts was sampled); returns the counters."""
-        from relax.streams.consumer import BatchConsumer
+    def build(self, w: Wiring) -> None:
+        """Read the saved state, then make the stage's own followers: the announcements
+        and the trainer's progress on one :class:`~relax.streams.follow.Follower`, the
+        claim log, the weight subscriber (when ``follow_weights``); learn where the run is."""
         from relax.streams.follow import Follower
-        from relax.streams.metrics import MetricsWriter
-        from relax.streams.producer import BatchProducer
         from relax.streams.weights import AnnouncementReader, ServerSubscriber, WeightSubscriber
 
-        cfg = self.cfg
-        self.ensure_topics()
-        self._saved = saved_state(cfg.bus, self._state_topic)
+        cfg, bus = self.cfg, w.bus
+        self.w = w
+        self._saved = saved_state(bus, self._state_topic)
         self._prompts.saved_epochs = self._saved.epochs
         # the groups of prompts that will come again were produced already: not again.
         # Every engine's: after a scale-in or a rebalance, another instance's pending
         # prompts come here
         for pending in self._saved.pending.values():
             self._started_ids.update(pending)
-        self._prompts.producer = producer = BatchProducer(
-            cfg.bus, producer_id=f"{cfg.run}-{cfg.engine_id}")
-        metrics = MetricsWriter(producer, cfg.run, cfg.engine_id)
-        consumer = BatchConsumer(
-            cfg.bus, topics.group(cfg.run, "rollout"), [self.prompts_topic],
-            stage=f"rollout/{cfg.engine_id}", from_beginning=cfg.from_beginning,
-            error_producer=producer, on_revoke=self._prompts.note_revoked,
-            on_assign=self._prompts.note_assigned, metrics=metrics)
+        self._prompts.producer = w.producer
         # the announcements (twice: here and in the subscriber's thread) and the progress
         # on one client: one fetch loop while the stage waits (streams/follow.py)
-        follower = Follower(cfg.bus, f"rollout-{cfg.engine_id}")
-        reader = AnnouncementReader(cfg.bus, cfg.run, follower)
-        self._progress = TrainerProgress(cfg.bus, cfg.run, follower)
-        self._claims = ClaimLog(cfg.bus, cfg.run, cfg.engine_id, producer)
+        self._follower = follower = Follower(bus, f"rollout-{cfg.engine_id}")
+        self._reader = AnnouncementReader(bus, cfg.run, follower)
+        self._progress = TrainerProgress(bus, cfg.run, follower)
+        self._claims = ClaimLog(bus, cfg.run, cfg.engine_id, w.producer)
         if cfg.follow_weights and getattr(self.engine, "receives_broadcast", False):
             self._subscriber = ServerSubscriber(  # an SGLang server joins the group itself
-                cfg.bus, cfg.run, member_id=cfg.engine_id, target=self.engine,
+                bus, cfg.run, member_id=cfg.engine_id, target=self.engine,
                 rendezvous=cfg.weights_rendezvous, follower=follower).start()
         elif cfg.follow_weights and hasattr(self.engine, "update_weights"):
             self._subscriber = WeightSubscriber(
-                cfg.bus, cfg.run, member_id=cfg.engine_id, target=self.engine,
+                bus, cfg.run, member_id=cfg.engine_id, target=self.engine,
                 device=getattr(self.engine, "device", "cpu"),
                 rendezvous=cfg.weights_rendezvous, follower=follower).start()
-        try:
-            self._learn(reader, 1.0)
-            self._progress.poll(1.0)
-            rate = {"tokens": 0, "t": time.monotonic()}
+        self._learn(self._reader, 1.0)
+        self._progress.poll(1.0)
+        self._rate = {"tokens": 0, "t": time.monotonic()}
 
-            def periodic() -> None:
-                now = time.monotonic()
-                self._emit_metrics(metrics, (self.stats.tokens - rate["tokens"]) / (now - rate["t"]))
-                producer.flush()
-                rate.update(tokens=self.stats.tokens, t=now)
+    def hooks(self) -> Hooks:
+        """The readiness gate (:meth:`ready`) and its wait (:meth:`wait`), the weight
+        subscriber's error surfaced before each round, metrics every ``metrics_every_s``,
+        the end of the prompts (with ``stop_when_exhausted``)."""
+        consumer, reader = self.w.consumer, self._reader
+        return Hooks(ready=lambda: self.ready(reader), wait=lambda: self.wait(consumer, reader),
+                     before=self._surface_subscriber_error, periodic=self._periodic,
+                     every_s=self.cfg.metrics_every_s,
+                     done=lambda: self._stop_when_exhausted and self.exhausted(consumer))
 
-            run_loop(lambda: self.turn(consumer, producer), should_stop,
-                     ready=lambda: self.ready(reader), wait=lambda: self.wait(consumer, reader),
-                     before=self._surface_subscriber_error, periodic=periodic,
-                     every_s=cfg.metrics_every_s,
-                     done=lambda: stop_when_exhausted and self.exhausted(consumer),
-                     busy=BusyWindow(metrics))
-            self._emit_metrics(metrics, None)
-            producer.flush()
-            consumer.commit()
-        finally:
-            if self._subscriber is not None:
-                self._subscriber.close()
-            reader.close()
-            self._progress.close()
-            self._claims.close()
-            follower.close()
-            consumer.close()
-            producer.close()
-        return self.stats
+    def turn(self) -> int:
+        """One turn (:meth:`sample_turn` on the wiring's consumer and producer)."""
+        return self.sample_turn(self.w.consumer, self.w.producer)
+
+    def _periodic(self) -> None:
+        now = time.monotonic()
+        rate = self._rate
+        self._emit_metrics(self.w.metrics, (self.stats.tokens - rate["tokens"]) / (now - rate["t"]))
+        rate.update(tokens=self.stats.tokens, t=now)
+
+    def finish(self) -> None:
+        """The last metrics row (the contract then flushes and commits)."""
+        self._emit_metrics(self.w.metrics, None)
+
+    def close(self) -> None:
+        """Close the weight subscriber, the readers, the claim log and the follower."""
+        for part in (self._subscriber, self._reader, self._progress, self._claims,
+                     self._follower):
+            if part is not None:
+                part.close()
+
+    def run(
+        self, should_stop: Callable[[], bool] = lambda: False, *, stop_when_exhausted: bool = False
+    ) -> RolloutStats:
+        """Run until ``should_stop()`` (or, with ``stop_when_exhausted``, until every epoch
+        of the assigned prompts was sampled): :func:`relax.streams.stage_contract.run_stage`.
+        Returns the counters."""
+        self._stop_when_exhausted = stop_when_exhausted
+        return run_stage(self, should_stop)
 
     def _surface_subscriber_error(self) -> None:
         if self._subscriber is not None:

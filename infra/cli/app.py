@@ -165,7 +165,7 @@ def _echo_error(r: dict, as_json: bool) -> None:
 
 # --- commands of other components register below (keep one line each) ---
 from relax.infra.cli.reward import reward_app; app.add_typer(reward_app, name="reward")  # noqa: E402,E702
-from relax.infra.cli.stages import register as _stages; _stages(app)  # rollout, reference  # noqa: E402,E702,E501
+from relax.infra.cli.stages import register as _stages; _stages(app)  # rollout, reference, stage  # noqa: E402,E702,E501
 from relax.infra.cli.train import register as _train; _train(app)  # train, eval  # noqa: E402,E702
 
 

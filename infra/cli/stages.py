@@ -1,8 +1,9 @@
-"""``relax rollout`` and ``relax reference``: run one stage instance from the command line.
+"""``relax rollout``, ``relax reference`` and ``relax stage KIND``: run one stage instance
+from the command line.
 
-Settings come from an optional YAML file (the fields of
-:class:`relax.consumers.rollout.RolloutConfig` / :class:`relax.consumers.reference.ReferenceConfig`
-except ``bus``) and ``--set key=value`` overrides (values read as YAML). The stage runs
+Settings come from an optional YAML file (the fields of the stage's config class:
+:class:`relax.consumers.rollout.RolloutConfig`, :class:`relax.consumers.reference.ReferenceConfig`,
+any contract stage's ``config_type``; the bus is ``--bootstrap``) and ``--set key=value`` overrides (values read as YAML). The stage runs
 until Ctrl-C (or SIGTERM), then flushes, commits and exits. Imports stay light: the
 stages load inside the commands.
 """
@@ -83,14 +84,14 @@ def rollout_cmd(
 
     try:
         cfg = RolloutConfig(
-            bus=bus_config(bootstrap),
             **stage_settings(config, sets, run=run, dataset=dataset, model=model),
         )
     except ValidationError as e:
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2) from None
     with _until_signal() as should_stop:
-        stats = RolloutStage(cfg).run(should_stop, stop_when_exhausted=exit_when_exhausted)
+        stats = RolloutStage(cfg, bus_config(bootstrap)).run(
+            should_stop, stop_when_exhausted=exit_when_exhausted)
     typer.echo(
         f"groups={stats.groups} samples={stats.samples} tokens={stats.tokens} "
         f"budget_waits={stats.budget_waits} weight_waits={stats.weight_waits} "
@@ -125,7 +126,42 @@ def reference_cmd(
     typer.echo(f"rows_in={stats.rows_in} rows_out={stats.rows_out} errors={stats.errors}")
 
 
+def stage_cmd(
+    kind: str = typer.Argument(..., help="rollout, reward, reference or aggregate"),
+    run: str = typer.Option(..., "--run", help="run name"),
+    config: Path | None = _ConfigOpt,
+    sets: list[str] | None = _SetOpt,
+    bootstrap: str | None = BootstrapOpt,
+) -> None:
+    """Run one instance of any stage on the stage contract (KIND: a key of
+    relax.infra.recipe.specs.CONTRACT_STAGES); its settings are the fields of that stage's
+    config class, from --config and --set (e.g. ``relax stage reward --run exp1 --set
+    reward=gsm8k``)."""
+    from relax.infra.recipe.specs import stage_class
+    from relax.streams.stage_contract import ensure_declared_topics, run_stage
+
+    try:
+        cls = stage_class(kind)
+    except ValueError as e:
+        raise typer.BadParameter(str(e), param_hint="KIND") from None
+    try:  # a pydantic ValidationError is a ValueError; so is an unknown reward
+        stage = cls(cls.config_type(**stage_settings(config, sets, run=run)),
+                    bus_config(bootstrap))
+    except ValueError as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2) from None
+    try:  # a run that does not exist (yet) is a clear error, not a traceback
+        ensure_declared_topics(stage.bus, stage.declare())
+    except ValueError as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(1) from None
+    with _until_signal() as should_stop:
+        stats = run_stage(stage, should_stop)
+    typer.echo(f"{kind} stopped: {stats}")
+
+
 def register(app: typer.Typer) -> None:
-    """Add ``rollout`` and ``reference`` to the ``relax`` app."""
+    """Add ``rollout``, ``reference`` and ``stage`` to the ``relax`` app."""
     app.command("rollout")(rollout_cmd)
     app.command("reference")(reference_cmd)
+    app.command("stage")(stage_cmd)

@@ -119,7 +119,7 @@ class ColocatedStage:
         self.engine = SharedEngine(model, load_tokenizer(r.model), self.lock,
                                    engine_id=r.engine_id, policy_version=self.trainer.version,
                                    partial_rollout=r.partial_rollout, chunk_tokens=r.chunk_tokens)
-        self.rollout = RolloutStage(r, engine=self.engine)
+        self.rollout = RolloutStage(r, bus, engine=self.engine)
         step = backend.train_step
 
         def locked_step(*args, **kwargs):

@@ -3,8 +3,10 @@
 whatever process runs it (a Ray actor of :mod:`relax.infra.control.controller`, a plain
 subprocess, a test) and runs it until told to stop. The stages' configs and the specs are
 made from the recipe by :mod:`relax.infra.recipe.specs`; this module holds what starts
-them, the infra stages (:mod:`~relax.infra.control.eval_stage`,
-:mod:`~relax.infra.control.colocate`) included.
+them: the stages on the stage contract from one table
+(:data:`relax.infra.recipe.specs.CONTRACT_STAGES`), the trainer and the infra stages
+(:mod:`~relax.infra.control.eval_stage`, :mod:`~relax.infra.control.colocate`) by their
+own functions.
 """
 
 from __future__ import annotations
@@ -13,31 +15,21 @@ import logging
 from collections.abc import Callable
 from pathlib import Path
 
+from relax.infra.recipe.specs import CONTRACT_STAGES, stage_class
 from relax.streams.client import BusConfig
 
 
-def _rollout(config: dict, bus: BusConfig, should_stop: Callable[[], bool]) -> None:
-    from relax.consumers.rollout import RolloutConfig, RolloutStage
+def _contract(kind: str) -> Callable[[dict, BusConfig, Callable[[], bool]], None]:
+    """The runner of a stage on the stage contract (:data:`CONTRACT_STAGES`): its config
+    class from its declaration, the bus its argument, :func:`relax.streams.stage_contract.run_stage`."""
 
-    RolloutStage(RolloutConfig(**config)).run(should_stop)
+    def runner(config: dict, bus: BusConfig, should_stop: Callable[[], bool]) -> None:
+        from relax.streams.stage_contract import run_stage as run_contract_stage
 
+        cls = stage_class(kind)
+        run_contract_stage(cls(cls.config_type(**config), bus), should_stop)
 
-def _reward(config: dict, bus: BusConfig, should_stop: Callable[[], bool]) -> None:
-    from relax.consumers.reward.stage import RewardStage, RewardStageConfig
-
-    RewardStage(RewardStageConfig(**config), bus).run(should_stop)
-
-
-def _reference(config: dict, bus: BusConfig, should_stop: Callable[[], bool]) -> None:
-    from relax.consumers.reference import ReferenceConfig, ReferenceStage
-
-    ReferenceStage(ReferenceConfig(**config), bus).run(should_stop)
-
-
-def _aggregate(config: dict, bus: BusConfig, should_stop: Callable[[], bool]) -> None:
-    from relax.consumers.aggregate import AggregateConfig, AggregateStage
-
-    AggregateStage(AggregateConfig(**config), bus).run(should_stop)
+    return runner
 
 
 def _eval(config: dict, bus: BusConfig, should_stop: Callable[[], bool]) -> None:
@@ -60,10 +52,7 @@ def _colocate(config: dict, bus: BusConfig, should_stop: Callable[[], bool]) -> 
 
 
 RUNNERS: dict[str, Callable[[dict, BusConfig, Callable[[], bool]], None]] = {
-    "rollout": _rollout,
-    "reward": _reward,
-    "reference": _reference,
-    "aggregate": _aggregate,
+    **{kind: _contract(kind) for kind in CONTRACT_STAGES},
     "eval": _eval,
     "trainer": _trainer,
     "colocate": _colocate,

@@ -39,6 +39,34 @@ Recipe = BaseModel
 circle; these functions read the recipe's fields only."""
 
 
+CONTRACT_STAGES: dict[str, str] = {
+    "rollout": "relax.consumers.rollout:RolloutStage",
+    "reward": "relax.consumers.reward.stage:RewardStage",
+    "reference": "relax.consumers.reference:ReferenceStage",
+    "aggregate": "relax.consumers.aggregate:AggregateStage",
+}
+"""The stages on the stage contract (:mod:`relax.streams.stage_contract`) by kind, as
+``module:Class``: the one table the controller's runners
+(:mod:`relax.infra.control.runners`), ``relax stage KIND`` and the config checks below
+read. Each class declares its ``config_type`` and its topics; it is made as
+``Class(config_type(**config), bus)``. Imported when asked for (:func:`stage_class`):
+the stages bring torch and their engines."""
+
+
+def stage_class(kind: str) -> type:
+    """The stage class of ``kind`` (:data:`CONTRACT_STAGES`).
+
+    Raises:
+        ValueError: ``kind`` is not a contract stage (lists the valid ones).
+    """
+    import importlib
+
+    if kind not in CONTRACT_STAGES:
+        raise ValueError(f"unknown stage kind {kind!r}; valid: {', '.join(CONTRACT_STAGES)}")
+    module, _, name = CONTRACT_STAGES[kind].partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
 @dataclass(frozen=True)
 class StageSpec:
     """One process of a run: ``name`` (unique), ``kind`` (a key of
@@ -135,11 +163,10 @@ def stage_specs(recipe: Recipe, bus: BusConfig, run_dir: Path) -> list[StageSpec
     Raises:
         RecipeError: a stage config does not validate.
     """
-    from relax.consumers.aggregate import AggregateConfig
-    from relax.consumers.reference import ReferenceConfig
-    from relax.consumers.reward.stage import RewardStageConfig
-    from relax.consumers.rollout import RolloutConfig
     from relax.trainer.loop import TrainerStageConfig
+
+    RolloutConfig, RewardStageConfig, ReferenceConfig, AggregateConfig = (
+        stage_class(k).config_type for k in ("rollout", "reward", "reference", "aggregate"))
 
     run, ro = recipe.run, recipe.rollout
     busd = bus.model_dump()
@@ -151,7 +178,7 @@ def stage_specs(recipe: Recipe, bus: BusConfig, run_dir: Path) -> list[StageSpec
         if recipe.mode == "colocate":  # the engine shares the trainer's parameters
             options["follow_weights"] = False
         config = _checked(f"stage {name} (rollout)", RolloutConfig, dict(
-            options, **server, bus=busd, run=run, dataset=recipe.data.dataset,
+            options, **server, run=run, dataset=recipe.data.dataset,
             model=recipe.model, engine_id=name,
             rollouts_partitions=recipe.partitions,
             environment_reward=recipe.environment_reward()))

@@ -105,13 +105,13 @@ def test_a_fast_instance_takes_the_credit_a_slow_one_leaves(bus, unique):
     rows = prompt_rows(16, dataset=unique)
     rows = [dict(r, messages=None) for r in rows]
     _publish_prompts(bus, unique, rows, partitions=2)
-    base = dict(bus=bus, run=unique, dataset=unique, group_size=1, batch_groups=4,
+    base = dict(run=unique, dataset=unique, group_size=1, batch_groups=4,
                 max_staleness=1, max_new_tokens=3, follow_weights=False, metrics_every_s=0.5,
                 groups_per_generate=1)
     fast_cfg = RolloutConfig(**base, engine_id="rollout-0")
     slow_cfg = RolloutConfig(**base, engine_id="rollout-1")
-    fast = RolloutStage(fast_cfg)
-    slow = RolloutStage(slow_cfg, engine=_SlowEngine(build_engine(slow_cfg), 6.0))
+    fast = RolloutStage(fast_cfg, bus)
+    slow = RolloutStage(slow_cfg, bus, engine=_SlowEngine(build_engine(slow_cfg), 6.0))
     _trainer_progress(bus, unique, consumed=0, needed=0)  # no credit until both are in
     runners = [_Runner(slow), _Runner(fast)]
     try:
@@ -161,10 +161,10 @@ def test_groups_granted_to_a_dead_instance_are_sampled_with_the_credit_all_spent
     dead.close(), p.close()
     # B = (1 + 1) * 2 = 4 and the trainer needs 4: allowance 4, all granted, budget 0
     _trainer_progress(bus, unique, consumed=0, needed=4)
-    cfg = RolloutConfig(bus=bus, run=unique, dataset=unique, group_size=1, batch_groups=2,
+    cfg = RolloutConfig(run=unique, dataset=unique, group_size=1, batch_groups=2,
                         max_staleness=1, max_new_tokens=3, follow_weights=False,
                         metrics_every_s=0.5, groups_per_generate=1, engine_id="rollout-0")
-    stage = RolloutStage(cfg)
+    stage = RolloutStage(cfg, bus)
     runner = _Runner(stage)
     try:
         _wait(lambda: runner.check() or stage.stats.groups >= 4, timeout_s=60,

@@ -158,7 +158,7 @@ def test_invalid_settings_raise():
 def test_the_stage_computes_its_credit_with_these_functions():
     """RolloutStage's budget, groups in flight and weights needed are these functions of
     the trainer's progress and the claim ledger (no broker: stand-ins for both)."""
-    cfg = RolloutConfig(bus={"bootstrap_servers": "unused:1"}, run="r", dataset="d",
+    cfg = RolloutConfig(run="r", dataset="d",
                         batch_groups=4, max_staleness=1)
     stage = RolloutStage(cfg, engine=SimpleNamespace(tokenizer=None))
     # nothing known yet: version 0, no progress, nothing granted

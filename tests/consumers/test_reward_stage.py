@@ -183,3 +183,24 @@ def test_attach_to_a_missing_run_is_a_clear_error(bus, unique):
                                    bus.bootstrap_servers])
     assert res.exit_code == 2 and "valid: math" in res.output
 
+
+
+def test_relax_stage_kind_runs_a_contract_stage(bus, unique):
+    """``relax stage reward``: the stage from the one table (CONTRACT_STAGES), its config
+    from --set, the bus from --bootstrap; a missing run and an unknown kind are clear
+    errors."""
+    base = ["stage", "reward", "--run", unique, "--bootstrap", bus.bootstrap_servers,
+            "--set", "reward=gsm8k", "--set", "name=viacli", "--set", "exit_when_idle_s=1.5"]
+    res = CliRunner().invoke(app, base)
+    assert res.exit_code == 1 and f"has no topic '{unique}.rollouts'" in res.output
+    rows = _rows(4)
+    _publish_rollouts(bus, unique, rows)
+    res = CliRunner().invoke(app, base)
+    assert res.exit_code == 0, res.output
+    assert "reward stopped" in res.output and "rows_in=4" in res.output
+    assert sorted(_rewards(bus, unique, "viacli")) == sorted(r["rollout_id"] for r in rows)
+    res = CliRunner().invoke(app, ["stage", "trainerx", "--run", unique])
+    assert res.exit_code == 2 and "unknown stage kind 'trainerx'; valid: rollout" in res.output
+    res = CliRunner().invoke(app, ["stage", "reward", "--run", unique, "--set", "workers=0",
+                                   "--set", "reward=gsm8k"])
+    assert res.exit_code == 2 and "workers" in res.output

@@ -46,7 +46,6 @@ def test_rollout_stage_on_the_broker_respects_the_staleness_budget(
     _publish_prompts(bus, unique, rows, partitions=2)
     pub = WeightPublisher(bus, unique, checkpoint_dir=tmp_path / "ckpt")
     cfg = RolloutConfig(
-        bus=bus,
         run=unique,
         dataset=unique,
         model="tiny-llama",
@@ -60,7 +59,7 @@ def test_rollout_stage_on_the_broker_respects_the_staleness_budget(
         metrics_every_s=0.5,
         rollouts_partitions=2,
     )
-    stage = RolloutStage(cfg)
+    stage = RolloutStage(cfg, bus)
     runner = _Runner(stage)
     trainer = load_model("tiny-llama")
     params = dict(trainer.named_parameters())
@@ -131,7 +130,6 @@ def test_rollout_stage_on_the_broker_respects_the_staleness_budget(
 def test_epochs_reread_the_prompts_with_the_epoch_in_the_group_id(bus, unique):
     _publish_prompts(bus, unique, prompt_rows(2, dataset=unique))
     cfg = RolloutConfig(
-        bus=bus,
         run=unique,
         dataset=unique,
         group_size=1,
@@ -141,7 +139,7 @@ def test_epochs_reread_the_prompts_with_the_epoch_in_the_group_id(bus, unique):
         epochs=3,
         follow_weights=False,
     )
-    stats = RolloutStage(cfg).run(stop_when_exhausted=True)
+    stats = RolloutStage(cfg, bus).run(stop_when_exhausted=True)
     assert stats.groups == 6 and stats.epochs_started == 2
     out = read_table(bus, topics.run_topic(unique, "rollouts")).column("group_id").to_pylist()
     assert sorted(out) == sorted(f"p{i:04d}:{e}" for i in range(2) for e in range(3))
@@ -151,12 +149,12 @@ def test_a_restarted_stage_goes_on_in_the_committed_epoch(bus, unique):
     """The epoch is committed with the prompt offsets: a stage restarted in epoch 1 does
     not start again at epoch 0 (whose group_ids the trainer already decided)."""
     _publish_prompts(bus, unique, prompt_rows(2, dataset=unique))
-    cfg = RolloutConfig(bus=bus, run=unique, dataset=unique, group_size=1, batch_groups=8,
+    cfg = RolloutConfig(run=unique, dataset=unique, group_size=1, batch_groups=8,
                         max_staleness=0, max_new_tokens=3, epochs=3, follow_weights=False)
-    first = RolloutStage(cfg)
+    first = RolloutStage(cfg, bus)
     first.run(lambda: first.stats.groups >= 3)  # stopped inside epoch 1
     assert first.stats.epochs_started >= 1
-    RolloutStage(cfg).run(stop_when_exhausted=True)
+    RolloutStage(cfg, bus).run(stop_when_exhausted=True)
     out = read_table(bus, topics.run_topic(unique, "rollouts")).column("group_id").to_pylist()
     assert sorted(out) == sorted(f"p{i:04d}:{e}" for i in range(2) for e in range(3))
 
@@ -169,12 +167,12 @@ def test_a_restarted_stage_counts_the_groups_its_predecessor_left_in_flight(bus,
     import time as _time
 
     _publish_prompts(bus, unique, prompt_rows(8, dataset=unique))  # one message, 8 prompts
-    cfg = RolloutConfig(bus=bus, run=unique, dataset=unique, group_size=1, batch_groups=2,
+    cfg = RolloutConfig(run=unique, dataset=unique, group_size=1, batch_groups=2,
                         max_staleness=1, max_new_tokens=3, follow_weights=False)
-    first = RolloutStage(cfg)
+    first = RolloutStage(cfg, bus)
     first.run(lambda: first.stats.budget_waits > 0)  # the credit (4 groups) is used up
     assert first.stats.groups == 4
-    second = RolloutStage(cfg)
+    second = RolloutStage(cfg, bus)
     deadline = _time.monotonic() + 60  # its start-up, then 2 s waiting for credit
     second.run(lambda: second.stats.budget_wait_s > 2.0 or _time.monotonic() > deadline)
     out = read_table(bus, topics.run_topic(unique, "rollouts")).column("group_id").to_pylist()
@@ -190,10 +188,10 @@ def test_a_rollout_waiting_for_credit_wakes_on_the_trainer_s_progress(bus, uniqu
     groups follow the new credit within 20 s only if the wait is on the progress."""
     _publish_prompts(bus, unique, prompt_rows(4, dataset=unique))
     _trainer_progress(bus, unique, consumed=0, needed=2)
-    cfg = RolloutConfig(bus=bus, run=unique, dataset=unique, group_size=1, batch_groups=2,
+    cfg = RolloutConfig(run=unique, dataset=unique, group_size=1, batch_groups=2,
                         max_staleness=0, max_new_tokens=3, follow_weights=False,
                         poll_timeout_s=60.0)
-    stage = RolloutStage(cfg)
+    stage = RolloutStage(cfg, bus)
     runner = _Runner(stage)
     try:
         _wait(lambda: runner.check() or stage.stats.budget_waits > 0, what="the credit used up")
@@ -220,10 +218,10 @@ def test_a_rollout_waiting_for_weights_wakes_on_the_progress_that_follows_them(
     _publish_prompts(bus, unique, prompt_rows(4, dataset=unique, messages=False))
     _trainer_progress(bus, unique, consumed=0, needed=4, version=0)
     pub = WeightPublisher(bus, unique, checkpoint_dir=tmp_path / "ckpt")
-    cfg = RolloutConfig(bus=bus, run=unique, dataset=unique, model="tiny-llama", group_size=1,
+    cfg = RolloutConfig(run=unique, dataset=unique, model="tiny-llama", group_size=1,
                         batch_groups=2, max_staleness=0, max_new_tokens=3, seed=0,
                         weights_rendezvous=pub.rendezvous, poll_timeout_s=60.0)
-    stage = RolloutStage(cfg)
+    stage = RolloutStage(cfg, bus)
     runner = _Runner(stage)
     params = dict(load_model("tiny-llama").named_parameters())
     try:
@@ -405,7 +403,6 @@ def test_multiturn_rows_through_the_hf_engine_hold_one_version(tokenizer):
     # the staged weights went in when the group's hold ended (the episodes used version 0)
     assert engine.pending_version is None and engine.policy_version == 1
     cfg = RolloutConfig(
-        bus={"bootstrap_servers": "unused:1"},
         run="r",
         dataset="d",
         group_size=3,
@@ -469,7 +466,6 @@ def test_relax_rollout_command_runs_the_stage(bus, unique, tmp_path):
 
 def test_prompt_template_is_applied_before_the_chat_template(tokenizer):
     cfg = RolloutConfig(
-        bus={"bootstrap_servers": "unused:1"},
         run="r",
         dataset="d",
         prompt_template="{prompt}\nReply with just the number.",
@@ -484,8 +480,7 @@ def test_prompt_template_is_applied_before_the_chat_template(tokenizer):
     assert ids == render_ids(tokenizer, want)
     with pytest.raises(ValueError, match="prompt_template"):
         RolloutConfig(
-            bus={"bootstrap_servers": "unused:1"},
-            run="r",
+                run="r",
             dataset="d",
             prompt_template="{question}",
         )
@@ -494,7 +489,7 @@ def test_prompt_template_is_applied_before_the_chat_template(tokenizer):
 def test_a_text_only_model_refuses_a_row_with_media(tokenizer):
     """A prompt row with an image for a text-only model is that row's error (routed to
     the error topic by the stage), not a prompt sampled without its image."""
-    cfg = RolloutConfig(bus={"bootstrap_servers": "unused:1"}, run="r", dataset="d")
+    cfg = RolloutConfig(run="r", dataset="d")
     stage = RolloutStage(cfg, engine=ScriptedEngine(tokenizer, []))
     row = {**prompt_rows(1)[0], "media": [{"kind": "image", "uri": None, "data": b"x",
                                            "mime": "image/png", "turn": 0}]}

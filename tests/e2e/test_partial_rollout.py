@@ -108,11 +108,11 @@ def test_sglang_requests_aborted_by_a_weight_update_are_continued_not_dropped(bu
 
     fake = FakeSGLang(tick_s=0.01, hold_at=16 * 5, stop_every=10_000)  # ends by length
     publish_prompts(bus, unique, prompt_rows(4, dataset=unique))
-    cfg = RolloutConfig(bus=bus, run=unique, dataset=unique, model="tiny-llama",
+    cfg = RolloutConfig(run=unique, dataset=unique, model="tiny-llama",
                         engine="sglang", sglang_url=fake.url, follow_weights=False,
                         group_size=4, batch_groups=4, max_staleness=1, groups_per_generate=4,
                         max_new_tokens=24, metrics_every_s=0.5)
-    stage = RolloutStage(cfg)
+    stage = RolloutStage(cfg, bus)
     runner = StageRunner(stage)
     ann = {"policy_version": 1, "manifest": manifest_rows(build_manifest({"w": torch.zeros(4)})),
            "bucket_bytes": 1 << 20, "group_name": "g"}
