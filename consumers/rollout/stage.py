@@ -381,12 +381,14 @@ class RolloutStage(Stage):
     def declare(self) -> Declaration:
         """Reads ``prompts.<dataset>`` in consumer group ``<run>.rollout`` (the prompt
         queue's rebalance hooks); writes ``<run>.rollouts`` (``rollouts_partitions``),
-        ``<run>.rollout_state`` (1), ``<run>.rewards`` when it writes environment rewards
+        ``<run>.rollout_state`` and ``<run>.rollout_claims`` (1), ``<run>.rewards`` when it
+        writes environment rewards
         (co-partitioned with the rollouts), ``prompts.<dataset>.errors``; existing topics
         are left as they are."""
         cfg = self.cfg
         outputs = [OutTopic(self.rollouts_topic, cfg.rollouts_partitions, strict=False),
-                   OutTopic(self._state_topic, 1, strict=False)]
+                   OutTopic(self._state_topic, 1, strict=False),
+                   OutTopic(topics.rollout_claims_topic(cfg.run), 1)]
         if cfg.environment_reward:  # co-partitioned with the rollouts, like rewards
             outputs.append(OutTopic(self.rewards_topic, cfg.rollouts_partitions, strict=False))
         return Declaration(

@@ -161,3 +161,54 @@ def test_the_table_names_each_stage_by_its_kind():
         assert "bus" not in cls.config_type.model_fields or kind == "rollout"
     with pytest.raises(ValueError, match="valid: rollout, reward, reference, aggregate"):
         stage_class("trainer")
+
+
+def test_every_declared_run_topic_is_in_the_run_s_one_list():
+    """Each contract stage's declared topics (inputs, outputs, error outputs) of run ``r``
+    are in :func:`relax.schemas.topics.run_topic_partitions` with the count it declares:
+    the declarations name topics through the one list and never add one (the shared
+    ``prompts.<dataset>`` is not a run's). The e2e twin: test_pipeline's tiny run."""
+    from types import SimpleNamespace
+
+    from relax.consumers.aggregate import AggregateConfig, AggregateStage
+    from relax.consumers.reference import ReferenceConfig, ReferenceStage
+    from relax.consumers.reward.stage import RewardStage, RewardStageConfig
+    from relax.consumers.rollout import RolloutConfig, RolloutStage
+    from relax.consumers.samples import AdvantageConfig
+
+    parts = 3
+    listed = topics.run_topic_partitions("r", parts)
+    stages = [
+        RolloutStage(RolloutConfig(run="r", dataset="d", rollouts_partitions=parts,
+                                   environment="calculator", environment_reward="env"),
+                     engine=SimpleNamespace(tokenizer=None)),
+        RewardStage(RewardStageConfig(run="r", reward="gsm8k"), None),
+        ReferenceStage(ReferenceConfig(run="r"), None, model=_TinyModel()),
+        ReferenceStage(ReferenceConfig(run="r", role="teacher", member_id="teacher-0"), None,
+                       model=_TinyModel()),
+        AggregateStage(AggregateConfig(run="r", partitions=parts, advantage=AdvantageConfig(
+            ref_logprobs=True, distill_coef=0.1)), None),
+    ]
+    seen = set()
+    for s in stages:
+        d = s.declare()
+        declared = {t: d.input.partitions for t in d.input.topics}
+        declared.update({o.topic: o.partitions for o in d.outputs})
+        declared.update({t: 1 for t in d.error_topics()})
+        for t, n in declared.items():
+            if t.startswith("prompts."):
+                continue
+            assert t in listed, f"{s.kind} declares {t}, which the run's list lacks"
+            assert n is None or n == listed[t], (s.kind, t, n, listed[t])
+            seen.add(t)
+    # every co-partitioned data topic and the internal logs of the stages are declared
+    assert {f"r.{n}" for n in ("rollouts", "rewards", "ref_logprobs", "teacher_logprobs",
+                               "train_samples", "aggregate_changelog", "rollout_state",
+                               "rollout_claims")} <= seen
+
+
+class _TinyModel:
+    """Stands in for a loaded model where only the declarations are read."""
+
+    def eval(self):
+        return self
