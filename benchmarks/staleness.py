@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import statistics
 import subprocess
 import sys
@@ -167,6 +168,9 @@ def run_one(loss: str, staleness: int, seed: int, a: argparse.Namespace) -> dict
         metrics = Path(root) / name / "metrics.jsonl"
         if p.returncode != 0 or not metrics.exists():
             return {**res, "error": f"rc {p.returncode}: " + (p.stdout + p.stderr)[-1500:]}
+        if a.metrics_dir:
+            a.metrics_dir.mkdir(parents=True, exist_ok=True)
+            shutil.copy(metrics, a.metrics_dir / f"{name}.jsonl")
         rows = [json.loads(x) for x in metrics.read_text().splitlines()]
         try:
             return {**res, **summarize(rows, LOSSES[loss], a.steps)}
@@ -258,6 +262,8 @@ def main() -> None:
                     "'python /path/relax_main.py' to run a frozen copy of the package")
     ap.add_argument("--out", type=Path, default=OUT)
     ap.add_argument("--note", default=None, help="a note on the machine of the results")
+    ap.add_argument("--metrics-dir", type=Path, default=None,
+                    help="keep a copy of each run's metrics.jsonl here (<run>.jsonl)")
     ap.add_argument("--resume", action="store_true",
                     help="keep the runs of --out with the same settings; run only the others")
     a = ap.parse_args()
