@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pyarrow as pa
 import pytest
+from testdata import alternating_rewards, rollout_rows
 
 from relax.schemas import topics
 from relax.schemas.v1 import REWARDS, ROLLOUTS
@@ -26,8 +27,6 @@ from relax.streams.stage_contract import (
     run_stage,
     wired,
 )
-
-from testdata import alternating_rewards, rollout_rows
 
 
 class Scorer(Stage):
@@ -101,9 +100,8 @@ def test_declared_topics_are_made_and_bad_ones_named(bus, unique):
     ensure_topics(bus, {other.src: 2, other.out: 4})
     with pytest.raises(ValueError, match="exists with 4 partitions, expected 2"):
         ensure_declared_topics(bus, other.declare())
-    with pytest.raises(ValueError, match="made without a bus"):
-        with wired(Scorer(unique, None)):
-            pass
+    with pytest.raises(ValueError, match="made without a bus"), wired(Scorer(unique, None)):
+        pass
 
 
 def test_run_stage_routes_errors_commits_and_closes(bus, unique):
