@@ -154,6 +154,7 @@ class BatchConsumer:
         self.cfg, self.stage, self.validate_rows = cfg, stage, validate_rows
         self.group_id, self._metrics = group_id, metrics
         self._kc = KafkaConsumer(**consumer_kwargs(cfg, group_id, client_id, from_beginning))
+        self._from_beginning = from_beginning
         self._tracker = OffsetTracker()
         self._errors = error_producer
         self._own_errors = error_producer is None
@@ -165,6 +166,10 @@ class BatchConsumer:
         self.lost_to_retention = 0
         self._next: dict = {}  # TopicPartition -> next offset to read, where known
         self._handed: set = set()  # partitions handed over, committed offset not yet checked
+        # partitions revoked by the rebalance in progress, and those it handed straight
+        # back (kept): read again from the committed offset (:meth:`_check_handed`)
+        self._revoking: set = set()
+        self._kept: set = set()
         self._handed_lock = threading.Lock()  # the listener adds on the client's I/O thread
         if topics:
             self._kc.subscribe(topics, listener=_Listener(self))
@@ -205,7 +210,9 @@ class BatchConsumer:
             time.sleep(min(timeout_s, 1.0))  # what the poll would have waited
             return []
         self._away_since = None
-        self._check_handed()
+        withheld = self._check_handed()
+        if withheld:  # fetched from a kept partition's old position: they come again
+            records = {tp: msgs for tp, msgs in records.items() if tp not in withheld}
         for tp, msgs in records.items():
             if msgs:
                 self._check_gap(tp, msgs[0].offset)
@@ -227,18 +234,37 @@ class BatchConsumer:
                          self._revocations.get(tp, 0))
                 for tp, m, name, headers, table in decoded]
 
-    def _check_handed(self) -> None:
+    def _check_handed(self) -> set:
         """For partitions handed to this consumer since the last poll: compare the
         group's committed offset with the log start (records below it were deleted by
-        retention before the group read them). A retriable error (the broker away) leaves
-        them for the next poll."""
+        retention before the group read them), and place each *kept* partition (revoked
+        by a rebalance and handed straight back) at the group's committed offset.
+
+        Why: the group rebalances eagerly (every partition revoked, then assigned), and
+        relax reads a revoked partition as gone: the consumer forgets its offsets in
+        flight, :meth:`done` ignores its old deliveries, stages drop what they queued
+        from it (the rollout its prompt queue), and the records come again from the
+        committed offset. kafka-python 3.0 keeps a kept partition's fetch position
+        instead, so those records never came again to this consumer: a rollout that
+        kept its prompt partition through a rebalance sampled none of the prompts it
+        had queued (``test_a_fast_instance_takes_the_credit_a_slow_one_leaves``: 0 of
+        8 groups; the CI failure of stop 61), and later commits could pass them.
+
+        Returns:
+            the kept partitions whose records fetched by this poll must be dropped
+            (read again from the committed offset). A retriable error (the broker away)
+            leaves the checks for the next poll, and withholds the kept partitions
+            until then.
+        """
         from kafka.errors import KafkaError
 
+        assigned = self._kc.assignment()
         with self._handed_lock:
             handed, self._handed = self._handed, set()
-        tps = sorted(handed & self._kc.assignment())
+            kept, self._kept = self._kept & assigned, set()
+        tps = sorted((handed | kept) & assigned)
         if not tps:
-            return
+            return set()
         try:
             committed = {tp: self._kc.committed(tp) for tp in tps}
             starts = self._kc.beginning_offsets(tps)
@@ -249,12 +275,24 @@ class BatchConsumer:
                         "trying again at the next poll", e)
             with self._handed_lock:
                 self._handed |= handed
-            return
+                self._kept |= kept
+            return kept
         for tp in tps:
             c, start = committed[tp], starts[tp]
             self._report(tp, c, start, committed=True)
             if c is not None:
                 self._next[tp] = max(c, start)
+        for tp in kept:
+            c = committed[tp]
+            if c is not None:
+                self._kc.seek(tp, max(c, starts[tp]))
+            elif self._from_beginning:
+                self._kc.seek_to_beginning(tp)
+            else:
+                self._kc.seek_to_end(tp)
+            log.info("%s: %s[%d] kept through a rebalance: read again from %s", self.stage,
+                     tp.topic, tp.partition, "the start" if c is None else f"offset {c}")
+        return kept
 
     def _check_gap(self, tp, first: int) -> None:
         """Records of ``tp`` start at ``first``, past the next offset this consumer was to
@@ -497,6 +535,7 @@ def _Listener(owner: BatchConsumer):
                 owner._tracker.forget(revoked)
                 with owner._handed_lock:
                     owner._handed -= set(revoked)
+                    owner._revoking |= set(revoked)
                     for tp in revoked:
                         owner._next.pop(tp, None)
                 for tp in revoked:
@@ -508,6 +547,9 @@ def _Listener(owner: BatchConsumer):
             if assigned:
                 with owner._handed_lock:  # checked after the poll (it must not block here)
                     owner._handed |= set(assigned)
+                    owner._kept |= set(assigned) & owner._revoking
+            with owner._handed_lock:
+                owner._revoking = set()
             if assigned and owner.on_assign is not None:
                 owner.on_assign(list(assigned))
 

@@ -201,6 +201,45 @@ def test_finishing_deliveries_of_a_revoked_partition_is_harmless(bus, unique):
     b.close()
 
 
+def test_a_partition_kept_through_a_rebalance_is_read_again_from_the_committed_offset(bus, unique):
+    """The group rebalances eagerly: every partition is revoked, then assigned. A member
+    that gets one of its partitions straight back reads it again from the group's
+    committed offset, as a new owner would (its queued records were dropped with the
+    revocation; kafka-python 3.0 kept the fetch position after them, and a rollout that
+    kept its prompt partition never sampled the prompts it had queued)."""
+    import time as _time
+
+    topic = unique + ".rollouts"
+    ensure_topics(bus, {topic: 2})
+    p = BatchProducer(bus)
+    p.send(topic, pa.RecordBatch.from_pylist(rollout_rows(8, group_size=2), schema=ROLLOUTS))
+    p.close()
+    a = BatchConsumer(bus, unique + ".g", [topic], stage="a")
+    got, deadline = [], _time.monotonic() + 30
+    while len({d.partition for d in got}) < 2 and _time.monotonic() < deadline:
+        got += a.poll(0.5)  # in flight, never done: nothing committed
+    first = {q: sorted(d.offset for d in got if d.partition == q) for q in (0, 1)}
+    assert first[0] and first[1]
+    b = BatchConsumer(bus, unique + ".g", [topic], stage="b")
+    again, deadline = [], _time.monotonic() + 60
+    while len(a.kafka.assignment()) != 1 and _time.monotonic() < deadline:
+        again += a.poll(0.2)
+        b.poll(0.2)
+    assert len(a.kafka.assignment()) == 1
+    kept = next(iter(a.kafka.assignment())).partition
+    deadline = _time.monotonic() + 30
+    while sorted(d.offset for d in again if d.partition == kept) != first[kept] \
+            and _time.monotonic() < deadline:
+        again += a.poll(0.2)
+        b.poll(0)
+    assert sorted(d.offset for d in again if d.partition == kept) == first[kept]
+    assert {d.generation for d in again} == {1}  # after the revocation
+    a.done(again)
+    assert {tp.partition: o for tp, o in a.commit().items()} == {kept: first[kept][-1] + 1}
+    a.close()
+    b.close()
+
+
 def test_poll_rides_through_a_broker_outage_for_a_while_then_raises(bus, unique, monkeypatch):
     """kafka-python 3.0 raises a failed metadata refresh (``KafkaConnectionError``) out of
     ``KafkaConsumer.poll`` while the group coordinator is away (a CI run restarted a reward
