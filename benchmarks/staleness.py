@@ -59,6 +59,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections import Counter
 from pathlib import Path
 
 from relax.benchmarks.harness import RESULTS, ROOT, write_result
@@ -116,13 +117,21 @@ def summarize(rows: list[dict], policy_loss: str, steps: int) -> dict:
     """One run's figures from its ``metrics.jsonl`` rows (module docstring).
 
     Raises:
-        ValueError: the run has fewer trainer steps than ``steps``.
+        ValueError: the run has fewer trainer steps than ``steps``, or a policy_version
+            was trained twice (the trainer restarted: without checkpoints it starts again
+            from the base model, and the run's curve is no longer one training).
     """
     from relax.infra.observe.report import step_rows
 
     per_step = step_rows(rows)
     if len(per_step) < steps:
         raise ValueError(f"the run trained {len(per_step)} of {steps} steps")
+    seen = Counter(int(r["policy_version"]) for r in rows
+                   if r["component"] == "trainer" and r["name"] == "step_s")
+    twice = sorted(v for v, n in seen.items() if n > 1)
+    if twice:
+        raise ValueError(f"the trainer restarted: policy_versions {twice[0]}-{twice[-1]} were "
+                         f"trained twice")
     curve: dict[int, float] = {}
     for r in rows:
         if r["component"] == "eval" and r["name"] == "eval_accuracy":
@@ -277,11 +286,13 @@ def main() -> None:
                 "groups_per_generate": a.groups_per_generate,
                 "trainer_threads": 1, "m2_threshold": 0.04, "clip_eps": 0.2, "lr": 2e-5}
     runs: list[dict] = []
+    failed: list[dict] = []  # runs that did not finish or restarted, kept for the record
     base = None
     if a.resume and a.out.exists():
         old = json.loads(a.out.read_text())
         if old.get("settings") == settings:
             runs = [r for r in old["runs"] if "error" not in r]
+            failed = [*old.get("failed_runs", []), *(r for r in old["runs"] if "error" in r)]
         if old.get("settings", {}).get("eval_size") == a.eval_size:
             base = old.get("base")
     if base is None:
@@ -295,7 +306,7 @@ def main() -> None:
 
     def save() -> None:
         doc = {"settings": settings, "base": base, "runs": runs,
-               "cells": cells(runs, all_staleness)}
+               "cells": cells(runs, all_staleness), "failed_runs": failed}
         write_result(a.out, doc, **({"note": a.note} if a.note else {}))
         png = plot(doc, a.out.with_suffix(".png"))
         if png is None:

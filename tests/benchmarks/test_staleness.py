@@ -48,6 +48,8 @@ def test_m2po_reads_its_own_masked_share_and_a_short_run_is_an_error():
     assert r["accuracy_after"] is None
     with pytest.raises(ValueError, match="trained 1 of 2 steps"):
         summarize(rows, "m2po", steps=2)
+    with pytest.raises(ValueError, match="the trainer restarted: policy_versions 1-1"):
+        summarize([*rows, *_trainer(1, samples_trained=8)], "m2po", steps=1)
 
 
 def _doc() -> dict:
