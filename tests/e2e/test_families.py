@@ -22,16 +22,18 @@ CHEAP = ["mode=sync", "trainer.steps=2", "trainer.batch_groups=2"]
 def _train(recipe_file: str, broker: str, tmp_path, run: str, *overrides: str) -> dict:
     """Run ``recipes/<recipe_file>`` with :data:`CHEAP` and ``overrides`` on ``broker``
     (parity test reward: the random models never answer right, and all-zero rewards give
-    all-zero advantages, so no gradient at all); checks the summary: 2 steps, every
-    rollout accounted, balanced. Returns the summary."""
+    all-zero advantages, so no gradient at all), the model built first; checks the
+    summary: 2 steps, every rollout accounted, balanced. Returns the summary."""
     from testdata import PARITY_REWARD, RECIPES
 
     from relax.infra.control.launch import train
     from relax.infra.recipe.recipe import load_recipe
+    from relax.trainer.models import model_path
 
     recipe = load_recipe(RECIPES / recipe_file, [
         f"bootstrap_servers={broker}", f"run_root={tmp_path}", f"run={run}", PARITY_REWARD,
         *CHEAP, *overrides])
+    model_path(recipe.model)  # built here once (a fresh cache), not by two stages at once
     s = train(recipe, say=lambda _: None, timeout_s=400)
     assert s["steps"] == 2 and s["balanced"], s
     assert s["trained"] + s["stale"] + s["filtered"] + s["errors"] == s["sampled"] > 0, s
