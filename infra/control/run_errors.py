@@ -12,6 +12,7 @@ from pathlib import Path
 
 from relax.schemas import topics as topic_names
 from relax.streams.client import BusConfig
+from relax.streams.lag import high_watermarks
 from relax.streams.read import read_reward_errors, read_table
 
 ERRORS_FILE = "errors.jsonl"
@@ -31,13 +32,17 @@ def write_run_errors(cfg: BusConfig, run_topics: list[str], path: Path) -> dict[
         ``{topic: records written}`` for the topics with any.
     """
     out: list[dict] = []
-    for t in run_topics:
+    wanted = [t for t in run_topics if t.endswith(topic_names.ERRORS_SUFFIX) or _is_rewards(t)]
+    # one client asks every topic's end; only those with records are read (a run has a
+    # dozen error topics, nearly always empty: a reader each took seconds)
+    written = {t for (t, _), end in high_watermarks(cfg, wanted).items() if end > 0}
+    for t in wanted:
+        if t not in written:
+            continue
         if t.endswith(topic_names.ERRORS_SUFFIX):
             rows = read_table(cfg, t, "errors").to_pylist()
-        elif _is_rewards(t):
-            rows = read_reward_errors(cfg, t)[0]
         else:
-            continue
+            rows = read_reward_errors(cfg, t)[0]
         out.extend({"topic": t, **{k: v for k, v in r.items() if k != "value"}} for r in rows)
     if out:
         with open(path, "w") as f:
