@@ -72,6 +72,10 @@ WAIT_GIB = 20.0
 """MemAvailable (GiB) a try of 3B parameters or more waits for before it starts."""
 SMALL_WAIT_GIB = {"0.5b": 5.0, "1.5b": 10.0}
 """MemAvailable (GiB) a smaller try waits for, by size."""
+THREADS = 1
+"""torch threads of every try (``OMP_NUM_THREADS``; the colocated stage's
+``resources.trainer.torch_threads``): on a shared, oversubscribed 2-core machine a second
+spinning thread costs more than it gives, and both systems get the same."""
 ATTEMPTS = 4
 """Tries of one size while others' processes take the memory it had (:func:`crowded_out`);
 after that its result is unknown (``fits`` None) and its configuration stops."""
@@ -292,6 +296,7 @@ def colocate_recipe(model_dir: Path, run_root: Path, config: dict) -> dict:
                     "gradient_checkpointing": config["ckpt"], "dtype": config["dtype"],
                     **({"lora": LORA} if config["lora"] else {})},
         "telemetry": {"wandb": "off"},
+        "resources": {"trainer": {"torch_threads": THREADS}},
     }
 
 
@@ -388,7 +393,8 @@ def measure(cmd: list[str], log: Path, timeout_s: float, env: dict | None = None
     """
     tag = uuid.uuid4().hex
     wrapped = ["sh", "-c", 'echo 1000 > /proc/self/oom_score_adj && exec "$@"', "sh", *cmd]
-    env = {**(env or os.environ), TAG: tag, "TOKENIZERS_PARALLELISM": "false"}
+    env = {**(env or os.environ), TAG: tag, "TOKENIZERS_PARALLELISM": "false",
+           "OMP_NUM_THREADS": str(THREADS)}
     peak, hwm, seen, killed = 0, {}, set(), None
     t0 = time.perf_counter()
     with log.open("w") as f:
@@ -455,7 +461,9 @@ def try_one(system: str, config_name: str, size: str, workdir: Path, timeout_s: 
     out = json.loads(raw.read_text()) if raw.exists() else {}
     rec.update({k: v for k, v in out.items() if k != "wall_s"})
     tail = log.read_text()[-2500:] if log.exists() else ""
-    if m["killed"]:
+    if m["killed"] == "timeout":  # too slow here, which says nothing about memory
+        rec.update(fits=None, why=f"timeout after {m['wall_s']} s (peak so far)")
+    elif m["killed"]:
         rec.update(fits=False, why=m["killed"])
     elif m["rc"] == -signal.SIGKILL or m["rc"] == 137:
         rec.update(fits=False, why="killed (OOM killer)")
@@ -473,12 +481,14 @@ def try_one(system: str, config_name: str, size: str, workdir: Path, timeout_s: 
 
 
 def colocate_summary(raw: Path) -> dict:
-    """The colocate try's ``relax train`` figures: steps and samples of its summary.json."""
+    """The colocate try's ``relax train`` figures from its summary.json: steps, samples,
+    and ``peak_rss_mb`` (each process's own peak: where the memory went)."""
     runs = list((raw.parent / f"{raw.stem}-run" / "runs").glob("*/summary.json"))
     if not runs:
         return {}
     s = json.loads(runs[0].read_text())
-    return {k: s.get(k) for k in ("steps", "sampled", "trained", "stale", "errors")}
+    return {k: s.get(k) for k in ("steps", "sampled", "trained", "stale", "errors",
+                                  "peak_rss_mb")}
 
 
 def lower_bound_gib(config: dict, params: int) -> float:
@@ -603,7 +613,7 @@ def summarise(tries: dict, params: dict, total_s: float) -> dict:
         }
     return {"workload": {**WORK, "lora": LORA, "configs": CONFIGS,
                          "sizes": {s: {**SIZES[s], "params": params[s]} for s in SIZES},
-                         "floor_gib": FLOOR_GIB, "wait_gib": WAIT_GIB},
+                         "floor_gib": FLOOR_GIB, "wait_gib": WAIT_GIB, "torch_threads": THREADS},
             "largest_params_relax": {n: c["largest_params_relax"] for n, c in configs.items()},
             "largest_params_trl": {n: c["largest_params_trl"] for n, c in configs.items()},
             "configs": configs, "tries": tries, "total_s": round(total_s)}

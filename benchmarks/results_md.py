@@ -190,8 +190,8 @@ def memory(d: dict) -> tuple[str, list[str]]:
               f"{w['max_new_tokens']} new tokens; peak RSS of every process of the try "
               f"(GiB, sampled every 0.25 s); a try killed under {w['floor_gib']} GiB "
               f"available does not fit."), "",
-             *table(["configuration", "largest relax (params)", "largest TRL (params)"],
-                    [[n, r, t] for n, r, t in big]), "",
+             *table(["configuration", "largest relax (B params)", "largest TRL (B params)"],
+                    [[n, r and r / 1e9, t and t / 1e9] for n, r, t in big]), "",
              *table(["configuration", "system", "size", "params (B)", "fits",
                      "peak RSS GiB", "sum of VmHWM GiB", "processes", "wall s",
                      "relax / TRL"], rows)])
