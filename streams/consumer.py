@@ -544,11 +544,9 @@ def _Listener(owner: BatchConsumer):
                     owner.on_revoke(list(revoked))
 
         def on_partitions_assigned(self, assigned):
-            if assigned:
-                with owner._handed_lock:  # checked after the poll (it must not block here)
-                    owner._handed |= set(assigned)
-                    owner._kept |= set(assigned) & owner._revoking
-            with owner._handed_lock:
+            with owner._handed_lock:  # checked after the poll (it must not block here)
+                owner._handed |= set(assigned)
+                owner._kept |= set(assigned) & owner._revoking
                 owner._revoking = set()
             if assigned and owner.on_assign is not None:
                 owner.on_assign(list(assigned))
