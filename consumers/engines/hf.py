@@ -211,11 +211,13 @@ class HFEngine:
                 (``model.named_parameters()`` or ``state_dict()`` names; tied aliases
                 such as ``lm_head.weight`` may be given or omitted). Every parameter
                 must be covered.
-            policy_version: version of these weights (>= the current one).
+            policy_version: version of these weights; below the current one after a
+                trainer restarted from a checkpoint older than its last version (its
+                versions count again from there; the subscriber decides what is newer).
 
         Raises:
             KeyError: a name that is not a parameter of the model (lists a few valid ones).
-            ValueError: a shape mismatch, a parameter not covered, or an older version.
+            ValueError: a shape mismatch, or a parameter not covered.
         """
         shapes = {name: tuple(t.shape) for name, t in named_tensors.items()}
         with self.staging(shapes, policy_version) as spare, torch.no_grad():
@@ -237,9 +239,6 @@ class HFEngine:
         Raises:
             KeyError, ValueError: as :meth:`update_weights`, before any buffer is touched.
         """
-        if policy_version < self._version:
-            raise ValueError(f"policy_version {policy_version} is older than the engine's "
-                             f"{self._version}")
         covered = set()  # check the whole update before touching a buffer
         for name, shape in shapes.items():
             p = self._by_name.get(name)
@@ -345,6 +344,11 @@ class HFEngine:
             self._run(active, params, params.max_new_tokens, gen,
                       self.chunk_tokens if self.partial_rollout else None)
             active = [r for r in rows if r.finish_reason is None]
+            # a swap back to an older version (a restarted trainer counts again from its
+            # checkpoint): the tokens so far are of a lost branch; they are sampled again
+            for r in active:
+                if r.versions and r.versions[-1] > self._version:
+                    r.tokens, r.logprobs, r.versions = [], [], []
         out = [self._to_generation(r) for r in rows]
         self.stats.generate_calls += 1
         self.stats.tokens += sum(len(r.tokens) for r in rows)

@@ -181,7 +181,7 @@ class RolloutStage(Stage):
     def _read_announcements(self, reader, timeout_s: float) -> None:
         reader.poll(timeout_s)
         if reader.latest_version is not None:
-            self.trainer_version = max(self.trainer_version or 0, reader.latest_version)
+            self.trainer_version = reader.latest_version  # lower after a trainer restart
 
     # ---------------------------------------------------------------- prompts
     def exhausted(self, consumer) -> bool:

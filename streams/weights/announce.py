@@ -33,22 +33,23 @@ def ensure_weights_topic(cfg: BusConfig, run: str) -> str:
 
 def newest_rows(rows: list[dict]) -> list[dict]:
     """``rows`` (announcements, oldest first) with only the newest of each transport: the
-    last broadcast announcement, the last same-host (``shm``) one and the newest
-    ``checkpoint`` one, in their order. The publisher announces v+1 only after v's
-    broadcast ended and keeps only the newest same-host file, and a restarted trainer
+    last broadcast announcement, the last same-host (``shm``) one and the last
+    ``checkpoint`` one with a URI, in their order. The publisher announces v+1 only after
+    v's broadcast ended and keeps only the newest same-host file, and a restarted trainer
     announces from a new rendezvous, so every earlier live one is history (joining a dead
-    publisher's store would only time out); an older checkpoint is superseded by the
-    newer one, and the snapshot store's retention may already have deleted it (a late
-    joiner that loaded one would only load the next after it)."""
+    publisher's store would only time out). A publisher announces its snapshots in
+    policy_version order, and a restarted one counts again from its checkpoint (and
+    deletes the dead one's snapshots from there on), so the last checkpoint row is the
+    newest of the weights the run still has, even where an earlier row has a higher
+    policy_version; an earlier one is superseded, and retention may already have
+    deleted it."""
     last: dict[str, int] = {}
-    newest_ckpt: tuple[int, int] | None = None  # (policy_version, index)
     for i, r in enumerate(rows):
         if r["transport"] != "checkpoint":
             last["shm" if r["transport"] == "shm" else "live"] = i
-        elif r["checkpoint_uri"] and (newest_ckpt is None
-                                      or r["policy_version"] >= newest_ckpt[0]):
-            newest_ckpt = (r["policy_version"], i)
-    keep = set(last.values()) | ({newest_ckpt[1]} if newest_ckpt else set())
+        elif r["checkpoint_uri"]:
+            last["checkpoint"] = i
+    keep = set(last.values())
     return [r for i, r in enumerate(rows) if i in keep]
 
 
@@ -70,6 +71,9 @@ class AnnouncementReader:
         self.topic = ensure_weights_topic(cfg, run)
         self._reader = follow(cfg, self.topic, 1, "weights", follower)
         self.latest_version: int | None = None
+        """The trainer's policy_version: the last announcement's (a publisher announces in
+        version order; a restarted trainer counts again from its checkpoint, below the
+        dead one's newest), None before any."""
 
     def poll(self, timeout_s: float = 0.0) -> list[dict]:
         """New announcement rows (dicts with the WEIGHTS fields), oldest first."""
@@ -86,10 +90,8 @@ class AnnouncementReader:
                             "'weights' batch", self.topic, m.partition, m.offset, why)
                 continue
             rows.extend(table.to_pylist())
-        for r in rows:
-            v = r["policy_version"]
-            if self.latest_version is None or v > self.latest_version:
-                self.latest_version = v
+        if rows:
+            self.latest_version = rows[-1]["policy_version"]
         return rows
 
     def poll_backlog(self, timeout_s: float = 2.0, quiet_s: float = 0.3) -> list[dict]:

@@ -264,8 +264,22 @@ class WeightPublisher:
         self.history.append(stats)
         if self._first_version is None:
             self._first_version = policy_version
+            self._drop_dead_snapshots(policy_version)
         self._pending = self._pool.submit(self._background, stats, t0, digest)
         return self._pending
+
+    def _drop_dead_snapshots(self, first: int) -> None:
+        """Before the first write: delete the store's snapshots from ``first`` on (a
+        restarted trainer's versions count again from its checkpoint; those are the dead
+        trainer's, for version numbers this one will publish with other weights)."""
+        if self.snapshots is None:
+            return
+        dropped = self.snapshots.drop_from(first)
+        if dropped:
+            log.warning("the snapshot store held %s of a previous trainer; this one "
+                        "publishes from v%d: those snapshots are deleted (the versions after "
+                        "its checkpoint are trained again)",
+                        ", ".join(f"v{v}" for v in dropped), first)
 
     def wait(self) -> PublishStats | None:
         """Wait for the last publish to finish; its stats (None if nothing published)."""

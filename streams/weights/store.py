@@ -105,6 +105,19 @@ class SnapshotStore:
         for v in self.versions()[:-self.keep]:
             self._fs.delete_dir(f"{self._base}/v{v:08d}")
 
+    def drop_from(self, version: int) -> list[int]:
+        """Delete the snapshots of ``version`` and every later one; returns their versions.
+
+        A restarted trainer publishes again from its checkpoint's policy_version: the
+        snapshots from there on are a dead trainer's weights for version numbers it will
+        use again (with other weights), and newer than its own, so retention would keep
+        them and delete its own. It calls this before its first write.
+        """
+        dropped = [v for v in self.versions() if v >= version]
+        for v in dropped:
+            self._fs.delete_dir(f"{self._base}/v{v:08d}")
+        return dropped
+
 
 def snapshot_exists(uri: str) -> bool:
     """Whether the snapshot announced as ``uri`` is still in the store (retention deletes

@@ -296,11 +296,12 @@ class WeightSubscriber:
         ckpts = [r for r in rows if r["transport"] == "checkpoint" and r["checkpoint_uri"]]
         if not ckpts:
             return
-        newest = max(ckpts, key=lambda r: r["policy_version"])
-        if self.version is not None and newest["policy_version"] <= self.version:
+        newest = ckpts[-1]  # the last one: see newest_rows
+        if not self._newer(newest):
             return
-        shm = [r["policy_version"] for r in rows if r["transport"] == "shm"]
-        if self._same_host and shm and max(shm) >= newest["policy_version"]:
+        shm = [r for r in rows if r["transport"] == "shm"]
+        if self._same_host and shm and shm[-1]["rendezvous"] == newest["rendezvous"] \
+                and shm[-1]["policy_version"] >= newest["policy_version"]:
             return  # the same-host file of a version as new is read next, from RAM
         self._load_kept(newest)
 
@@ -393,21 +394,26 @@ class WeightSubscriber:
         self._deliver(row, "shm", staged=staging is not None)
         return row["policy_version"]
 
+    def _newer(self, row: dict) -> bool:
+        """Whether ``row`` announces weights newer than those held: a higher
+        policy_version, or any version of another publisher (a restarted trainer's
+        versions count again from its checkpoint)."""
+        return (self.version is None or row["policy_version"] > self.version
+                or row["rendezvous"] != self._version_from)
+
     def _handle(self, row: dict) -> None:
         gone = (row["rendezvous"], row["group_name"]) in self._gone
         if gone and row["transport"] != "checkpoint":
             return  # a publisher found gone (a trainer at that address again has new groups)
-        if row["transport"] == "shm":  # a restarted trainer's versions count from its checkpoint
-            newer = self.version is None or row["policy_version"] > self.version \
-                or row["rendezvous"] != self._version_from
-            if newer and os.path.exists(row["checkpoint_uri"]):  # else pruned, or no host of ours
+        if row["transport"] == "shm":  # a file that is absent was pruned, or is on another host
+            if self._newer(row) and os.path.exists(row["checkpoint_uri"]):
                 self._connect(row["rendezvous"])
                 if self._same_host:
                     self.load_shm(row)
             return
         if row["transport"] == "checkpoint":
-            newer = self.version is None or row["policy_version"] > self.version
-            if self.catch_up and newer and self._group is None and row["checkpoint_uri"]:
+            if (self.catch_up and self._newer(row) and self._group is None
+                    and row["checkpoint_uri"]):
                 self._load_kept(row)
             return
         self._connect(row["rendezvous"])

@@ -42,6 +42,23 @@ def test_rollout_killed_while_its_groups_wait_samples_nothing_extra(broker, tmp_
     _assert_whole(r)
 
 
+def test_a_trainer_without_checkpoints_killed_restarts_from_the_base_and_finishes_whole(
+        broker, tmp_path):
+    """``checkpoint_every: 0`` keeps no checkpoint until the end: a trainer killed after
+    step 4 starts again from the base model at policy_version 0 and trains 10 steps. The
+    dead trainer's snapshots (every 2 versions) are replaced, not loaded against the new
+    announcements (a staleness run restarted so: its engine refused v10, "checksum differs
+    from the announcement"); rollouts made by its weights are counted stale; the rollout
+    stage, killed while the new trainer is under the dead one's newest version, loads the
+    new trainer's weights."""
+    recipe = tiny_recipe(broker, tmp_path, "nockpt" + uuid.uuid4().hex[:4], "trainer.steps=10",
+                         "trainer.checkpoint_every=0", "trainer.weights_snapshot_every=2")
+    r = chaos_run(recipe, [Kill("trainer", 4, 0.0), Kill("rollout-0", 4, 6.0)], 500)
+    assert len(r.killed) == 2, r.killed
+    _assert_whole(r)
+    assert r.stale > 0, r.as_dict()  # the dead trainer's newer rollouts
+
+
 # seed 11 found the lost leader rejoin of kafka-python (streams/kafka_join.py)
 @pytest.mark.parametrize("seed", [3, 11])
 def test_seeded_chaos_run(broker, tmp_path, seed):

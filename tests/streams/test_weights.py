@@ -188,6 +188,8 @@ def test_newest_rows_keeps_the_newest_of_each_transport_in_order():
             row(10, "checkpoint"), row(2, "shm"), row(3, "gloo"), row(5, "checkpoint", None)]
     assert newest_rows(rows) == [rows[4], rows[5], rows[6]]
     assert newest_rows([]) == []
+    restarted = [row(10, "checkpoint"), row(0, "checkpoint"), row(1, "gloo")]  # from v0 again
+    assert newest_rows(restarted) == restarted[1:]
 
 
 @pytest.mark.parametrize("same_host", [False, True], ids=["remote", "same-host"])
@@ -227,6 +229,56 @@ def test_a_late_joiner_past_the_snapshot_window_loads_the_newest_kept_snapshot(
         early.close()
         pub.close()
     assert torch.equal(target.weight, model.weight)
+
+
+def test_a_trainer_restarted_from_an_older_checkpoint_replaces_the_dead_ones_snapshots(
+        bus, unique, tmp_path):
+    """A trainer restarted from a checkpoint older than its last published version (with
+    ``checkpoint_every: 0``, from the base model) publishes those version numbers again
+    with other weights. The dead trainer's snapshots from its start on are deleted (a
+    staleness run's restart had left v10 there: its bytes failed the new announcement's
+    checksum and the engine stopped; retention also kept them over the new trainer's own);
+    an engine that held the dead trainer's v4 and one that starts after the restart both
+    end on the new trainer's newest version."""
+    store = tmp_path / "ckpt"
+    model = torch.nn.Linear(4, 3)
+    dead = WeightPublisher(bus, unique, checkpoint_dir=store, checkpoint_every=1,
+                           keep_checkpoints=3)
+    early = WeightSubscriber(bus, unique, member_id="early", rendezvous=dead.rendezvous,
+                             join_timeout_s=3.0).start()
+    try:
+        for v in range(1, 5):
+            with torch.no_grad():
+                model.weight.add_(1.0)
+            dead.publish(dict(model.named_parameters()), v).result()
+        assert early.wait_for(4, 30) == 4
+    finally:
+        dead.close()
+    assert sorted(p.name for p in store.iterdir()) == ["v00000002", "v00000003", "v00000004"]
+    restarted = torch.nn.Linear(4, 3)  # the base model: other weights for v0-v2
+    new = WeightPublisher(bus, unique, checkpoint_dir=store, checkpoint_every=1,
+                          keep_checkpoints=3)
+    try:
+        for v in range(0, 3):
+            with torch.no_grad():
+                restarted.weight.sub_(1.0)
+            new.publish(dict(restarted.named_parameters()), v).result()
+        assert sorted(p.name for p in store.iterdir()) == ["v00000000", "v00000001", "v00000002"]
+        with WeightSubscriber(bus, unique, member_id="late") as late:
+            deadline = time.monotonic() + 60
+            for sub in (early, late):
+                while time.monotonic() < deadline:
+                    got = sub.latest()
+                    if got is not None and got[0] == 2 \
+                            and torch.equal(got[1]["weight"], restarted.weight):
+                        break
+                    sub.poll(0.2)  # raises if it stopped (a checksum failure)
+                assert sub.latest()[0] == 2, sub.stats
+                assert torch.equal(sub.latest()[1]["weight"], restarted.weight), sub.stats
+                assert sub.stats.checksum_failures == 0
+    finally:
+        early.close()
+        new.close()
 
 
 def test_a_joiner_after_the_trainer_died_loads_its_snapshot_and_takes_the_next_one(
