@@ -198,7 +198,8 @@ WEIGHTS = _schema("weights", [
     _f("bucket_bytes", pa.int64(), "flat bucket size of the broadcast", unit="bytes"),
     _f("checksum", pa.string(), "<algorithm>:<hex> over the flat bytes in manifest order"),
     _f("transport", pa.string(),
-       "nccl | gloo | checkpoint | shm (a same-host file, its folder in checkpoint_uri)"),
+       "nccl | gloo | checkpoint | shm (a same-host file, its folder in checkpoint_uri) | "
+       "version (the version only, no bytes: a colocated trainer with no weight subscriber)"),
     _f("rendezvous", pa.string(), "tcp://host:port of the broadcast group (null for checkpoint only)",
        nullable=True),
     _f("group_name", pa.string(), "process-group name of the broadcast"),

@@ -66,6 +66,12 @@ class TrainerStageConfig(BaseModel):
         rank_hosts: the host of each rank 1..processes-1 (Ray tasks on the nodes that
             offer ``host:<name>``, each asking for ``rank_num_cpus``); None = child
             processes on this host.
+        publish_weights: send each version's weights (broadcast, same-host files,
+            snapshots); False: announce each policy_version only
+            (:meth:`~relax.streams.weights.publisher.WeightPublisher.announce_version`),
+            for a colocated trainer in a run with no other weight subscriber (set by
+            ``relax.infra.recipe.specs``): no send buffer of the model's size, no
+            merged LoRA copy, no snapshot.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -78,6 +84,7 @@ class TrainerStageConfig(BaseModel):
     processes: int = Field(1, ge=1)
     rank_hosts: list[str] | None = None
     rank_num_cpus: float = Field(1.0, ge=0)
+    publish_weights: bool = True
 
 
 def batch_metrics(batch: Batch, accuracy_reward: str | None, threshold: float) -> dict[str, float]:
@@ -176,12 +183,13 @@ class TrainerStage:
         ensure_topics(bus, {self._progress_topic: 1})
         self._progress_producer = BatchProducer(bus, producer_id=f"{cfg.run}-trainer-progress")
         self._progress_metrics = MetricsWriter(self._progress_producer, cfg.run, "trainer")
+        sends = cfg.publish_weights
         self.publisher = WeightPublisher(
             bus, cfg.run, host=cfg.weights_host or node_address(), port=cfg.weights_port,
-            checkpoint_dir=t.weights_store or self.run_dir / "weights",
+            checkpoint_dir=(t.weights_store or self.run_dir / "weights") if sends else None,
             checkpoint_every=t.weights_snapshot_every,
             bucket_bytes=t.publish_bucket_bytes, producer=self.producer,
-            shm_root=SHM_ROOT if t.weights_shm else None)
+            shm_root=SHM_ROOT if t.weights_shm and sends else None)
         self.source = SampleSource(bus, cfg.run, self.ledger, batch_groups=t.batch_groups,
                                    max_staleness=t.max_staleness, offsets=state.offsets,
                                    on_drop=self._progress, start_version=self.version,
@@ -208,6 +216,14 @@ class TrainerStage:
             w.add(M.GROUPS_NEEDED, needed, self.version)
             w.flush()
             self._progress_producer.flush()
+
+    def _publish(self) -> None:
+        """Publish the weights at :attr:`version` (or announce the version only:
+        ``publish_weights`` False)."""
+        if self.cfg.publish_weights:
+            self.publisher.publish(self.backend.named_tensors(), self.version)
+        else:
+            self.publisher.announce_version(self.version)
 
     def _save_due(self, version: int) -> bool:
         """A checkpoint is saved after the step that reaches ``version``: every
@@ -264,7 +280,7 @@ class TrainerStage:
             self._save(self._timed(out, batch, t0))
             out[M.CHECKPOINT_S] = time.perf_counter() - tc
         tp = time.perf_counter()
-        self.publisher.publish(self.backend.named_tensors(), self.version)
+        self._publish()
         out[M.PUBLISH_S] = time.perf_counter() - tp
         if len(self.publisher.history) > 1:  # publish waited for the previous one's end
             sent = self.publisher.history[-2]
@@ -284,7 +300,7 @@ class TrainerStage:
         ``<trainer.checkpoint_store>/final_model``), PPO's critic to ``<run_dir>/critic``
         (and the store's ``critic``)."""
         try:
-            self.publisher.publish(self.backend.named_tensors(), self.version)
+            self._publish()
             self._progress()
             while self.version < self.cfg.trainer.steps and not should_stop():
                 self.step(should_stop)

@@ -3,8 +3,10 @@ process, on the same parameter tensors.
 
 The HF engine is given the torch back end's model object (no copy), and no weight
 subscriber: after each optimizer step the engine's policy_version is set to the step's
-version directly (the trainer still publishes it, so the weights topic announces every
-version to the other stages and the ledger). The rollout runs in a thread of this
+version directly. The trainer announces every version on the weights topic (the rollout's
+credit reads it); it sends the weights only where another stage subscribes (``eval.every``,
+a following reference: ``TrainerStageConfig.publish_weights``, set by
+``relax.infra.recipe.specs``), so by default the process holds one copy of the model. The rollout runs in a thread of this
 process beside the trainer; with ``max_staleness`` 0 its credit lets it sample one
 step's groups and then wait for the trainer's progress, so the two alternate:
 

@@ -221,6 +221,10 @@ def stage_specs(recipe: Recipe, bus: BusConfig, run_dir: Path) -> list[StageSpec
         telemetry=recipe.telemetry.model_dump()))
     if recipe.mode == "colocate":  # rollout-0 and the trainer: one process, named trainer
         rollout = specs.pop(0)
+        # weights go to no other process unless a stage subscribes: versions only
+        config["publish_weights"] = bool(
+            (recipe.reference.enabled and recipe.reference.follow_every)
+            or (recipe.eval is not None and recipe.eval.every))
         specs.append(StageSpec("trainer", "colocate", {"run": run, "rollout": rollout.config,
                                                        "trainer": config},
                                recipe.resources_of("trainer")))

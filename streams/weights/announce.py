@@ -31,8 +31,14 @@ def ensure_weights_topic(cfg: BusConfig, run: str) -> str:
     return t
 
 
+VERSION_ONLY = "version"
+"""The transport of an announcement that carries a policy_version and no weights
+(:meth:`~relax.streams.weights.publisher.WeightPublisher.announce_version`)."""
+
+
 def newest_rows(rows: list[dict]) -> list[dict]:
-    """``rows`` (announcements, oldest first) with only the newest of each transport: the
+    """``rows`` (announcements, oldest first) with only the newest of each transport (none
+    of :data:`VERSION_ONLY`, which carry no weights): the
     last broadcast announcement, the last same-host (``shm``) one and the last
     ``checkpoint`` one with a URI, in their order. The publisher announces v+1 only after
     v's broadcast ended and keeps only the newest same-host file, and a restarted trainer
@@ -45,6 +51,8 @@ def newest_rows(rows: list[dict]) -> list[dict]:
     deleted it."""
     last: dict[str, int] = {}
     for i, r in enumerate(rows):
+        if r["transport"] == VERSION_ONLY:
+            continue
         if r["transport"] != "checkpoint":
             last["shm" if r["transport"] == "shm" else "live"] = i
         elif r["checkpoint_uri"]:

@@ -45,7 +45,7 @@ import torch
 from relax.schemas.v1 import WEIGHTS
 from relax.schemas.validate import validate
 from relax.streams.client import BusConfig
-from relax.streams.weights.announce import ensure_weights_topic
+from relax.streams.weights.announce import VERSION_ONLY, ensure_weights_topic
 from relax.streams.weights.layout import (
     DEFAULT_BUCKET_BYTES,
     TensorEntry,
@@ -268,6 +268,25 @@ class WeightPublisher:
         self._pending = self._pool.submit(self._background, stats, t0, digest)
         return self._pending
 
+    def announce_version(self, policy_version: int) -> None:
+        """Announce ``policy_version`` with no weights (transport
+        :data:`~relax.streams.weights.announce.VERSION_ONLY`): for a trainer whose weights
+        no other process takes (a colocated one, whose engine shares its parameters,
+        in a run with no following reference and no eval stage). The stages that read the
+        trainer's version from ``<run>.weights`` (the rollout's credit) still see it; no
+        send buffer, same-host file or snapshot is made, and a subscriber skips the row.
+
+        Raises:
+            ValueError: a policy_version below 0.
+        """
+        if policy_version < 0:
+            raise ValueError(f"policy_version must be >= 0, got {policy_version}")
+        row = {"policy_version": policy_version, "manifest": [], "total_bytes": 0,
+               "bucket_bytes": self.bucket_bytes, "checksum": "", "transport": VERSION_ONLY,
+               "rendezvous": self.rendezvous, "group_name": "", "checkpoint_uri": None,
+               "published_at": int(time.time() * 1000)}
+        self._send_row(row)
+
     def _drop_dead_snapshots(self, first: int) -> None:
         """Before the first write: delete the store's snapshots from ``first`` on (a
         restarted trainer's versions count again from its checkpoint; those are the dead
@@ -301,6 +320,9 @@ class WeightPublisher:
             "checkpoint_uri": checkpoint_uri,
             "published_at": int(time.time() * 1000),
         }
+        self._send_row(row)
+
+    def _send_row(self, row: dict) -> None:
         batch = pa.RecordBatch.from_pylist([row], schema=WEIGHTS)
         validate(batch, "weights")
         self._producer.send(self.topic, batch)

@@ -28,7 +28,7 @@ import torch
 
 from relax.streams.client import BusConfig
 from relax.streams.follow import Follower
-from relax.streams.weights.announce import AnnouncementReader, newest_rows
+from relax.streams.weights.announce import VERSION_ONLY, AnnouncementReader, newest_rows
 from relax.streams.weights.shm import SHM_KEY, ShmFiles, member_key, sees_offer
 from relax.streams.weights.install import install_weights
 from relax.streams.weights.layout import (ChecksumError, TensorEntry, checksum,
@@ -261,7 +261,7 @@ class WeightSubscriber:
         while not rows and not self._stop.is_set() and self._reader.latest_version is None:
             # nothing published yet: register at the first announcement's rendezvous
             rows = self._reader.poll(0.5)
-        live = [r for r in rows if r["transport"] != "checkpoint"]
+        live = [r for r in rows if r["transport"] not in ("checkpoint", VERSION_ONLY)]
         if live:  # register first, so the next version's group includes us
             try:
                 self._connect(live[-1]["rendezvous"])
@@ -402,6 +402,8 @@ class WeightSubscriber:
                 or row["rendezvous"] != self._version_from)
 
     def _handle(self, row: dict) -> None:
+        if row["transport"] == VERSION_ONLY:
+            return  # no weights to take (newest_rows leaves them out: defensive)
         gone = (row["rendezvous"], row["group_name"]) in self._gone
         if gone and row["transport"] != "checkpoint":
             return  # a publisher found gone (a trainer at that address again has new groups)

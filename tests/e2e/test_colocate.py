@@ -12,6 +12,8 @@ import pytest
 from testdata import assert_on_policy, tiny_recipe
 
 from relax.consumers.engines.base import SamplingParams
+from relax.streams.client import BusConfig
+from relax.streams.read import read_table
 from relax.infra.control.chaos import Kill, chaos_run
 from relax.infra.recipe.sections import RecipeError
 from relax.infra.recipe.specs import run_bus, stage_specs
@@ -35,6 +37,16 @@ def test_colocate_makes_one_process_of_rollout_and_trainer(broker, tmp_path):
     assert kinds["trainer"] == "colocate" and not any(n.startswith("rollout") for n in kinds)
     config = specs[-1].config
     assert config["rollout"]["follow_weights"] is False and config["rollout"]["max_staleness"] == 0
+    assert config["trainer"]["publish_weights"] is False  # no other stage takes weights
+
+
+@pytest.mark.parametrize("override", [
+    'eval={source: "reasoning_gym:basic_arithmetic?size=40", every: 2, '
+    'reward: {name: e, fn: "testdata:parity_reward"}}',
+    "reference.follow_every=2"], ids=["eval", "following-reference"])
+def test_a_colocated_trainer_sends_weights_when_a_stage_subscribes(broker, tmp_path, override):
+    _, specs = _colocate_spec(broker, tmp_path, "c", "kl.coef=0.01", "kl.in=loss", override)
+    assert specs[-1].config["trainer"]["publish_weights"] is True
 
 
 @pytest.mark.parametrize("override, key", [
@@ -94,6 +106,11 @@ def test_colocated_run_trains_every_sample_on_policy(broker, tmp_path):
     assert s["stale"] == 0, s
     stages = json.loads((Path(s["run_dir"]) / "stages.json").read_text())
     assert stages["trainer"]["kind"] == "colocate" and "rollout-0" not in stages, stages
+    # no other process takes the weights: versions announced, no bytes, no snapshot
+    rows = read_table(BusConfig(bootstrap_servers=broker), f"{run}.weights").to_pylist()
+    assert [(r["policy_version"], r["transport"]) for r in rows] == [
+        (v, "version") for v in range(STEPS + 1)]
+    assert not any((Path(s["run_dir"]) / "weights").glob("v*"))
 
     assert_on_policy(s, broker, run, STEPS, BATCH_GROUPS, GROUP_SIZE)
 

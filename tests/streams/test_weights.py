@@ -281,6 +281,35 @@ def test_a_trainer_restarted_from_an_older_checkpoint_replaces_the_dead_ones_sna
         new.close()
 
 
+def test_a_version_only_announcement_is_read_as_the_trainers_version_and_carries_no_weights(
+        bus, unique, tmp_path):
+    """``announce_version`` (a colocated trainer with no other weight subscriber): the
+    reader's latest_version follows it, a subscriber neither takes nor waits on it, and
+    nothing is written: no snapshot, no send buffer."""
+    pub = WeightPublisher(bus, unique, checkpoint_dir=None)
+    try:
+        for v in (0, 1, 2):
+            pub.announce_version(v)
+        rows = _announcements(bus, unique, 3)
+        assert [(r["policy_version"], r["transport"], r["total_bytes"]) for r in rows] == [
+            (0, "version", 0), (1, "version", 0), (2, "version", 0)]
+        assert newest_rows(rows) == [] and pub.history == []
+        reader = AnnouncementReader(bus, unique)
+        try:
+            reader.poll_backlog(5.0)
+            assert reader.latest_version == 2
+        finally:
+            reader.close()
+        with WeightSubscriber(bus, unique, member_id="s", join_timeout_s=3.0) as sub:
+            time.sleep(3.0)
+            assert sub.poll(0.5) is None and sub.version is None and sub.error is None
+            assert sub.stats.skipped == 0
+        with pytest.raises(ValueError, match="policy_version"):
+            pub.announce_version(-1)
+    finally:
+        pub.close()
+
+
 def test_a_joiner_after_the_trainer_died_loads_its_snapshot_and_takes_the_next_one(
         bus, unique, tmp_path):
     """A subscriber that starts while the newest announcement is a dead publisher's (a
