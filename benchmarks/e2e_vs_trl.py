@@ -267,14 +267,13 @@ def loop_configs(w: dict, budget: int = 8192) -> tuple[dict, object, object]:
     """
     from relax.consumers.rollout import RolloutConfig
     from relax.consumers.samples import AdvantageConfig
-    from relax.streams.client import BusConfig
 
     trainer = dict(model=w["model"], batch_groups=w["batch_groups"], steps=w["steps"],
                    optim={"lr": w["lr"], "grad_clip": w["grad_clip"]},
                    loss={"policy_loss": "ppo_clip", "loss_agg_mode": "token-mean",
                          "clip_eps_low": w["clip_eps"], "clip_eps_high": w["clip_eps"]},
                    old_logprobs="rollout", max_tokens_per_microbatch=budget)
-    rollout = RolloutConfig(bus=BusConfig(bootstrap_servers="unused:0"), run="loop",
+    rollout = RolloutConfig(run="loop",
                             dataset="arith", model=w["model"], group_size=w["group_size"],
                             max_new_tokens=w["max_new_tokens"], temperature=w["temperature"])
     return trainer, rollout, AdvantageConfig(estimator="grpo", rewards={"correct": 1.0})

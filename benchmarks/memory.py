@@ -226,7 +226,6 @@ def run_relax_loop(config: dict, size: str) -> dict:
     from relax.consumers.engines.hf import HFEngine
     from relax.consumers.rollout import RolloutConfig, rollout_batch, sample_groups
     from relax.consumers.samples import AdvantageConfig, build_train_samples
-    from relax.streams.client import BusConfig
     from relax.trainer.backends.torch_backend import TorchBackend
     from relax.trainer.batching import informative_rows, loss_counts, micro_batches
     from relax.trainer.config import TrainerConfig
@@ -239,7 +238,7 @@ def run_relax_loop(config: dict, size: str) -> dict:
         lora=LORA if config["lora"] else None, dtype=config["dtype"])
     backend = TorchBackend(tcfg, device="cpu", model=model)
     engine = HFEngine(backend.model, tok, engine_id="memory")
-    rcfg = RolloutConfig(bus=BusConfig(bootstrap_servers="unused:0"), run="memory",
+    rcfg = RolloutConfig(run="memory",
                          dataset="memory", model="memory", group_size=WORK["group_size"],
                          max_new_tokens=WORK["max_new_tokens"])
     acfg = AdvantageConfig(estimator="grpo", rewards={"length": 1.0})

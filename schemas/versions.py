@@ -102,6 +102,11 @@ def admit(trainer_version: int, policy_version_start: int, policy_version_end: i
     return Admission(False, s, f"staleness {s} > max_staleness {max_staleness}")
 
 
+DEFAULT_BATCH_GROUPS = 2
+"""Groups the trainer consumes per step where a config does not say (the rollout's and
+the trainer's configs share it; a recipe sets both from its ``batch_groups``)."""
+
+
 def in_flight_budget(max_staleness: int, batch_groups: int) -> int:
     """Most groups the rollout stage may have in flight (sampled or being sampled but
     not yet trained): ``(max_staleness + 1) * batch_groups`` (docs/architecture.md, section 4)."""

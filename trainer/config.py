@@ -8,6 +8,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from relax.schemas.versions import DEFAULT_BATCH_GROUPS
 from relax.trainer.losses.config import LossConfig, ValueLossConfig
 
 
@@ -181,7 +182,7 @@ class TrainerConfig(BaseModel):
     data_parallel: Literal["ddp", "fsdp2"] = "ddp"
     megatron: MegatronConfig = Field(default_factory=MegatronConfig)
     steps: int = Field(3, ge=1)
-    batch_groups: int = Field(2, ge=1)
+    batch_groups: int = Field(DEFAULT_BATCH_GROUPS, ge=1)
     max_staleness: int = Field(1, ge=0)
     max_tokens_per_microbatch: int = Field(4096, ge=16)
     optim: OptimConfig = Field(default_factory=OptimConfig)

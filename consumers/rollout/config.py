@@ -8,17 +8,13 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from relax.consumers.engines.base import SamplingParams
 from relax.schemas import topics
-from relax.streams.client import BusConfig
+from relax.schemas.versions import DEFAULT_BATCH_GROUPS
 
 
 class RolloutConfig(BaseModel):
     """Settings of one rollout instance.
 
     Attributes:
-        bus: unused, and left out of the config's dump: the bus is
-            :class:`~relax.consumers.rollout.RolloutStage`'s argument (the stage contract,
-            :mod:`relax.streams.stage_contract`). Kept only until the callers that still
-            pass it (``benchmarks/``, ``tests/trainer/test_families.py``) drop it.
         run: run name (topics ``<run>.*``, consumer group ``<run>.rollout``).
         dataset: prompt topic ``prompts.<dataset>``.
         model: model name/folder/Hub id (``smollm2-135m``, ``tiny-llama``, ...).
@@ -63,7 +59,6 @@ class RolloutConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    bus: BusConfig | None = Field(None, exclude=True)
     run: str
     dataset: str
     model: str = "tiny-llama"
@@ -73,7 +68,7 @@ class RolloutConfig(BaseModel):
     engine_id: str = "rollout-0"
     device: str | None = None
     group_size: int = Field(4, ge=1)
-    batch_groups: int = Field(8, ge=1)
+    batch_groups: int = Field(DEFAULT_BATCH_GROUPS, ge=1)
     max_staleness: int = Field(1, ge=0)
     groups_per_generate: int = Field(1, ge=1)
     max_new_tokens: int = Field(64, ge=1)

@@ -70,11 +70,11 @@ def _actor_class():
             return self._stop.is_set()
 
         def run(self) -> str:
-            from relax.infra.control.runners import run_stage
+            from relax.infra.control.runners import run_stage_process
 
-            run_stage(self.spec["kind"], self.spec["config"], BusConfig(**self.bus),
-                      self._should_stop, self.spec["resources"].get("torch_threads"),
-                      self.log_file)
+            run_stage_process(self.spec["kind"], self.spec["config"], BusConfig(**self.bus),
+                              self._should_stop, self.spec["resources"].get("torch_threads"),
+                              self.log_file)
             return "finished"
 
         def stop(self) -> None:

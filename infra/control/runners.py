@@ -1,4 +1,4 @@
-"""Runs one stage process: :func:`run_stage` builds the stage of a
+"""Runs one stage process: :func:`run_stage_process` builds the stage of a
 :class:`~relax.infra.recipe.specs.StageSpec`'s ``kind`` from its JSON config inside
 whatever process runs it (a Ray actor of :mod:`relax.infra.control.controller`, a plain
 subprocess, a test) and runs it until told to stop. The stages' configs and the specs are
@@ -24,10 +24,10 @@ def _contract(kind: str) -> Callable[[dict, BusConfig, Callable[[], bool]], None
     class from its declaration, the bus its argument, :func:`relax.streams.stage_contract.run_stage`."""
 
     def runner(config: dict, bus: BusConfig, should_stop: Callable[[], bool]) -> None:
-        from relax.streams.stage_contract import run_stage as run_contract_stage
+        from relax.streams.stage_contract import run_stage
 
         cls = stage_class(kind)
-        run_contract_stage(cls(cls.config_type(**config), bus), should_stop)
+        run_stage(cls(cls.config_type(**config), bus), should_stop)
 
     return runner
 
@@ -68,7 +68,7 @@ def not_a_cancelled_refresh(record: logging.LogRecord) -> bool:
                 and type(record.args[0]).__name__ == "Cancelled")
 
 
-def run_stage(kind: str, config: dict, bus: BusConfig, should_stop: Callable[[], bool],
+def run_stage_process(kind: str, config: dict, bus: BusConfig, should_stop: Callable[[], bool],
               torch_threads: int | None = None, log_file: str | None = None) -> None:
     """Build stage ``kind`` from ``config`` and run it until ``should_stop()`` or its
     own end (the trainer ends after its last step).

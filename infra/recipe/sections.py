@@ -71,7 +71,7 @@ def section_of(config: type[BaseModel], title: str, wiring: frozenset[str], doc:
     return create_model(title, __base__=base, __doc__=doc, **fields)
 
 
-ROLLOUT_WIRING = frozenset({"bus", "run", "dataset", "model", "engine_id", "rollouts_partitions",
+ROLLOUT_WIRING = frozenset({"run", "dataset", "model", "engine_id", "rollouts_partitions",
                             "environment_reward"})
 REWARD_WIRING = frozenset({"run", "reward", "name"})
 REFERENCE_WIRING = frozenset({"run", "model", "role"})

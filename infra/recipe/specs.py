@@ -5,7 +5,7 @@
 ``mode: colocate`` makes rollout-0 and the trainer one ``colocate`` process named
 ``trainer``, :mod:`relax.infra.control.colocate`), each config checked by its stage's own
 config class (the eval stage's, :class:`EvalStageConfig`, is here, so the check needs no
-stage); :func:`relax.infra.control.runners.run_stage` builds the stage from its JSON
+stage); :func:`relax.infra.control.runners.run_stage_process` builds the stage from its JSON
 config inside whatever process runs it (a Ray actor, a plain subprocess, a test) and runs
 it until told to stop. Each stage is an independent consumer of the bus, so any of them
 can be killed and restarted: Kafka hands its partitions to the survivors meanwhile and its

@@ -489,7 +489,7 @@ def test_video_is_refused_where_it_is_not_taken():
             call()
     with pytest.raises(ValueError, match="video items are not sent to SGLang"):
         media_fields([None, [item]])
-    cfg = RolloutConfig(bus={"bootstrap_servers": "unused:1"}, run="r", dataset="d",
+    cfg = RolloutConfig(run="r", dataset="d",
                         model="tiny-qwen2.5-vl", engine="sglang", sglang_url="http://unused:1")
     engine = HFEngine("tiny-qwen2.5-vl", engine_id="e-0", device="cpu")
     stage = RolloutStage(cfg, engine=engine)
