@@ -9,7 +9,7 @@ A family says three things:
   several prompts are batched (``cat_keys``: item by item, ``[sum n, ...]`` in prompt
   order; the other keys prompt by prompt, ``[1, N, ...]`` padded to ``[U, max N, ...]``);
 * its **position ids** (``positions``): plain 1-D positions from the attention mask, or
-  multimodal RoPE (Qwen2.5-VL, Qwen3-VL, the Qwen2.5-Omni thinker: ``[3, B, T]``
+  multimodal RoPE (Qwen2.5-VL, Qwen3-VL, the Qwen2.5-Omni and Qwen3-Omni thinkers: ``[3, B, T]``
   temporal/height/width positions from the model's own ``get_rope_index`` over the image
   and video grids), with the offset
   (``delta``) that the tokens after the prompt add to their 1-D position;
@@ -80,9 +80,10 @@ def mrope_positions(model, input_ids: torch.Tensor, attention_mask: torch.Tensor
 
 def omni_positions(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                    inputs: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Multimodal RoPE positions of the Qwen2.5-Omni thinker from its own
+    """Multimodal RoPE positions of the Qwen2.5-Omni and Qwen3-Omni thinkers from their own
     ``get_rope_index``: ``([3, B, T] int64, [B, 1] int64 delta)`` as
-    :func:`mrope_positions`, with audio tokens on one position each (their count from
+    :func:`mrope_positions` (Qwen3-Omni: float32 both, its video temporal positions may be
+    fractional), with audio tokens on one position each (their count from
     ``feature_attention_mask``) and a video's temporal positions
     ``video_second_per_grid`` x ``position_id_per_seconds`` apart; audio and video
     separate (no audio taken from the video).
@@ -135,7 +136,8 @@ QWEN_VL_KEYS = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_
 ``second_per_grid_ts``)."""
 
 OMNI_KEYS = QWEN_VL_KEYS + ("video_second_per_grid", "input_features", "feature_attention_mask")
-"""The media inputs of the Qwen2.5-Omni thinker: images, video and audio in one prompt."""
+"""The media inputs of the Qwen2.5-Omni and Qwen3-Omni thinkers: images, video and audio in
+one prompt."""
 
 FAMILIES = {
     "text": Family("text", ()),
@@ -153,6 +155,8 @@ FAMILIES = {
                        positions=mrope_positions, later_media=False),
     "qwen2.5-omni": Family("qwen2.5-omni", ("qwen2_5_omni_thinker",), media_keys=OMNI_KEYS,
                            cat_keys=OMNI_KEYS, positions=omni_positions, later_media=False),
+    "qwen3-omni": Family("qwen3-omni", ("qwen3_omni_moe_thinker",), media_keys=OMNI_KEYS,
+                         cat_keys=OMNI_KEYS, positions=omni_positions, later_media=False),
 }
 """The families relax knows, by name."""
 

@@ -16,8 +16,8 @@ Names (:data:`MODELS`):
   :mod:`relax.trainer.ct2_whisper`) and SmolLM2-135M-Instruct, with a random projector.
 * ``tiny-qwen3``, ``tiny-qwen3-moe``: randomly initialised Qwen3 dense / MoE text models;
   ``tiny-qwen2.5-vl``, ``tiny-qwen3-vl``: Qwen2.5-VL / Qwen3-VL models with their
-  transformers processors (images and video); ``tiny-qwen2.5-omni``: a Qwen2.5-Omni
-  thinker (text, images, audio and video in one prompt)
+  transformers processors (images and video); ``tiny-qwen2.5-omni``, ``tiny-qwen3-omni``: a
+  Qwen2.5-Omni / Qwen3-Omni (MoE) thinker (text, images, audio and video in one prompt)
   (:mod:`relax.trainer.qwen`; families: :mod:`relax.trainer.families`).
 
 Anything else is passed to ``from_pretrained`` (a local folder, or a Hub id when the
@@ -43,7 +43,8 @@ from relax.trainer.model_store import (  # noqa: F401  (re-exported: the names' 
 )
 
 MODELS = ("smollm2-135m", "tiny-llama", "tiny-vlm", "tiny-audio", "whisper-smollm2",
-          "tiny-qwen3", "tiny-qwen3-moe", "tiny-qwen2.5-vl", "tiny-qwen3-vl", "tiny-qwen2.5-omni")
+          "tiny-qwen3", "tiny-qwen3-moe", "tiny-qwen2.5-vl", "tiny-qwen3-vl", "tiny-qwen2.5-omni",
+          "tiny-qwen3-omni")
 """Built-in model names."""
 
 
@@ -70,6 +71,7 @@ def _tiny_qwen_dir(name: str) -> Path:
 
     return {"tiny-qwen2.5-vl": qwen.tiny_qwen25_vl_dir, "tiny-qwen3-vl": qwen.tiny_qwen3_vl_dir,
             "tiny-qwen2.5-omni": qwen.tiny_qwen25_omni_dir,
+            "tiny-qwen3-omni": qwen.tiny_qwen3_omni_dir,
             "tiny-qwen3-moe": functools.partial(qwen.tiny_qwen3_dir, moe=True),
             "tiny-qwen3": qwen.tiny_qwen3_dir}[name]()
 
@@ -78,7 +80,7 @@ _BUILDERS = {"smollm2-135m": smollm2_dir, "tiny-llama": tiny_llama_dir, "tiny-vl
              "tiny-audio": _tiny_audio_dir, "whisper-smollm2": _whisper_smollm2_dir,
              **{n: functools.partial(_tiny_qwen_dir, n)
                 for n in ("tiny-qwen3", "tiny-qwen3-moe", "tiny-qwen2.5-vl", "tiny-qwen3-vl",
-                          "tiny-qwen2.5-omni")}}
+                          "tiny-qwen2.5-omni", "tiny-qwen3-omni")}}
 
 
 def model_path(name_or_path: str) -> str:

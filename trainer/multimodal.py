@@ -259,7 +259,7 @@ def encode_prompt(processor, messages: list[dict], items: list[dict] | None
 
 def _media_kwargs(processor, items: list[dict] | None) -> dict:
     """The processor's keyword arguments for the items' images, video and audio (decoded;
-    video frames as they are, not re-sampled)."""
+    video frames as they are, not re-sampled; audio padded to ``chunk_length``)."""
     kwargs = {}
     if images := images_of(items):
         kwargs["images"] = [images]
@@ -268,6 +268,9 @@ def _media_kwargs(processor, items: list[dict] | None) -> dict:
     if audio := _audio(processor, items):
         kwargs["audio"] = audio
         kwargs["sampling_rate"] = processor.feature_extractor.sampling_rate
+        # padded to the extractor's chunk_length as media_inputs does: prompts' clips of
+        # other lengths concatenate (Qwen3-Omni's processor pads to the longest clip)
+        kwargs["audio_kwargs"] = {"padding": "max_length"}
     return kwargs
 
 

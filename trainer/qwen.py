@@ -28,6 +28,14 @@ config and model classes, for tests and CPU recipes.
   ``Qwen2_5OmniProcessor`` (``Qwen2VLImageProcessor``, ``Qwen2VLVideoProcessor``,
   ``WhisperFeatureExtractor`` at 16 kHz) with Qwen2.5-Omni's seven media tokens
   (:data:`OMNI_TOKENS`, ids 49152-49158) and template parts (:data:`OMNI_PLACEHOLDERS`).
+* ``tiny-qwen3-omni``: ``Qwen3OmniMoeThinkerForConditionalGeneration`` (the thinker):
+  ``tiny-qwen3-moe``'s trunk with ``tiny-qwen3-vl``'s interleaved multimodal RoPE and
+  vision encoder (images 128 x 128, frames 64 x 64: 16 tokens each), a 2-layer audio encoder
+  (128 log-mel bins, three stride-2 convolutions per 1 s chunk: 13 audio tokens a second),
+  ``position_id_per_seconds`` 13 (fractional video temporal positions, as the model's own),
+  ``Qwen3OmniMoeProcessor`` (``Qwen2VLImageProcessor``, ``Qwen2VLVideoProcessor``,
+  ``WhisperFeatureExtractor``) with Qwen3-Omni's media tokens (:data:`OMNI3_TOKENS`, ids
+  49152-49158) and template parts (:data:`OMNI3_PLACEHOLDERS`).
 
 All use the SmolLM2 tokenizer and chat template (ids as ``tiny-llama``'s); the VL model
 adds Qwen2-VL's four vision tokens (ids 49152-49155), and its template renders an
@@ -68,10 +76,22 @@ OMNI_PLACEHOLDERS = {"image": "<|vision_bos|><|IMAGE|><|vision_eos|>",
                      "audio": "<|audio_bos|><|AUDIO|><|audio_eos|>"}
 """What the Omni thinker's chat template writes for an image / video / audio part."""
 OMNI_CLIP_SECONDS = 5
-"""Longest audio clip of ``tiny-qwen2.5-omni`` (seconds): the feature extractor pads to it."""
+"""Longest audio clip of ``tiny-qwen2.5-omni`` and ``tiny-qwen3-omni`` (seconds): the feature
+extractor pads to it."""
+OMNI3_TOKENS = {"image_token": "<|image_pad|>", "video_token": "<|video_pad|>",
+                "audio_token": "<|audio_pad|>", "vision_bos_token": "<|vision_start|>",
+                "vision_eos_token": "<|vision_end|>", "audio_bos_token": "<|audio_start|>",
+                "audio_eos_token": "<|audio_end|>"}
+"""Qwen3-Omni's seven media tokens, by the tokenizer attribute its processor reads."""
+OMNI3_PLACEHOLDERS = {**VL_PLACEHOLDERS, "audio": "<|audio_start|><|audio_pad|><|audio_end|>"}
+"""What the Qwen3-Omni thinker's chat template writes for an image / video / audio part."""
 VL_REVISION = 2
 """Revision of the VL folders' files (revision 2: video parts in the template, the video
 processors' sizes); a cached folder of another revision is not used."""
+QWEN3_OMNI_VIDEO_SIZE = {"shortest_edge": 64 * 64, "longest_edge": 64 * 64}
+"""Qwen3-Omni video frames: resized to 64 x 64 pixels each (a 4 x 4 patch grid)."""
+OMNI3_POSITIONS_PER_SECOND = 13
+"""Qwen3-Omni's ``position_id_per_seconds`` (as the released model and its processor)."""
 MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
            decoder_sparse_step=1, norm_topk_prob=True)
 
@@ -250,6 +270,70 @@ def tiny_qwen25_omni_dir() -> Path:
     return publish_folder(build, cache_dir() / "models" / "tiny-qwen2.5-omni")
 
 
+def tiny_qwen3_omni_config(vocab_size: int, token_ids: dict[str, int]):
+    """``Qwen3OmniMoeThinkerConfig`` of ``tiny-qwen3-omni`` (see the module docstring);
+    ``token_ids``: the ids of :data:`OMNI3_TOKENS`' tokens, by their names."""
+    from transformers import Qwen3OmniMoeThinkerConfig
+
+    text = {**_text(vocab_size), **MOE}
+    text["tie_word_embeddings"] = False
+    text["rope_parameters"] = {**text["rope_parameters"], "mrope_section": [4, 2, 2],
+                               "interleaved": True}
+    vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2,
+                  out_hidden_size=text["hidden_size"], patch_size=16, spatial_merge_size=2,
+                  temporal_patch_size=2, num_position_embeddings=64,
+                  deepstack_visual_indexes=[0])
+    audio = dict(d_model=32, encoder_layers=2, encoder_attention_heads=2, encoder_ffn_dim=64,
+                 num_mel_bins=128, n_window=50, downsample_hidden_size=16,
+                 max_source_positions=13, output_dim=text["hidden_size"])
+    return Qwen3OmniMoeThinkerConfig(
+        text_config=text, vision_config=vision, audio_config=audio, tie_word_embeddings=False,
+        position_id_per_seconds=OMNI3_POSITIONS_PER_SECOND,
+        image_token_id=token_ids["image_token"], video_token_id=token_ids["video_token"],
+        audio_token_id=token_ids["audio_token"],
+        vision_start_token_id=token_ids["vision_bos_token"],
+        vision_end_token_id=token_ids["vision_eos_token"],
+        audio_start_token_id=token_ids["audio_bos_token"],
+        audio_end_token_id=token_ids["audio_eos_token"])
+
+
+def tiny_qwen3_omni_dir() -> Path:
+    """The ``tiny-qwen3-omni`` folder (thinker, tokenizer, processor), built into the
+    model cache once."""
+    import transformers
+
+    from relax.trainer.model_store import cache_dir, publish_folder, smollm2_tokenizer_dir
+    from relax.trainer.vlm import smollm2_template
+
+    def build(tmp: Path) -> None:
+        template = smollm2_template(OMNI3_PLACEHOLDERS)
+        tok = transformers.AutoTokenizer.from_pretrained(smollm2_tokenizer_dir(),
+                                                         extra_special_tokens=OMNI3_TOKENS)
+        tok.chat_template = template
+        grid = dict(patch_size=16, merge_size=2, temporal_patch_size=2)
+        size = QWEN3_VL_IMAGE_SIZE
+        proc = transformers.Qwen3OmniMoeProcessor(
+            image_processor=transformers.Qwen2VLImageProcessor(
+                min_pixels=size * size, max_pixels=size * size, **grid),
+            video_processor=transformers.Qwen2VLVideoProcessor(
+                do_sample_frames=False, cap_pixels_per_frame=False, size=QWEN3_OMNI_VIDEO_SIZE,
+                **grid),
+            feature_extractor=transformers.WhisperFeatureExtractor(
+                feature_size=128, sampling_rate=16_000, chunk_length=OMNI_CLIP_SECONDS),
+            tokenizer=tok, chat_template=template)
+        ids = {name: tok.convert_tokens_to_ids(t) for name, t in OMNI3_TOKENS.items()}
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(QWEN_SEED)
+            net = transformers.Qwen3OmniMoeThinkerForConditionalGeneration(
+                tiny_qwen3_omni_config(len(tok), ids)).float()
+        net.generation_config.eos_token_id = 2
+        net.generation_config.pad_token_id = 2
+        net.save_pretrained(tmp, safe_serialization=True)
+        proc.save_pretrained(tmp)
+
+    return publish_folder(build, cache_dir() / "models" / "tiny-qwen3-omni")
+
+
 def tiny_qwen25_vl_dir() -> Path:
     """The ``tiny-qwen2.5-vl`` folder (model, tokenizer, processor), built into the model
     cache once."""
@@ -269,9 +353,13 @@ def tiny_qwen3_vl_dir() -> Path:
 
 __all__ = [
     "MOE",
+    "OMNI3_PLACEHOLDERS",
+    "OMNI3_POSITIONS_PER_SECOND",
+    "OMNI3_TOKENS",
     "OMNI_CLIP_SECONDS",
     "OMNI_PLACEHOLDERS",
     "OMNI_TOKENS",
+    "QWEN3_OMNI_VIDEO_SIZE",
     "QWEN3_VL_IMAGE_SIZE",
     "QWEN3_VL_VIDEO_SIZE",
     "QWEN25_VL_IMAGE_SIZE",
@@ -282,6 +370,8 @@ __all__ = [
     "VL_REVISION",
     "tiny_qwen3_config",
     "tiny_qwen3_dir",
+    "tiny_qwen3_omni_config",
+    "tiny_qwen3_omni_dir",
     "tiny_qwen3_vl_config",
     "tiny_qwen3_vl_dir",
     "tiny_qwen25_omni_config",

@@ -108,12 +108,13 @@ def test_each_model_type_has_one_family_and_unknown_media_models_are_refused():
     assert cat_keys_of(video | {"second_per_grid_ts"}) == video | {"second_per_grid_ts"}
     assert cat_keys_of({"input_features", "feature_attention_mask", "video_second_per_grid"}) \
         == {"input_features", "feature_attention_mask", "video_second_per_grid"}  # Omni
-    from transformers import Qwen2_5OmniThinkerConfig
+    from transformers import Qwen2_5OmniThinkerConfig, Qwen3OmniMoeThinkerConfig
 
     assert family_of(Qwen2_5OmniThinkerConfig()).name == "qwen2.5-omni"
-    with pytest.raises(ValueError, match=r"media inputs \['pixel_values'\]: 4 families take "
+    assert family_of(Qwen3OmniMoeThinkerConfig()).name == "qwen3-omni"
+    with pytest.raises(ValueError, match=r"media inputs \['pixel_values'\]: 5 families take "
                                          r"them \(idefics3, qwen2.5-vl, qwen3-vl, "
-                                         r"qwen2.5-omni\) with 2 batching rules"):
+                                         r"qwen2.5-omni, qwen3-omni\) with 2 batching rules"):
         cat_keys_of({"pixel_values"})
     with pytest.raises(ValueError, match="0 families take them"):
         cat_keys_of({"input_values"})
@@ -501,16 +502,38 @@ def test_video_is_refused_where_it_is_not_taken():
         engine.tokenizer.convert_tokens_to_ids("<|video_pad|>")) == 16
 
 
-# ------------------------------------------------------------------ Qwen2.5-Omni thinker
+# ------------------------------------------------------ Qwen2.5-Omni and Qwen3-Omni thinkers
 
 
-@pytest.fixture(scope="module")
-def omni():
-    """``(engine, processor)`` of ``tiny-qwen2.5-omni``."""
+def _whisper_tokens(frames: int) -> int:
+    """Qwen2.5-Omni's audio tokens of a clip of ``frames`` mel frames: the encoder's two
+    stride-2 steps."""
+    return ((frames - 1) // 2 + 1 - 2) // 2 + 1
+
+
+def _chunked_tokens(frames: int) -> int:
+    """Qwen3-Omni's audio tokens of a clip of ``frames`` mel frames: three stride-2
+    convolutions over each 100-frame chunk (13 tokens a whole chunk)."""
+    rest = frames % 100
+    for _ in range(3):
+        rest = (rest - 1) // 2 + 1 if rest else 0
+    return frames // 100 * 13 + rest
+
+
+OMNI = {"qwen2.5-omni": ("tiny-qwen2.5-omni", _whisper_tokens, int),
+        "qwen3-omni": ("tiny-qwen3-omni", _chunked_tokens, float)}
+"""Per omni family: its tiny model, its audio tokens per clip, and the type of a video's
+temporal position step (Qwen2.5-Omni truncates seconds x position_id_per_seconds to an
+int; Qwen3-Omni keeps the fraction)."""
+
+
+@pytest.fixture(scope="module", params=list(OMNI))
+def omni(request):
+    """``(engine, processor)`` of each tiny omni thinker."""
     from relax.trainer.models import load_processor
 
-    return (HFEngine("tiny-qwen2.5-omni", engine_id="tiny-qwen2.5-omni-0", device="cpu"),
-            load_processor("tiny-qwen2.5-omni"))
+    name = OMNI[request.param][0]
+    return HFEngine(name, engine_id=f"{name}-0", device="cpu"), load_processor(name)
 
 
 def _speech(n: int) -> list[tuple[str, dict]]:
@@ -523,10 +546,11 @@ def _speech(n: int) -> list[tuple[str, dict]]:
 
 def _omni_prompt(i: int):
     """Prompt ``i`` of three kinds: ``(messages, items)``: 0 all four kinds in one user
-    message, 1 an image then (a turn later) a clip and speech, 2 speech alone."""
+    message, 1 an image then (a turn later) a clip and speech, 2 speech alone (another,
+    longer clip)."""
     (q, png), = _vqa(1) if i != 1 else _vqa(2)[1:]
     (_, _, clip), = _clips(1)
-    (spoken, wav), = _speech(1)
+    (spoken, wav), = _speech(1) if i != 2 else _speech(2)[1:]
     img = media_item("image", png, "image", MediaOptions())
     image, video, audio = (MEDIA_MARK.format(kind=k) for k in ("image", "video", "audio"))
     if i == 0:
@@ -543,20 +567,22 @@ def test_omni_takes_text_image_audio_and_video_in_one_prompt_each_expanded_once(
     it came in (16 image tokens, 16 video tokens, the clip's audio tokens by its
     length); the trainer rebuilds the same inputs; the unexpanded ids hold one
     placeholder each."""
-    _, proc = omni
+    engine, proc = omni
+    _, audio_tokens, _ = OMNI[engine.family.name]
     tok = proc.tokenizer
     messages, items = _omni_prompt(1)
     ids, inputs = encode_prompt(proc, messages, items)
-    assert set(inputs) == set(FAMILIES["qwen2.5-omni"].media_keys)
-    img, vid, aud = (tok.convert_tokens_to_ids(t) for t in ("<|IMAGE|>", "<|VIDEO|>", "<|AUDIO|>"))
-    audio_len = int(inputs["feature_attention_mask"].sum())
-    n_audio = ((audio_len - 1) // 2 + 1 - 2) // 2 + 1  # the encoder's two stride-2 steps
-    assert (ids.count(img), ids.count(vid), ids.count(aud)) == (16, 16, n_audio) and n_audio > 20
+    assert set(inputs) == set(engine.family.media_keys)
+    img, vid, aud = (tok.convert_tokens_to_ids(t)
+                     for t in (proc.image_token, proc.video_token, proc.audio_token))
+    n_audio = audio_tokens(int(inputs["feature_attention_mask"].sum()))
+    assert (ids.count(img), ids.count(vid), ids.count(aud)) == (16, 16, n_audio) and n_audio >= 20
     assert inputs["video_second_per_grid"].tolist() == [0.25]
     text = tok.decode(ids)
     head, tail = text.split("circle")
-    assert head.count("<|IMAGE|>") == 16 and "<|VIDEO|>" not in head and "<|AUDIO|>" not in head
-    assert tail.index("<|VIDEO|>") < tail.index("<|AUDIO|>")
+    assert head.count(proc.image_token) == 16 and proc.video_token not in head \
+        and proc.audio_token not in head
+    assert tail.index(proc.video_token) < tail.index(proc.audio_token)
     again = media_inputs(proc, items)
     assert again.keys() == inputs.keys()
     assert all(torch.equal(again[k], inputs[k]) and again[k].dtype == inputs[k].dtype
@@ -569,8 +595,9 @@ def test_omni_positions_are_the_models_own_rope_index(omni):
     """Three left-padded prompts (all four kinds, image then clip and speech over turns,
     speech alone): the batch's positions equal the thinker's ``get_rope_index`` of each
     prompt alone with the processor's own inputs; a clip's 4 temporal patches sit
-    0.25 s x ``position_id_per_seconds`` apart."""
+    0.25 s x ``position_id_per_seconds`` apart (3.25 for Qwen3-Omni's 13 a second)."""
     engine, proc = omni
+    step_type = OMNI[engine.family.name][2]
     encs, per = [], []
     for i in range(3):
         messages, items = _omni_prompt(i)
@@ -595,21 +622,21 @@ def test_omni_positions_are_the_models_own_rope_index(omni):
     for i, e in enumerate(encs):
         n = e["input_ids"].shape[1]
         ids[i, width - n:], mask[i, width - n:] = e["input_ids"][0], 1
-    inputs = stack_media(per, FAMILIES["qwen2.5-omni"])
-    pos, delta = FAMILIES["qwen2.5-omni"].positions(engine.model, ids, mask, inputs)
+    inputs = stack_media(per, engine.family)
+    pos, delta = engine.family.positions(engine.model, ids, mask, inputs)
     for i, e in enumerate(encs[:2]):  # prompts with a grid
-        own, own_delta = engine.model.model.get_rope_index(
+        own, own_delta = engine.model.get_rope_index(
             e["input_ids"], e.get("image_grid_thw"), e.get("video_grid_thw"),
             e["attention_mask"], False, e["feature_attention_mask"].sum(-1),
             e.get("video_second_per_grid"))
         n = e["input_ids"].shape[1]
         assert torch.equal(pos[:, i, width - n:], own[:, 0]), i
-        assert int(delta[i]) == int(own_delta[0])
+        assert float(delta[i]) == float(own_delta[0])
     n = encs[2]["input_ids"].shape[1]
     assert pos[:, 2, width - n:].tolist() == [list(range(n))] * 3 and int(delta[2]) == 0
-    vid = proc.tokenizer.convert_tokens_to_ids("<|VIDEO|>")
+    vid = proc.tokenizer.convert_tokens_to_ids(proc.video_token)
     temporal = sorted(set(pos[0, 0, ids[0] == vid].tolist()))
-    step = int(0.25 * engine.model.config.position_id_per_seconds)
+    step = step_type(0.25 * engine.model.config.position_id_per_seconds)
     assert [b - a for a, b in itertools.pairwise(temporal)] == [step] * 3
 
 
@@ -632,7 +659,8 @@ def test_omni_engine_logprobs_equal_the_trainers_with_all_four_kinds(omni):
         prompts.append(ids)
         media.append(items)
         inputs.append(inp)
-    diff, backend, mb, ref_diff = _c12("tiny-qwen2.5-omni", engine, prompts, inputs, media)
+    diff, backend, mb, ref_diff = _c12(OMNI[engine.family.name][0], engine, prompts, inputs,
+                                       media)
     assert diff <= 1e-5 and ref_diff <= 1e-5, (diff, ref_diff)
     assert mb.prompt_mask.sum(-1).tolist() == [len(p) for p in prompts]
 
