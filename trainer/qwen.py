@@ -91,7 +91,7 @@ processors' sizes); a cached folder of another revision is not used."""
 QWEN3_OMNI_VIDEO_SIZE = {"shortest_edge": 64 * 64, "longest_edge": 64 * 64}
 """Qwen3-Omni video frames: resized to 64 x 64 pixels each (a 4 x 4 patch grid)."""
 OMNI3_POSITIONS_PER_SECOND = 13
-"""Qwen3-Omni's ``position_id_per_seconds`` (as the released model and its processor)."""
+"""Qwen3-Omni's ``position_id_per_seconds`` (its processor's default; the config's is 25)."""
 MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
            decoder_sparse_step=1, norm_topk_prob=True)
 
