@@ -5,6 +5,7 @@ dashboard. Names carry their unit as a suffix (``_s``, ``_bytes``, ``_tokens``).
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pyarrow as pa
@@ -24,7 +25,8 @@ class MetricsWriter:
         component: e.g. ``trainer``, ``rollout-0``, ``reward.gsm8k``.
 
     Creates ``<run>.metrics`` (1 partition, so readers see one order) if it does not
-    exist: a send to a missing topic would stall the producer's flush.
+    exist: a send to a missing topic would stall the producer's flush. Safe to share
+    between threads (the trainer's step and its input thread's consumer write to one).
     """
 
     def __init__(self, producer: BatchProducer, run: str, component: str):
@@ -32,11 +34,14 @@ class MetricsWriter:
         self.topic = topics.run_topic(run, topics.METRICS)
         ensure_topics(producer.cfg, {self.topic: 1})
         self._rows: list[dict] = []
+        self._lock = threading.Lock()
 
     def add(self, name: str, value: float, policy_version: int | None = None) -> None:
         """Record one value now."""
-        self._rows.append({"ts": int(time.time() * 1000), "component": self.component,
-                           "name": name, "value": float(value), "policy_version": policy_version})
+        row = {"ts": int(time.time() * 1000), "component": self.component,
+               "name": name, "value": float(value), "policy_version": policy_version}
+        with self._lock:
+            self._rows.append(row)
 
     def add_many(self, values: dict[str, float], policy_version: int | None = None) -> None:
         """Record several values with the same timestamp."""
@@ -46,7 +51,8 @@ class MetricsWriter:
     def flush(self) -> int:
         """Queue the buffered rows on the producer (the caller flushes the producer);
         returns the number of rows queued."""
-        rows, self._rows = self._rows, []
+        with self._lock:
+            rows, self._rows = self._rows, []
         if rows:
             self.producer.send(self.topic, pa.RecordBatch.from_pylist(rows, schema=METRICS))
         return len(rows)

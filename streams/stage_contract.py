@@ -137,9 +137,19 @@ class Stage:
     """The stage kind: the controller's name for it (``relax.infra.control.runners``)."""
     config_type: ClassVar[type] = object
     """The class of the stage's config."""
+    commit_at_end: ClassVar[bool] = True
+    """Commit the consumer's offsets at the end of :func:`run_stage` (the trainer's commit
+    with its checkpoints instead: an offset past its newest checkpoint would skip records
+    its restored ledger does not hold)."""
+    busy_window: ClassVar[bool] = True
+    """Write ``busy_frac`` per window from the turns (the trainer writes its own per step,
+    from its wait for data inside the turn)."""
 
     bus: BusConfig
     stats: Any = None
+    should_stop: Callable[[], bool] = staticmethod(lambda: False)
+    """The run's stop signal, set by :func:`run_stage` before :meth:`build`, for a turn
+    that blocks (the trainer's wait for a batch)."""
 
     def declare(self) -> Declaration:
         """The stage's topics, group and names (:class:`Declaration`)."""
@@ -234,7 +244,8 @@ def run_stage(stage: Stage, should_stop: Callable[[], bool] = lambda: False) -> 
     (:func:`wired`), run its turns under :func:`relax.streams.stage.run_loop` with its
     hooks and a :class:`~relax.streams.stage.BusyWindow` (``busy_frac``), flush the
     producer after each ``periodic`` hook; at a normal end :meth:`Stage.finish`, flush
-    the metrics and the producer, commit; close everything whatever happened.
+    the metrics and the producer, commit (unless :attr:`Stage.commit_at_end` is False);
+    close everything whatever happened.
 
     Returns:
         ``stage.stats`` (the stage's counters).
@@ -242,6 +253,7 @@ def run_stage(stage: Stage, should_stop: Callable[[], bool] = lambda: False) -> 
     Raises:
         whatever the stage raises (nothing after the failed turn is committed).
     """
+    stage.should_stop = should_stop
     with wired(stage) as w:
         h = stage.hooks()
         periodic = None
@@ -251,9 +263,11 @@ def run_stage(stage: Stage, should_stop: Callable[[], bool] = lambda: False) -> 
                 w.producer.flush()
         run_loop(stage.turn, should_stop, ready=h.ready, wait=h.wait, before=h.before,
                  periodic=periodic, every_s=h.every_s, exit_when_idle_s=h.exit_when_idle_s,
-                 idle_counts=h.idle_counts, done=h.done, busy=BusyWindow(w.metrics))
+                 idle_counts=h.idle_counts, done=h.done,
+                 busy=BusyWindow(w.metrics) if stage.busy_window else None)
         stage.finish()
         w.metrics.flush()
         w.producer.flush()
-        w.consumer.commit()
+        if stage.commit_at_end:
+            w.consumer.commit()
     return stage.stats

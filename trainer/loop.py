@@ -30,10 +30,11 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from relax.schemas import metric_names as M
 from relax.schemas import topics
-from relax.streams.client import BusConfig, ensure_topics
-from relax.streams.progress import PROGRESS_KEY, progress_row
+from relax.streams.client import BusConfig
 from relax.streams.metrics import MetricsWriter
-from relax.streams.producer import BatchProducer
+from relax.streams.progress import PROGRESS_KEY, progress_row
+from relax.streams.stage_contract import (Declaration, Hooks, Input, OutTopic, Stage, Wiring,
+                                          run_stage)
 from relax.trainer import checkpoint
 from relax.trainer.backends import build_backend
 from relax.trainer.batching import micro_batches, split_groups, teacher_kl
@@ -133,14 +134,27 @@ def advantage_metrics(groups: list) -> dict[str, float]:
     return {M.ADVANTAGE_MEAN: float(first.mean()) if len(first) else 0.0, M.ADVANTAGE_STD: std}
 
 
-class TrainerStage:
-    """The trainer as a process: ``TrainerStage(cfg, bus).run(should_stop)``."""
+class TrainerStage(Stage):
+    """The trainer as a process: ``TrainerStage(cfg, bus).run(should_stop)``, a stage on
+    the stage contract (:mod:`relax.streams.stage_contract`): its input is
+    ``<run>.train_samples`` (read ahead by :class:`SampleSource` in a thread, on the
+    contract's consumer), its outputs the progress and the metrics; a turn is one
+    optimizer step. It commits its input offsets with each checkpoint, not at the end
+    (:attr:`commit_at_end`), and writes its own ``busy_frac`` per step.
+
+    The back end, the ranks, the critic and the newest checkpoint are loaded when it is
+    made (a colocated stage shares the back end's model before the run); the bus
+    clients, the weight publisher and the input thread when it is wired
+    (:meth:`build`), which publishes the starting weights.
+    """
+
+    kind = "trainer"
+    config_type = TrainerStageConfig
+    commit_at_end = False
+    busy_window = False
 
     def __init__(self, cfg: TrainerStageConfig, bus: BusConfig):
         import torch
-
-        from relax.streams.weights import WeightPublisher
-        from relax.streams.weights.shm import SHM_ROOT
 
         t = cfg.trainer
         if t.num_threads:
@@ -161,45 +175,104 @@ class TrainerStage:
 
             self.critic = Critic(t)
         self.ledger = Ledger()
-        state = checkpoint.TrainerState(policy_version=0)
+        self._state = checkpoint.TrainerState(policy_version=0)
         ckpt = checkpoint.latest(self.run_dir, t.checkpoint_store)
         if ckpt is not None:
-            state, self.ledger = checkpoint.load(ckpt, self.backend, self.critic)
-            log.info("resumed from %s at policy_version %d", ckpt, state.policy_version)
+            self._state, self.ledger = checkpoint.load(ckpt, self.backend, self.critic)
+            log.info("resumed from %s at policy_version %d", ckpt, self._state.policy_version)
         if self.ranks is not None:
             self.backend.broadcast_state()
-        self.version = state.policy_version
-        self.counters = Counter(state.counters)
-        self.producer = BatchProducer(bus, producer_id=f"{cfg.run}-trainer")
-        self.metrics = MetricsWriter(self.producer, cfg.run, "trainer")
-        if state.metrics:  # the resumed step's row, in case it never reached the bus
-            self.metrics.add_many(state.metrics, state.policy_version)
-            self.metrics.flush()
+        self.version = self._state.policy_version
+        self.counters = Counter(self._state.counters)
         # progress (the rollout stage's credit, on <run>.progress; a copy on the metrics
-        # for people) is written from the input thread too: its own producer and
-        # writer, under a lock, flushed at once
+        # for people) is written from the input thread too: its own writer, under a lock
         self._progress_lock = threading.Lock()
         self._progress_topic = topics.run_topic(cfg.run, topics.PROGRESS)
-        ensure_topics(bus, {self._progress_topic: 1})
-        self._progress_producer = BatchProducer(bus, producer_id=f"{cfg.run}-trainer-progress")
-        self._progress_metrics = MetricsWriter(self._progress_producer, cfg.run, "trainer")
-        sends = cfg.publish_weights
-        self.publisher = WeightPublisher(
-            bus, cfg.run, host=cfg.weights_host or node_address(), port=cfg.weights_port,
-            checkpoint_dir=(t.weights_store or self.run_dir / "weights") if sends else None,
-            checkpoint_every=t.weights_snapshot_every,
-            bucket_bytes=t.publish_bucket_bytes, producer=self.producer,
-            shm_root=SHM_ROOT if t.weights_shm and sends else None)
-        self.source = SampleSource(bus, cfg.run, self.ledger, batch_groups=t.batch_groups,
-                                   max_staleness=t.max_staleness, offsets=state.offsets,
-                                   on_drop=self._progress, start_version=self.version,
-                                   metrics=MetricsWriter(self._progress_producer, cfg.run,
-                                                         "trainer"))
+        self.producer = self.metrics = self._progress_metrics = None
+        self.publisher = self.source = None
         self.telemetry = Telemetry(self.run_dir, cfg.run, cfg.telemetry)
         if self.telemetry.prometheus_port is not None:
             log.info("Prometheus metrics on http://%s:%d/metrics (bearer token: $RELAX_API_TOKEN "
                      "or %s)", cfg.telemetry.prometheus_host, self.telemetry.prometheus_port,
                      self.run_dir / "api_token")
+
+    # -- the stage contract
+    def declare(self) -> Declaration:
+        """``<run>.train_samples`` in the consumer group ``<run>.trainer`` (its partitions
+        sought to the checkpoint's offsets when first assigned); ``<run>.progress``."""
+        run = self.cfg.run
+        return Declaration(
+            run=run, component="trainer", producer_id=f"{run}-trainer",
+            input=Input((topics.run_topic(run, topics.TRAIN_SAMPLES),), topics.group(run, "trainer"),
+                        "trainer", on_assign=self._on_assign),
+            outputs=(OutTopic(self._progress_topic, 1),))
+
+    def _on_assign(self, tps) -> None:
+        self.source.seek_assigned(tps)
+
+    def build(self, w: Wiring) -> None:
+        """The metrics writers, the weight publisher and the input thread on the wiring's
+        producer and consumer; then publish the starting weights and the progress."""
+        from relax.streams.weights import WeightPublisher
+        from relax.streams.weights.shm import SHM_ROOT
+
+        cfg, t = self.cfg, self.cfg.trainer
+        self.producer, self.metrics = w.producer, w.metrics
+        if self._state.metrics:  # the resumed step's row, in case it never reached the bus
+            self.metrics.add_many(self._state.metrics, self._state.policy_version)
+            self.metrics.flush()
+        self._progress_metrics = MetricsWriter(w.producer, cfg.run, "trainer")
+        sends = cfg.publish_weights
+        self.publisher = WeightPublisher(
+            w.bus, cfg.run, host=cfg.weights_host or node_address(), port=cfg.weights_port,
+            checkpoint_dir=(t.weights_store or self.run_dir / "weights") if sends else None,
+            checkpoint_every=t.weights_snapshot_every,
+            bucket_bytes=t.publish_bucket_bytes, producer=w.producer,
+            shm_root=SHM_ROOT if t.weights_shm and sends else None)
+        self.source = SampleSource(w.bus, cfg.run, self.ledger, batch_groups=t.batch_groups,
+                                   max_staleness=t.max_staleness, offsets=self._state.offsets,
+                                   on_drop=self._progress, start_version=self.version,
+                                   consumer=w.consumer)
+        self._publish()
+        self._progress()
+
+    def turn(self) -> int:
+        """One optimizer step (1); 0 when stopped while waiting for data, or at
+        ``trainer.steps`` already (a resumed run that had finished)."""
+        if self.version >= self.cfg.trainer.steps:
+            return 0
+        return 0 if self.step(self.should_stop) is None else 1
+
+    def hooks(self) -> Hooks:
+        """The run ends at ``trainer.steps``."""
+        return Hooks(done=lambda: self.version >= self.cfg.trainer.steps)
+
+    def finish(self) -> None:
+        """Stop the input thread; after the last step, save the final model to
+        ``<run_dir>/final_model`` (and to ``<trainer.checkpoint_store>/final_model``),
+        PPO's critic to ``<run_dir>/critic`` (and the store's ``critic``), and write
+        ``done``."""
+        self.source.close()
+        if self.version < self.cfg.trainer.steps:
+            return
+        self.publisher.wait()
+        final = self.run_dir / checkpoint.FINAL_MODEL
+        self.backend.save_model(final)
+        if self.critic is not None:
+            self.critic.save(self.run_dir / checkpoint.CRITIC_DIR)
+        if self.cfg.trainer.checkpoint_store is not None:
+            checkpoint.upload_folder(final, self.cfg.trainer.checkpoint_store,
+                                     checkpoint.FINAL_MODEL)
+            if self.critic is not None:
+                checkpoint.upload_folder(self.run_dir / checkpoint.CRITIC_DIR,
+                                         self.cfg.trainer.checkpoint_store,
+                                         checkpoint.CRITIC_DIR)
+        self.metrics.add("done", 1.0, self.version)
+
+    def run(self, should_stop: Callable[[], bool]) -> None:
+        """Publish the starting weights, then step until ``steps`` or ``should_stop()``
+        (:func:`relax.streams.stage_contract.run_stage`; :meth:`finish` at a normal end)."""
+        run_stage(self, should_stop)
 
     # -- progress for the rollout stage's credit
     def _progress(self, consumed_delta: int = 0) -> None:
@@ -209,13 +282,13 @@ class TrainerStage:
             self.counters["groups_consumed"] += consumed_delta
             consumed = self.counters["groups_consumed"]
             needed = max(0, t.steps - self.version) * t.batch_groups
-            self._progress_producer.send(self._progress_topic, progress_row(
+            self.producer.send(self._progress_topic, progress_row(
                 consumed, needed, self.version), key=PROGRESS_KEY)
             w = self._progress_metrics
             w.add(M.GROUPS_CONSUMED, consumed, self.version)
             w.add(M.GROUPS_NEEDED, needed, self.version)
             w.flush()
-            self._progress_producer.flush()
+            self.producer.flush()  # this thread's sends (BatchProducer tracks each thread's)
 
     def _publish(self) -> None:
         """Publish the weights at :attr:`version` (or announce the version only:
@@ -294,42 +367,14 @@ class TrainerStage:
         self.telemetry.log_step(out, self.version)
         return out
 
-    def run(self, should_stop: Callable[[], bool]) -> None:
-        """Publish the starting weights, then step until ``steps`` or ``should_stop()``;
-        save the final model to ``<run_dir>/final_model`` (and to
-        ``<trainer.checkpoint_store>/final_model``), PPO's critic to ``<run_dir>/critic``
-        (and the store's ``critic``)."""
-        try:
-            self._publish()
-            self._progress()
-            while self.version < self.cfg.trainer.steps and not should_stop():
-                self.step(should_stop)
-            if self.version >= self.cfg.trainer.steps:
-                self.publisher.wait()
-                final = self.run_dir / checkpoint.FINAL_MODEL
-                self.backend.save_model(final)
-                if self.critic is not None:
-                    self.critic.save(self.run_dir / checkpoint.CRITIC_DIR)
-                if self.cfg.trainer.checkpoint_store is not None:
-                    checkpoint.upload_folder(final, self.cfg.trainer.checkpoint_store,
-                                             checkpoint.FINAL_MODEL)
-                    if self.critic is not None:
-                        checkpoint.upload_folder(self.run_dir / checkpoint.CRITIC_DIR,
-                                                 self.cfg.trainer.checkpoint_store,
-                                                 checkpoint.CRITIC_DIR)
-                self.metrics.add("done", 1.0, self.version)
-                self.metrics.flush()
-                self.producer.flush()
-        finally:
-            self.close()
-
     def close(self) -> None:
-        """Stop publishing, stop the other data-parallel ranks, close the bus clients (no
-        offset commit)."""
+        """Stop the other data-parallel ranks, the publisher and the input thread, close
+        the telemetry (the contract closes the consumer and the producer, with no offset
+        commit). Also for a stage made and never run (a colocated stage's check)."""
         if self.ranks is not None:
             self.ranks.close()
-        self.publisher.close()
-        self.source.close()
+        if self.publisher is not None:
+            self.publisher.close()
+        if self.source is not None:
+            self.source.close()
         self.telemetry.close()
-        self._progress_producer.close()
-        self.producer.close()

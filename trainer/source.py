@@ -89,22 +89,28 @@ class SampleSource:
         on_drop: called (from the reading thread) with the number of whole groups just
             dropped, so the rollout stage can replace them promptly.
         start_version: the trainer's policy_version at start (recorded with drops).
-        metrics: a :class:`~relax.streams.metrics.MetricsWriter` the reading thread alone
-            uses: input records lost to retention become ``lost_to_retention`` rows
+        metrics: a :class:`~relax.streams.metrics.MetricsWriter` for the consumer it
+            makes: input records lost to retention become ``lost_to_retention`` rows
             (:class:`~relax.streams.consumer.BatchConsumer`).
+        consumer: the stage's consumer of ``<run>.train_samples`` in the trainer's
+            consumer group, made by the stage contract (its ``on_assign`` must call
+            :meth:`seek_assigned`); used by the reading thread alone, and not closed by
+            :meth:`close`. None: make one (with ``metrics``), closed by :meth:`close`.
     """
 
     def __init__(self, bus: BusConfig, run: str, ledger: Ledger, *, batch_groups: int,
                  max_staleness: int, offsets: dict[str, dict[str, int]] | None = None,
                  on_drop: Callable[[int], None] | None = None, poll_timeout_s: float = 0.2,
-                 start_version: int = 0, metrics=None):
+                 start_version: int = 0, metrics=None, consumer: BatchConsumer | None = None):
         self.ledger, self.batch_groups, self.max_staleness = ledger, batch_groups, max_staleness
         self.topic = topics.run_topic(run, topics.TRAIN_SAMPLES)
         self._offsets = offsets or {}
         self.on_drop = on_drop
         self.poll_timeout_s = poll_timeout_s
-        self.consumer = BatchConsumer(bus, topics.group(run, "trainer"), [self.topic],
-                                      stage="trainer", on_assign=self._seek, metrics=metrics)
+        self._own_consumer = consumer is None
+        self.consumer = consumer or BatchConsumer(
+            bus, topics.group(run, "trainer"), [self.topic], stage="trainer",
+            on_assign=self.seek_assigned, metrics=metrics)
         self._queue: deque[tuple[Delivery, pa.Table]] = deque()
         # (partition, offset, generation) -> undecided groups of that delivery; the
         # generation keeps a message redelivered after a rebalance apart from its first copy
@@ -136,11 +142,11 @@ class SampleSource:
                                         daemon=True)
         self._thread.start()
 
-    def _seek(self, tps) -> None:
-        """The first assignment of a partition starts at the checkpoint's offset; a later
-        one (a rebalance, e.g. after a broker restart) at the group's committed offset,
-        which is never behind it (rows already decided come again and are skipped as
-        duplicates by the ledger)."""
+    def seek_assigned(self, tps) -> None:
+        """On an assignment (the consumer's ``on_assign``): the first assignment of a
+        partition starts at the checkpoint's offset; a later one (a rebalance, e.g. after
+        a broker restart) at the group's committed offset, which is never behind it (rows
+        already decided come again and are skipped as duplicates by the ledger)."""
         saved = self._offsets.get(self.topic, {})
         for tp in tps:
             if str(tp.partition) in saved and tp.partition not in self._sought:
@@ -342,9 +348,10 @@ class SampleSource:
             self.consumer.commit()
 
     def close(self) -> None:
-        """Stop the reading thread and close the consumer (no commit)."""
+        """Stop the reading thread and close the consumer if it made it (no commit)."""
         self._closed.set()
         self._may_read.set()
         self._thread.join(timeout=10)
-        with self._io:
-            self.consumer.close()
+        if self._own_consumer:
+            with self._io:
+                self.consumer.close()
