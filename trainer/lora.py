@@ -93,11 +93,59 @@ def merged(state: dict[str, torch.Tensor], layer_scales: dict[str, float]) -> di
     """
     out = {k.replace(".base_layer.", "."): v for k, v in state.items() if not is_adapter(k)}
     for p, s in layer_scales.items():
-        a = state[f"{p}.lora_A.{ADAPTER}.weight"]
-        b = state[f"{p}.lora_B.{ADAPTER}.weight"]
-        base = state[f"{p}.base_layer.weight"]
-        out[f"{p}.weight"] = base + (b @ a).to(base.dtype) * s
+        out[f"{p}.weight"] = _merge_layer(state, p, s)
     return out
+
+
+def _merge_layer(state: dict[str, torch.Tensor], p: str, s: float) -> torch.Tensor:
+    """``W + s * (B @ A)`` of target layer ``p`` (a new tensor in W's dtype)."""
+    a = state[f"{p}.lora_A.{ADAPTER}.weight"]
+    b = state[f"{p}.lora_B.{ADAPTER}.weight"]
+    base = state[f"{p}.base_layer.weight"]
+    return base + (b @ a).to(base.dtype) * s
+
+
+def save_merged(state: dict[str, torch.Tensor], layer_scales: dict[str, float],
+                folder, max_shard_bytes: int = 1 << 30) -> list[str]:
+    """Write :func:`merged` of ``state`` into ``folder`` as safetensors in Hugging Face's
+    layout (``model.safetensors``, or shards ``model-0000i-of-0000n.safetensors`` of at
+    most ``max_shard_bytes`` bytes with ``model.safetensors.index.json``), merging each
+    adapted layer only when its shard is written: the merged model is never whole in
+    memory (with :func:`merged` it was a second copy of every adapted weight, 2.6 GB for
+    a 1.5B model in bf16, at the end of each LoRA run). Tied aliases (one storage under
+    two names: a tied LM head) are written once, under the first name, as transformers
+    saves them. Returns the file names written.
+
+    Raises:
+        OSError: ``folder`` cannot be written.
+    """
+    import json
+    from pathlib import Path
+
+    from huggingface_hub import split_torch_state_dict_into_shards
+    from safetensors.torch import save_file
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    shapes: dict[str, torch.Tensor] = {}  # merged name -> a tensor of its shape and dtype
+    stored: set[tuple[int, int]] = set()
+    for k, v in state.items():
+        where = (v.untyped_storage().data_ptr(), v.storage_offset())
+        if is_adapter(k) or where in stored:
+            continue
+        stored.add(where)
+        shapes[k.replace(".base_layer.", ".")] = v
+    adapted = {f"{p}.weight": (p, s) for p, s in layer_scales.items()}
+    split = split_torch_state_dict_into_shards(shapes, max_shard_size=max_shard_bytes)
+    for name, tensors in split.filename_to_tensors.items():
+        shard = {t: _merge_layer(state, *adapted[t]) if t in adapted
+                 else shapes[t].contiguous() for t in tensors}
+        save_file(shard, str(folder / name), metadata={"format": "pt"})
+        del shard
+    if split.is_sharded:
+        index = {"metadata": split.metadata, "weight_map": split.tensor_to_filename}
+        (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    return list(split.filename_to_tensors)
 
 
 def to_peft_names(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -157,6 +157,29 @@ def test_final_model_loads_with_transformers_and_its_adapter_with_peft(tmp_path)
         assert torch.allclose(logprobs_of(adapted.get_base_model(), mb), want, atol=1e-6)
 
 
+def test_the_merged_model_written_in_shards_loads_with_transformers(tmp_path):
+    """``lora.save_merged`` with shards far smaller than the model (one layer's merge in
+    memory at a time): the index and every shard load with transformers, equal to
+    :func:`lora.merged`, the tied LM head once."""
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    from relax.trainer import lora
+
+    b, _ = trained()
+    state = {k: v.detach() for k, v in b.model.state_dict().items()}
+    files = lora.save_merged(state, lora.scales(b.model), tmp_path, max_shard_bytes=20_000)
+    b.model.config.save_pretrained(tmp_path)
+    assert len(files) > 3 and (tmp_path / "model.safetensors.index.json").exists()
+    names = [n for f in files for n in safe_open(str(tmp_path / f), "pt").keys()]
+    assert len(names) == len(set(names)) and "lm_head.weight" not in names  # tied: once
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).state_dict()
+    want = lora.merged(state, lora.scales(b.model))
+    assert set(want) <= set(loaded)
+    for k, v in want.items():
+        assert torch.equal(loaded[k], v), k
+
+
 def test_checkpointing_with_lora_gives_the_same_adapter_gradients():
     base = tiny_model("llama")
     mbs = batch(seed=4)

@@ -343,12 +343,19 @@ class TorchBackend:
     def save_model(self, folder: Path) -> None:
         """The model as HF safetensors + config in ``folder`` (rank 0). With FSDP2, from
         the unsharded copy, less tied duplicates (a tied LM head), as HF saves them. With
-        LoRA, the merged model, and the adapter as peft saves it in ``folder/adapter``."""
+        LoRA, the merged model, one shard's layers merged at a time
+        (:func:`~relax.trainer.lora.save_merged`), its config and generation config, and
+        the adapter as peft saves it in ``folder/adapter``."""
         state = None
         if self.lora is not None:
             self._save_adapter(folder / lora.ADAPTER_DIR)
-            self.model.save_pretrained(folder, safe_serialization=True,
-                                       state_dict=self.named_tensors())
+            state = self._state()
+            if state:  # rank 0 (FSDP2's other ranks hold no unsharded copy)
+                lora.save_merged(state, self._lora_scales, folder)
+                self.model.config.architectures = [type(self.model).__name__]
+                self.model.config.save_pretrained(folder)
+                if self.model.can_generate():
+                    self.model.generation_config.save_pretrained(folder)
             return
         if self.fsdp:
             own = {n for n, _ in self.model.named_parameters()}  # one name per tensor
