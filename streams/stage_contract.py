@@ -89,17 +89,19 @@ class OutTopic:
 @dataclass(frozen=True)
 class Declaration:
     """A stage's wiring, as data: ``run``, the metrics ``component``, the producer's
-    ``producer_id``, its :class:`Input` and its :class:`OutTopic` s."""
+    ``producer_id``, its :class:`Input` (None: a stage that reads no topic with a
+    consumer group, e.g. the eval stage, fed by the weight channel) and its
+    :class:`OutTopic` s."""
 
     run: str
     component: str
     producer_id: str
-    input: Input
+    input: Input | None
     outputs: tuple[OutTopic, ...] = ()
 
     def error_topics(self) -> list[str]:
         """The stage's error outputs: ``<topic>.errors`` of every input topic."""
-        return [errors_topic(t) for t in self.input.topics]
+        return [errors_topic(t) for t in self.input.topics] if self.input else []
 
 
 @dataclass(frozen=True)
@@ -119,12 +121,12 @@ class Hooks:
 
 @dataclass
 class Wiring:
-    """What :func:`run_stage` made for a stage: its bus, producer, consumer and metrics
-    writer (all closed by the contract, not the stage)."""
+    """What :func:`run_stage` made for a stage: its bus, producer, consumer (None when it
+    declares no input) and metrics writer (all closed by the contract, not the stage)."""
 
     bus: BusConfig
     producer: BatchProducer
-    consumer: BatchConsumer
+    consumer: BatchConsumer | None
     metrics: MetricsWriter
 
 
@@ -184,17 +186,19 @@ def ensure_declared_topics(bus: BusConfig, d: Declaration) -> None:
             the run and the topic); a co-partitioned or strict output (or a created input)
             exists with another partition count.
     """
-    first = d.input.topics[0]
-    names = list(d.input.topics) + [o.topic for o in d.outputs] + d.error_topics()
+    inputs = list(d.input.topics) if d.input else []
+    first = inputs[0] if inputs else None
+    names = inputs + [o.topic for o in d.outputs] + d.error_topics()
     have = topic_partitions(bus, names)
-    if d.input.must_exist and not have.get(first):
+    if d.input and d.input.must_exist and not have.get(first):
         raise ValueError(f"run {d.run!r} has no topic {first!r}: is the run name right, "
                          f"and has the run started?")
     want: dict[str, int] = {}
-    if d.input.partitions is not None:
+    if d.input and d.input.partitions is not None:
         want.update({t: d.input.partitions for t in d.input.topics})
     for o in d.outputs:
-        n = o.partitions if o.partitions is not None else have.get(first) or d.input.partitions
+        n = o.partitions if o.partitions is not None else (
+            have.get(first) or (d.input.partitions if d.input else None))
         if n is None:
             raise ValueError(f"{o.topic!r} is co-partitioned with {first!r}, which does not exist")
         if o.strict or o.partitions is None or not have.get(o.topic):
@@ -224,9 +228,11 @@ def wired(stage: Stage) -> Iterator[Wiring]:
     try:
         metrics = MetricsWriter(producer, d.run, d.component)
         i = d.input
-        consumer = BatchConsumer(bus, i.group, list(i.topics), stage=i.stage,
-                                 from_beginning=i.from_beginning, error_producer=producer,
-                                 on_assign=i.on_assign, on_revoke=i.on_revoke, metrics=metrics)
+        if i is not None:
+            consumer = BatchConsumer(bus, i.group, list(i.topics), stage=i.stage,
+                                     from_beginning=i.from_beginning, error_producer=producer,
+                                     on_assign=i.on_assign, on_revoke=i.on_revoke,
+                                     metrics=metrics)
         w = Wiring(bus, producer, consumer, metrics)
         stage.build(w)
         yield w
@@ -268,6 +274,6 @@ def run_stage(stage: Stage, should_stop: Callable[[], bool] = lambda: False) -> 
         stage.finish()
         w.metrics.flush()
         w.producer.flush()
-        if stage.commit_at_end:
+        if stage.commit_at_end and w.consumer is not None:
             w.consumer.commit()
     return stage.stats

@@ -56,6 +56,7 @@ from relax.infra.offline.evaluate import eval_metrics, eval_rows, greedy_accurac
 from relax.infra.recipe.specs import EvalStageConfig
 from relax.schemas import metric_names as M
 from relax.streams.client import BusConfig
+from relax.streams.stage_contract import Declaration, Stage, Wiring, run_stage
 
 log = logging.getLogger(__name__)
 
@@ -115,8 +116,11 @@ class DueVersions:
             return v, self._pending.pop(v)
 
 
-class EvalStage:
-    """The eval stage: ``EvalStage(cfg).run(should_stop)``.
+class EvalStage(Stage):
+    """The eval stage: ``EvalStage(cfg, bus).run(should_stop)``, a stage on the stage
+    contract (:mod:`relax.streams.stage_contract`) with no input topic: a turn waits for
+    a version from the weight channel and evaluates the oldest due one. The model, the
+    held-out rows and the reward pool are made with it; the subscriber when it is wired.
 
     Raises (on construction):
         relax.infra.offline.evaluate.TooFewEvalRows: the source has fewer than ``size`` prompts
@@ -124,7 +128,10 @@ class EvalStage:
         relax.consumers.reward.pool.RewardLoadError: the reward fails to load or warm up.
     """
 
-    def __init__(self, cfg: EvalStageConfig):
+    kind = "eval"
+    config_type = EvalStageConfig
+
+    def __init__(self, cfg: EvalStageConfig, bus: BusConfig):
         import torch
 
         from relax.consumers.reward.pool import RewardPool
@@ -146,6 +153,9 @@ class EvalStage:
                                timeout_s=r.timeout_s, memory_limit_bytes=r.memory_limit_bytes,
                                startup_timeout_s=r.startup_timeout_s)
         self.due = DueVersions(cfg.every, cfg.max_pending)
+        self.bus = bus
+        self.stats: list[int] = []  # the policy_versions evaluated
+        self.subscriber = self.telemetry = self.producer = self.metrics = None
 
     def evaluate(self, policy_version: int, named: dict,
                  pulse: Callable[[], object] | None = None) -> dict[str, float]:
@@ -175,7 +185,7 @@ class EvalStage:
         from relax.streams.weights.layout import checksum, manifest_from_rows, views
         from relax.streams.weights.store import read_snapshot, snapshot_exists
 
-        reader = AnnouncementReader(self.cfg.bus, self.cfg.run)
+        reader = AnnouncementReader(self.bus, self.cfg.run)
         try:
             rows = reader.poll_backlog()
         finally:
@@ -199,60 +209,70 @@ class EvalStage:
             loaded.append(v)
         return loaded
 
-    def run(self, should_stop: Callable[[], bool] = lambda: False) -> list[int]:
-        """Evaluate due versions until ``should_stop()``, then the ones still waiting;
-        returns the policy_versions evaluated."""
-        from relax.streams.metrics import MetricsWriter
-        from relax.streams.producer import BatchProducer
-        from relax.streams.stage import BusyWindow
+    # -- the stage contract
+    def declare(self) -> Declaration:
+        """No input topic (fed by the weight channel); its rows go to ``<run>.metrics``."""
+        c = self.cfg
+        return Declaration(run=c.run, component=EVAL_COMPONENT,
+                           producer_id=f"{c.run}-{c.member_id}", input=None)
+
+    def build(self, w: Wiring) -> None:
+        """The telemetry and the weight subscriber (its target: :class:`DueVersions`);
+        then the due versions published before it joined (:meth:`catch_up`)."""
         from relax.streams.weights import WeightSubscriber
         from relax.trainer.telemetry import Telemetry
 
-        cfg = self.cfg
-        producer = BatchProducer(cfg.bus, producer_id=f"{cfg.run}-{cfg.member_id}")
-        metrics = MetricsWriter(producer, cfg.run, EVAL_COMPONENT)
-        busy = BusyWindow(metrics)
-        telemetry = Telemetry(cfg.run_dir, f"{cfg.run}-eval",
-                              cfg.telemetry.model_copy(update={"prometheus_port": None}))
-        sub = WeightSubscriber(cfg.bus, cfg.run, member_id=cfg.member_id, target=self.due,
-                               rendezvous=cfg.weights_rendezvous,
-                               device=next(self.model.parameters()).device).start()
+        c = self.cfg
+        self.producer, self.metrics = w.producer, w.metrics
+        self.telemetry = Telemetry(c.run_dir, f"{c.run}-eval",
+                                   c.telemetry.model_copy(update={"prometheus_port": None}))
+        self.subscriber = WeightSubscriber(
+            self.bus, c.run, member_id=c.member_id, target=self.due,
+            rendezvous=c.weights_rendezvous, device=next(self.model.parameters()).device).start()
         caught = self.catch_up()
         if caught:
             log.info("eval: policy_versions %s published before this stage joined, from "
                      "their weight snapshots", caught)
-        done: list[int] = []
 
-        def turn(wait_s: float) -> bool:
-            t0 = busy.clock()
-            if wait_s:
-                sub.poll(wait_s)  # raises if the subscriber's thread died
-            item = self.due.take()
-            if item is not None:
-                values = self.evaluate(*item, pulse=should_stop)  # a long eval is no stall
-                metrics.add_many(values, item[0])
-                metrics.flush()
-                producer.flush()
-                telemetry.log_step(values, item[0])
-                done.append(item[0])
-            busy.record(busy.clock() - t0, item is not None)
-            return item is not None
+    def turn(self) -> int:
+        """Wait up to ``poll_timeout_s`` for a version, then evaluate the oldest due one
+        (1) if any (0)."""
+        return self._evaluate_next(self.cfg.poll_timeout_s)
 
-        try:
-            while not should_stop():
-                turn(cfg.poll_timeout_s)
-            while turn(0):  # the versions still waiting: the run's last one
-                pass
-            log.info("eval: evaluated %s; weights received %s, dropped %s", done,
-                     sub.stats.history, self.due.dropped)
-            busy.close()
-            producer.flush()
-        finally:
-            sub.close()
-            self.pool.close()
-            telemetry.close()
-            producer.close()
-        return done
+    def _evaluate_next(self, wait_s: float) -> int:
+        if wait_s:
+            self.subscriber.poll(wait_s)  # raises if the subscriber's thread died
+        item = self.due.take()
+        if item is None:
+            return 0
+        values = self.evaluate(*item, pulse=self.should_stop)  # a long eval is no stall
+        self.metrics.add_many(values, item[0])
+        self.metrics.flush()
+        self.producer.flush()
+        self.telemetry.log_step(values, item[0])
+        self.stats.append(item[0])
+        return 1
+
+    def finish(self) -> None:
+        """Evaluate the versions still waiting (the run's last one)."""
+        while self._evaluate_next(0):
+            pass
+        log.info("eval: evaluated %s; weights received %s, dropped %s", self.stats,
+                 self.subscriber.stats.history, self.due.dropped)
+
+    def close(self) -> None:
+        """Close the subscriber, the reward pool and the telemetry."""
+        if self.subscriber is not None:
+            self.subscriber.close()
+        self.pool.close()
+        if self.telemetry is not None:
+            self.telemetry.close()
+
+    def run(self, should_stop: Callable[[], bool] = lambda: False) -> list[int]:
+        """Evaluate due versions until ``should_stop()``, then the ones still waiting
+        (:func:`relax.streams.stage_contract.run_stage`); returns the policy_versions
+        evaluated."""
+        return run_stage(self, should_stop)
 
 
 def last_due(steps: int, every: int) -> int:

@@ -229,7 +229,7 @@ def train(recipe: Recipe, *, say: Callable[[str], None] = print,
             board = stack.enter_context(contextlib.closing(StageBoard(run_dir)))
         follower = stack.enter_context(contextlib.closing(
             MetricsFollower(bus, recipe.run, sink=board.add if board else None)))
-        controller = Controller(stage_specs(recipe, bus, run_dir), bus, run_dir,
+        controller = Controller(stage_specs(recipe, run_dir), bus, run_dir,
                                 address=recipe.ray_address, max_restarts=recipe.max_restarts,
                                 stall_timeout_s=recipe.stall_timeout_s)
         stack.callback(controller.stop)
@@ -248,7 +248,7 @@ def train(recipe: Recipe, *, say: Callable[[str], None] = print,
         if recipe.api.enabled:
             from relax.infra.control.scale_api import serve_run_api
 
-            api = serve_run_api(recipe, bus, run_dir, controller, watch)
+            api = serve_run_api(recipe, run_dir, controller, watch)
             stack.callback(api.close)
             token = ("$RELAX_API_TOKEN" if os.environ.get("RELAX_API_TOKEN")
                      else run_dir / "api_token")

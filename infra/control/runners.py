@@ -36,7 +36,7 @@ def _eval(config: dict, bus: BusConfig, should_stop: Callable[[], bool]) -> None
     from relax.infra.control.eval_stage import EvalStage
     from relax.infra.recipe.specs import EvalStageConfig
 
-    EvalStage(EvalStageConfig(**config)).run(should_stop)
+    EvalStage(EvalStageConfig(**config), bus).run(should_stop)
 
 
 def _trainer(config: dict, bus: BusConfig, should_stop: Callable[[], bool]) -> None:

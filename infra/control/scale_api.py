@@ -159,7 +159,7 @@ class ApiServer:
         self.thread.join(timeout=5)
 
 
-def serve_run_api(recipe, bus, run_dir: Path, controller, watch) -> ApiServer:
+def serve_run_api(recipe, run_dir: Path, controller, watch) -> ApiServer:
     """Serve the control API of a live run: a :class:`RolloutScaler` over ``controller``
     that ``watch`` (the run's :class:`relax.infra.control.run_watch.RunWatch`) drives, on
     ``recipe.api``'s address. The caller closes the server."""
@@ -170,7 +170,7 @@ def serve_run_api(recipe, bus, run_dir: Path, controller, watch) -> ApiServer:
     def apply(n: int, urls: list[str] | None) -> list[str]:
         update = {"instances": n} if urls is None else {"instances": n, "sglang_urls": urls}
         scaled = recipe.model_copy(update={"rollout": ro.model_copy(update=update)})
-        specs = [s for s in stage_specs(scaled, bus, run_dir) if s.kind == "rollout"]
+        specs = [s for s in stage_specs(scaled, run_dir) if s.kind == "rollout"]
         return controller.replace_stages("rollout", specs)
 
     servers = (list(ro.sglang_urls) or [ro.sglang_url] * ro.instances

@@ -103,7 +103,7 @@ class EvalStageConfig(BaseModel):
     :class:`relax.infra.recipe.recipe.EvalConfig`).
 
     Attributes:
-        bus: bus settings. run: run name. run_dir: the run folder (TensorBoard, W&B).
+        run: run name. run_dir: the run folder (TensorBoard, W&B).
         model: the policy model (its architecture; the weights come from the channel).
         every: evaluate every policy_version that is a multiple of this (>= 1).
         held_out: the eval prompts' source; ``size``: how many of its prompts.
@@ -121,7 +121,6 @@ class EvalStageConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    bus: BusConfig
     run: str
     run_dir: str
     model: str
@@ -155,10 +154,11 @@ def _checked(what: str, config: type[BaseModel], values: dict) -> dict:
         raise RecipeError(f"invalid recipe: {what}:\n  " + "\n  ".join(lines)) from None
 
 
-def stage_specs(recipe: Recipe, bus: BusConfig, run_dir: Path) -> list[StageSpec]:
+def stage_specs(recipe: Recipe, run_dir: Path) -> list[StageSpec]:
     """Every process the recipe asks for, trainer last: each stage's config is its recipe
     section plus the wiring (``relax.infra.recipe.sections.*_WIRING``), checked by the
-    stage's own config class.
+    stage's own config class. No config holds the bus: the controller gives each stage
+    the run's (:func:`run_bus`) as its argument.
 
     Raises:
         RecipeError: a stage config does not validate.
@@ -169,7 +169,6 @@ def stage_specs(recipe: Recipe, bus: BusConfig, run_dir: Path) -> list[StageSpec
         stage_class(k).config_type for k in ("rollout", "reward", "reference", "aggregate"))
 
     run, ro = recipe.run, recipe.rollout
-    busd = bus.model_dump()
     specs = []
     options = ro.model_dump(exclude={"instances", "sglang_urls"})
     for i in range(ro.instances):
@@ -203,7 +202,7 @@ def stage_specs(recipe: Recipe, bus: BusConfig, run_dir: Path) -> list[StageSpec
             dict(recipe.teacher.model_dump(), run=run, role="teacher",
                  member_id="teacher-0")), recipe.resources_of("teacher")))
     if recipe.eval is not None and recipe.eval.every:
-        specs.append(StageSpec("eval", "eval", _eval_config(recipe, busd, run_dir),
+        specs.append(StageSpec("eval", "eval", _eval_config(recipe, run_dir),
                                recipe.resources_of("eval")))
     specs.append(StageSpec("aggregate", "aggregate", _checked(
         "stage aggregate (aggregate)", AggregateConfig, dict(
@@ -233,13 +232,13 @@ def stage_specs(recipe: Recipe, bus: BusConfig, run_dir: Path) -> list[StageSpec
     return specs
 
 
-def _eval_config(recipe: Recipe, busd: dict, run_dir: Path) -> dict:
+def _eval_config(recipe: Recipe, run_dir: Path) -> dict:
     """The eval stage's config (``eval.every``): the ``eval`` section, the training
     prompts to leave out, the eval reward, the rollout's prompt template."""
     ev, d = recipe.eval, recipe.data
     media = {"prompt_field", "label_field", "image_field", "audio_field"}
     return _checked("stage eval (eval)", EvalStageConfig, {
-        "bus": busd, "run": recipe.run, "run_dir": str(run_dir), "model": recipe.model,
+        "run": recipe.run, "run_dir": str(run_dir), "model": recipe.model,
         "every": ev.every, "held_out": ev.model_dump(include=media | {"source"}),
         "size": ev.size,
         "training": d.model_dump(include=media | {"source", "limit"}) if d.source else None,
@@ -307,7 +306,8 @@ def check_stage_configs(recipe: Recipe) -> None:
         RecipeError: naming the stage and the bad key.
     """
     run_dir = Path("runs") / recipe.run
-    stage_specs(recipe, run_bus(recipe, "localhost:9092", run_dir), run_dir)
+    run_bus(recipe, "localhost:9092", run_dir)  # the bus section's own checks
+    stage_specs(recipe, run_dir)
 
 
 def spec_json(spec: StageSpec) -> str:

@@ -16,7 +16,7 @@ from relax.streams.client import BusConfig
 from relax.streams.read import read_table
 from relax.infra.control.chaos import Kill, chaos_run
 from relax.infra.recipe.sections import RecipeError
-from relax.infra.recipe.specs import run_bus, stage_specs
+from relax.infra.recipe.specs import stage_specs
 
 STEPS = 4
 BATCH_GROUPS = 2
@@ -26,7 +26,7 @@ GROUP_SIZE = 4
 def _colocate_spec(broker: str, tmp_path: Path, run: str, *overrides: str):
     recipe = tiny_recipe(broker, tmp_path, run, "mode=colocate", *overrides)
     run_dir = tmp_path / run
-    specs = stage_specs(recipe, run_bus(recipe, broker, run_dir), run_dir)
+    specs = stage_specs(recipe, run_dir)
     return recipe, specs
 
 

@@ -152,9 +152,8 @@ def test_the_stage_scores_installed_weights_as_relax_eval_scores_the_model(tmp_p
     recipe = tiny_recipe("localhost:9", tmp_path, "evpar", f'eval={{source: "{EVAL_SOURCE}", '
                          'size: 8, max_new_tokens: 6, every: 1, reward: {name: e, '
                          'fn: "testdata:parity_reward"}}')
-    spec = next(s for s in stage_specs(recipe, run_bus(recipe, "localhost:9", tmp_path),
-                                       tmp_path) if s.name == "eval")
-    stage = EvalStage(EvalStageConfig(**spec.config))
+    spec = next(s for s in stage_specs(recipe, tmp_path) if s.name == "eval")
+    stage = EvalStage(EvalStageConfig(**spec.config), run_bus(recipe, "localhost:9", tmp_path))
 
     def responses() -> list[str]:  # of the weights installed last (5 examples)
         r = greedy_accuracy_of(stage.model, stage.tokenizer, stage.rows, stage.pool,

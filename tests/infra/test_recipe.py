@@ -87,7 +87,7 @@ DISTILL = ("teacher.model=tiny-llama", "advantage.distill_coef=0.5")
 def _spec(recipe, stage):
     """The spec of ``stage`` (``rollout``, ``reward``, ``reference``, ``teacher``, ...: its
     name before ``-<i>`` or ``.<reward name>``)."""
-    specs = stage_specs(recipe, BusConfig(bootstrap_servers="127.0.0.1:9"), Path("runs/x"))
+    specs = stage_specs(recipe, Path("runs/x"))
     return next(s for s in specs if s.name.split("-")[0].split(".")[0] == stage)
 
 
@@ -149,7 +149,7 @@ def test_kl_block_in_loss_turns_on_reference_and_the_join():
         (0.05, "loss", "k2")
     assert r.reference.enabled and r.advantage.needs_ref  # the aggregator joins ref_logprobs
     assert r.advantage.kl_in_reward_coef == 0
-    kinds = {s.kind for s in stage_specs(r, BusConfig(bootstrap_servers="x:1"), Path("r"))}
+    kinds = {s.kind for s in stage_specs(r, Path("r"))}
     assert "reference" in kinds
 
 
@@ -185,8 +185,7 @@ def test_each_sglang_instance_drives_its_own_server():
     urls = ["http://10.0.0.7:30000", "http://10.0.0.8:30000"]
     r = _recipe("rollout.engine=sglang", "rollout.instances=2",
                 f"rollout.sglang_urls=[{urls[0]}, {urls[1]}]", "rollout.sglang_tp_size=2")
-    bus = BusConfig(bootstrap_servers="127.0.0.1:9")
-    specs = [s for s in stage_specs(r, bus, Path("runs/x")) if s.kind == "rollout"]
+    specs = [s for s in stage_specs(r, Path("runs/x")) if s.kind == "rollout"]
     assert [(s.config["engine_id"], s.config["sglang_url"], s.config["sglang_tp_size"])
             for s in specs] == [("rollout-0", urls[0], 2), ("rollout-1", urls[1], 2)]
     with pytest.raises(RecipeError, match="give each instance its server in rollout.sglang_urls"):
@@ -216,8 +215,8 @@ def test_bus_settings_are_recipe_keys():
     assert consumer_kwargs(run_bus(_recipe(), "k:1", Path("r")), "g")["fetch_max_wait_ms"] \
         == FETCH_WAIT_MS
     assert bus.blob_store == str(Path("runs/x/blobs"))
-    specs = stage_specs(r, bus, Path("runs/x"))
-    assert all(s.config["bus"]["retention_ms"] == 86400000 for s in specs if "bus" in s.config)
+    specs = stage_specs(r, Path("runs/x"))
+    assert specs and not any("bus" in s.config for s in specs)  # the bus: each stage's argument
     assert set(BusConfig.model_fields) - BUS_WIRING == set(type(r.bus).model_fields)
     store = "s3://blobs/x?endpoint_override=10.0.0.1:9000"
     assert run_bus(_recipe(f"bus.blob_store={store}"), "k:1", Path("r")).blob_store == store
@@ -298,8 +297,7 @@ def test_the_environment_reward_is_written_by_the_rollout_stage():
     """``fn: environment``: no reward stage; the rollout writes it under that name; it
     needs rollout.environment, one at most, and eval needs a reward it can call."""
     env = ['rewards=[{name: correct, fn: environment}]', "rollout.environment=calculator"]
-    specs = stage_specs(load_recipe(RECIPES / "tiny_ci.yaml", env),
-                        BusConfig(bootstrap_servers="127.0.0.1:9"), Path("runs/x"))
+    specs = stage_specs(load_recipe(RECIPES / "tiny_ci.yaml", env), Path("runs/x"))
     assert [s.kind for s in specs].count("reward") == 0
     roll = next(s for s in specs if s.kind == "rollout")
     assert roll.config["environment_reward"] == "correct"
