@@ -11,8 +11,8 @@
         publish weights as policy_version               # broadcast overlaps the next step
         metrics -> <run>.metrics, TensorBoard, Prometheus
 
-Options are fixed when the components are built (``TrainerStage.__init__``); the
-loop itself does not branch on them.
+Options are fixed when the components are built (``TrainerStage.__init__`` and
+``build``); the loop itself does not branch on them.
 """
 
 from __future__ import annotations
@@ -203,8 +203,8 @@ class TrainerStage(Stage):
         run = self.cfg.run
         return Declaration(
             run=run, component="trainer", producer_id=f"{run}-trainer",
-            input=Input((topics.run_topic(run, topics.TRAIN_SAMPLES),), topics.group(run, "trainer"),
-                        "trainer", on_assign=self._on_assign),
+            input=Input((topics.run_topic(run, topics.TRAIN_SAMPLES),),
+                        topics.group(run, "trainer"), "trainer", on_assign=self._on_assign),
             outputs=(OutTopic(self._progress_topic, 1),))
 
     def _on_assign(self, tps) -> None:

@@ -6,9 +6,10 @@ subscriber: after each optimizer step the engine's policy_version is set to the 
 version directly. The trainer announces every version on the weights topic (the rollout's
 credit reads it); it sends the weights only where another stage subscribes (``eval.every``,
 a following reference: ``TrainerStageConfig.publish_weights``, set by
-``relax.infra.recipe.specs``), so by default the process holds one copy of the model. The rollout runs in a thread of this
-process beside the trainer; with ``max_staleness`` 0 its credit lets it sample one
-step's groups and then wait for the trainer's progress, so the two alternate:
+``relax.infra.recipe.specs``), so by default the process holds one copy of the model. The
+rollout runs in a thread of this process beside the trainer; with ``max_staleness`` 0 its
+credit lets it sample one step's groups and then wait for the trainer's progress, so the
+two alternate:
 
     rollout: sample batch_groups groups with version v   (model.eval(), torch.no_grad)
     trainer: consume them (rewards, reference, aggregate on the bus), step -> v + 1
