@@ -102,13 +102,6 @@ def _warn_if_the_source_differs(recipe: Recipe, existing: set[str], topic: str,
             "--force` first")
 
 
-def _media_options(image_field: str | None, audio_field: str | None):
-    from relax.producers.media import MediaOptions
-
-    return MediaOptions(fields=tuple((f, k) for f, k in ((image_field, "image"),
-                                                          (audio_field, "audio")) if f))
-
-
 def _training_keys(recipe: Recipe) -> set[tuple]:
     """The training prompts' keys (``infra/offline/evaluate.py::prompt_key``), to keep out
     of eval."""
@@ -338,7 +331,7 @@ def held_out_rows(recipe: Recipe) -> list[dict] | None:
     try:
         return load_eval_rows(ev.source, ev.size, prompt_field=ev.prompt_field,
                               label_field=ev.label_field, exclude=_training_keys(recipe),
-                              media=_media_options(ev.image_field, ev.audio_field))
+                              media=ev.media(recipe.data))
     except TooFewEvalRows as e:
         raise RecipeError(f"eval.size: {e}; lower eval.size or give more held-out prompts") \
             from None

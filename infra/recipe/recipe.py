@@ -104,9 +104,10 @@ class EvalConfig(StrictModel):
 
     ``source`` is read like a data source; prompts that also appear in the training
     data are removed (the same text and the same media), then the first ``size`` are used.
-    ``image_field`` / ``audio_field`` name media columns as in ``data``. Correct = the
-    reward ``reward`` (default: the first counted reward not given by the environment)
-    gives a value > ``threshold``."""
+    ``image_field`` / ``audio_field`` / ``video_field`` name media columns as in ``data``
+    (a clip's frames are sampled by ``data.video_fps`` and ``data.video_max_frames``, as
+    the training prompts' are). Correct = the reward ``reward`` (default: the first
+    counted reward not given by the environment) gives a value > ``threshold``."""
 
     source: str
     size: int = Field(200, ge=1)
@@ -114,6 +115,7 @@ class EvalConfig(StrictModel):
     label_field: str = "answer"
     image_field: str | None = None
     audio_field: str | None = None
+    video_field: str | None = None
     max_new_tokens: int = Field(16, ge=1)
     batch_size: int = Field(50, ge=1)
     reward: RewardSpec | None = None
@@ -123,6 +125,15 @@ class EvalConfig(StrictModel):
     every: int = Field(0, ge=0)
     max_pending: int = Field(2, ge=1, description="eval.every: versions kept waiting for their "
                              "eval (each a copy of the model); the oldest is dropped past it")
+
+
+    def media(self, data: DataConfig) -> MediaOptions:
+        """How the held-out prompts' media are read: this section's columns, ``data``'s
+        frame rule (:class:`relax.producers.media.MediaOptions`)."""
+        fields = ((self.image_field, "image"), (self.audio_field, "audio"),
+                  (self.video_field, "video"))
+        return MediaOptions(fields=tuple((f, k) for f, k in fields if f),
+                            video_fps=data.video_fps, video_max_frames=data.video_max_frames)
 
 
 class ApiSection(StrictModel):

@@ -27,7 +27,7 @@ from relax.infra.recipe.sections import (
     Resources,
     RewardSpec,
 )
-from relax.producers.media import MediaOptions
+from relax.producers.media import VIDEO_FPS, VIDEO_MAX_FRAMES, MediaOptions
 from relax.schemas import topics
 from relax.streams.client import BusConfig
 from relax.streams.fsuri import is_local
@@ -90,12 +90,17 @@ class PromptSource(BaseModel):
     label_field: str | None = "answer"
     image_field: str | None = None
     audio_field: str | None = None
+    video_field: str | None = None
+    video_fps: float = Field(VIDEO_FPS, gt=0)
+    video_max_frames: int = Field(VIDEO_MAX_FRAMES, ge=1)
     limit: int | None = Field(None, ge=1)
 
     def media(self) -> MediaOptions:
-        """The media columns to read."""
-        return MediaOptions(fields=tuple((f, k) for f, k in ((self.image_field, "image"),
-                                                              (self.audio_field, "audio")) if f))
+        """The media columns to read, and the frames kept of a clip."""
+        fields = ((self.image_field, "image"), (self.audio_field, "audio"),
+                  (self.video_field, "video"))
+        return MediaOptions(fields=tuple((f, k) for f, k in fields if f),
+                            video_fps=self.video_fps, video_max_frames=self.video_max_frames)
 
 
 class EvalStageConfig(BaseModel):
@@ -236,12 +241,14 @@ def _eval_config(recipe: Recipe, run_dir: Path) -> dict:
     """The eval stage's config (``eval.every``): the ``eval`` section, the training
     prompts to leave out, the eval reward, the rollout's prompt template."""
     ev, d = recipe.eval, recipe.data
-    media = {"prompt_field", "label_field", "image_field", "audio_field"}
+    media = {"prompt_field", "label_field", "image_field", "audio_field", "video_field"}
+    frames = {"video_fps": d.video_fps, "video_max_frames": d.video_max_frames}
     return _checked("stage eval (eval)", EvalStageConfig, {
         "run": recipe.run, "run_dir": str(run_dir), "model": recipe.model,
-        "every": ev.every, "held_out": ev.model_dump(include=media | {"source"}),
+        "every": ev.every, "held_out": {**ev.model_dump(include=media | {"source"}), **frames},
         "size": ev.size,
-        "training": d.model_dump(include=media | {"source", "limit"}) if d.source else None,
+        "training": ({**d.model_dump(include=media | {"source", "limit"}), **frames}
+                     if d.source else None),
         "reward": recipe.eval_reward()[1].model_dump(),
         "prompt_template": recipe.rollout.prompt_template,
         "max_new_tokens": ev.max_new_tokens, "batch_size": ev.batch_size,

@@ -176,3 +176,31 @@ def test_the_stage_scores_installed_weights_as_relax_eval_scores_the_model(tmp_p
     assert mine == [e["response"] for e in want.examples] != junk
     assert (got[M.EVAL_N], got[M.EVAL_CORRECT], got[M.EVAL_ACCURACY]) == \
         (want.n, want.correct, want.accuracy), (got, want.examples)
+
+
+def test_the_eval_reads_held_out_clips_with_the_training_data_s_frame_rule(tmp_path):
+    """``eval.video_field``: the held-out prompts carry their clip, sampled by ``data``'s
+    ``video_fps`` / ``video_max_frames`` as the training prompts are, in the eval stage's
+    config and in the driver's before/after eval."""
+    from testdata import RECIPES
+
+    from relax.infra.offline.evaluate import eval_rows
+    from relax.infra.recipe.recipe import load_recipe
+    from relax.infra.recipe.specs import EvalStageConfig, stage_specs
+    from relax.schemas.media import video_frames
+
+    recipe = load_recipe(RECIPES / "video_grpo.yaml", [
+        "bootstrap_servers=localhost:9", f"run_root={tmp_path}", "run=vid",
+        "data.video_max_frames=4",
+        'eval={source: "moving_square:test?size=8&seed=5", size: 2, every: 2, '
+        'video_field: video, reward: {name: e, fn: "testdata:parity_reward"}}'])
+    spec = next(s for s in stage_specs(recipe, tmp_path) if s.name == "eval")
+    held_out = EvalStageConfig(**spec.config).held_out
+    for media in (held_out.media(), recipe.eval.media(recipe.data)):
+        assert media.fields == (("video", "video"),) and media.video_max_frames == 4
+        rows = eval_rows(held_out.source, 2, prompt_field="question", label_field="answer",
+                         media=media)
+        for row in rows:
+            (item,) = row["media"]
+            frames, stamps, _ = video_frames(item["data"])
+            assert item["kind"] == "video" and len(frames) == 4 == len(stamps)
