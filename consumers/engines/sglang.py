@@ -300,7 +300,11 @@ class SGLangEngine:
         the version the server answered with; its policy_version_start is the one before
         the call when a version was received during it (the tokens span both), else the
         same. A request aborted by a weight update is continued after it (module
-        docstring), its tokens' versions in ``token_policy_versions``.
+        docstring), its tokens' versions in ``token_policy_versions``. When the version
+        received during the call is older than the one before it (a trainer restarted
+        from an older checkpoint: its versions count again from there), every generation
+        of the call carries the one before for all its tokens: they span a branch the
+        run lost, and the trainer counts them stale.
 
         Raises:
             SGLangError: HTTP error, or the server still paused for an update after
@@ -308,6 +312,7 @@ class SGLangEngine:
         """
         if not prompts:
             return []
+        first = self._version
         gens, paused = self._generate_once(prompts, params, media, None)
         todo = [i for i, g in enumerate(gens) if paused and g.finish_reason == "abort"]
         while todo:
@@ -324,6 +329,11 @@ class SGLangEngine:
                 gens[i] = continued(gens[i], g)
                 gens[i].text = self.tokenizer.decode(gens[i].token_ids, skip_special_tokens=True)
             todo = [i for i in todo if paused and gens[i].finish_reason == "abort"]
+        if self._version < first:  # a restarted trainer's older version came in during it
+            for g in gens:  # tokens of a lost branch in each: the trainer drops them as stale
+                g.policy_version_start = g.policy_version_end = first
+                if g.token_policy_versions is not None:
+                    g.token_policy_versions = [first] * len(g.token_policy_versions)
         return gens
 
     def _generate_once(self, prompts, params, media, budgets) -> tuple[list[Generation], bool]:
@@ -338,7 +348,8 @@ class SGLangEngine:
         for g in gens:
             if changed:  # retracted requests went on with the new weights
                 g.policy_version_start = min(g.policy_version_start, before)
-            self._version = max(self._version, g.policy_version_end)
+            else:  # (a version received during the call is already self._version)
+                self._version = max(self._version, g.policy_version_end)
         return gens, self._pauses != pauses
 
     def _wait_unpaused(self) -> None:

@@ -299,3 +299,31 @@ def test_requests_retracted_for_a_weight_update_span_both_versions():
             assert (g.policy_version_start, g.policy_version_end) == (0, 1)
     finally:
         fake.close()
+
+
+def test_a_swap_back_to_an_older_version_marks_the_call_s_generations_as_the_lost_branch():
+    """A restarted trainer counts versions again from its checkpoint: the server at v5 gets
+    v1 while requests run (retracted, continued with v1). Their tokens span the dead
+    trainer's branch: each generation is tagged v5 for all its tokens (so the restarted
+    trainer, below v5, counts them stale; ``(1, 5)`` or ``(5, 1)`` would be admitted or
+    refused by the schema), and the engine is at v1 after the call, not back at v5."""
+    from fake_sglang import FakeSGLang
+
+    fake = FakeSGLang(tick_s=0.01, hold_at=4)
+    try:
+        engine = SGLangEngine(fake.url, StubTokenizer(eos=2), policy_version=5)
+        out = {}
+        t = threading.Thread(target=lambda: out.setdefault("gens", engine.generate(
+            [[1] * 3, [1] * 4], SamplingParams(max_new_tokens=16))))
+        t.start()
+        fake.wait_tokens(4)
+        ann = {"policy_version": 1, "manifest": manifest_rows(build_manifest(
+            {"w": torch.zeros(4)})), "bucket_bytes": 1 << 20, "group_name": "g"}
+        engine.receive_weights(ann)
+        t.join(30)
+        assert fake.pauses == ["retract"]
+        assert [(g.policy_version_start, g.policy_version_end) for g in out["gens"]] == [
+            (5, 5), (5, 5)]
+        assert engine.policy_version == 1
+    finally:
+        fake.close()

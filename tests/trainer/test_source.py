@@ -137,3 +137,26 @@ def test_a_sync_run_s_reader_holds_while_the_step_trains(bus, unique):
     finally:
         src.close()
         p.close()
+
+
+def test_rollouts_of_a_branch_lost_in_a_trainer_restart_are_stale(bus, unique):
+    """A trainer restarted from an older checkpoint, at v2, reads rollouts that its dead
+    predecessor's v5 made: counted stale (admit would refuse a version newer than the
+    trainer's), and the good group trains."""
+    run = unique
+    topic = topics.run_topic(run, "train_samples")
+    ensure_topics(bus, {topic: 1})
+    p = BatchProducer(bus)
+    p.send(topic, _table(0, 1, version=5))
+    p.send(topic, _table(1, 1, version=2))
+    p.flush()
+    ledger = Ledger()
+    src = SampleSource(bus, run, ledger, batch_groups=1, max_staleness=1)
+    try:
+        b = src.next_batch(2, lambda: False)
+        assert [g.column("group_id")[0].as_py() for g in b.groups] == ["g0001"]
+        src.trained(b, 2)
+    finally:
+        src.close()
+        p.close()
+    assert sorted(ledger.ids("stale")) == ["g0000/0", "g0000/1"]
