@@ -309,12 +309,13 @@ class ReferenceStage(Stage):
 
     def maybe_follow(self) -> bool:
         """Install the newest received policy weights if they are ``follow_every``
-        versions newer than the ones in use; True if installed."""
+        versions newer than the ones in use, or older (a trainer restarted from an older
+        checkpoint: the branch in use was lost); True if installed."""
         sub = self._subscriber
         if sub is None:
             return False
         sub.poll(0)
-        if sub.version is None or sub.version - self.version < self.cfg.follow_every:
+        if sub.version is None or 0 <= sub.version - self.version < self.cfg.follow_every:
             return False
         applied = sub.apply(self.model)
         if applied is None:

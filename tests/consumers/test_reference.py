@@ -196,6 +196,19 @@ def test_reference_follows_the_policy_every_n_versions(bus, unique, tmp_path):
         assert stage.maybe_follow() and stage.version == 2
         for n, p in stage.model.named_parameters():
             assert torch.equal(p, params[n])
+        # a trainer restarted from its v1 checkpoint (other weights for v1): taken at once
+        pub.close()
+        pub = WeightPublisher(bus, unique, checkpoint_dir=tmp_path)
+        with torch.no_grad():
+            for p in params.values():
+                p.mul_(0.5)
+        pub.publish(params, 1).result()
+        deadline = time.monotonic() + 30
+        while stage._subscriber.version != 1 and time.monotonic() < deadline:
+            stage._subscriber.poll(0.2)
+        assert stage.maybe_follow() and stage.version == 1
+        for n, p in stage.model.named_parameters():
+            assert torch.equal(p, params[n])
     finally:
         if stage._subscriber is not None:
             stage._subscriber.close()
