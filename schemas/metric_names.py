@@ -12,6 +12,12 @@ BUSY_FRAC = "busy_frac"                # fraction of the window since the stage'
 # spent working: a stage loop's turns that did work, every BUSY_WINDOW_S; the trainer's
 # step minus its data wait, every step
 
+PEAK_RSS_MB = "peak_rss_mb"            # the process's peak resident set so far (MB, 10^6
+# bytes; getrusage's ru_maxrss, VmHWM), with each busy_frac row (every stage) and each step
+# (trainer); relax monitor lists it under the stage (a run's summary.json has every process's)
+GPU_PEAK_MB = "gpu_peak_mb"            # the process's peak CUDA memory allocated by torch
+# (MB), where it has initialised CUDA; written with peak_rss_mb
+
 LOST_TO_RETENTION = "lost_to_retention"  # records of an input partition deleted by retention
 # (or DeleteRecords) before the stage's consumer read them: one row per loss found, the
 # count of that loss (streams/retention.py); the run's total is the sum of the rows

@@ -30,6 +30,8 @@ Delivery contract (at-least-once, docs/architecture.md, section 3):
 from __future__ import annotations
 
 import logging
+import resource
+import sys
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -160,9 +162,20 @@ BUSY_WINDOW_S = 5.0
 """Seconds between a stage loop's ``busy_frac`` rows."""
 
 
+def memory_metrics() -> dict[str, float]:
+    """This process's peak memory so far: ``peak_rss_mb`` (``getrusage``'s ``ru_maxrss``,
+    kB on Linux, as MB of 10^6 bytes) and, where torch is imported and has initialised
+    CUDA, ``gpu_peak_mb`` (``torch.cuda.max_memory_allocated``, MB). Never imports torch."""
+    out = {M.PEAK_RSS_MB: resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e6}
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():
+        out[M.GPU_PEAK_MB] = torch.cuda.max_memory_allocated() / 1e6
+    return out
+
+
 class BusyWindow:
     """A stage loop's busy fraction per window, written as metric ``busy_frac`` (the
-    dashboard's stage timeline).
+    dashboard's stage timeline), with the process's :func:`memory_metrics`.
 
     Args:
         metrics: the stage's writer (rows are queued on its producer; the stage's next
@@ -199,6 +212,7 @@ class BusyWindow:
     def _write(self, span: float, now: float) -> float:
         frac = min(1.0, self.busy_s / span)
         self.metrics.add(M.BUSY_FRAC, frac)
+        self.metrics.add_many(memory_metrics())
         self.metrics.flush()
         self.start, self.busy_s = now, 0.0
         return frac

@@ -33,6 +33,7 @@ from relax.schemas import topics
 from relax.streams.client import BusConfig
 from relax.streams.metrics import MetricsWriter
 from relax.streams.progress import PROGRESS_KEY, progress_row
+from relax.streams.stage import memory_metrics
 from relax.streams.stage_contract import (Declaration, Hooks, Input, OutTopic, Stage, Wiring,
                                           run_stage)
 from relax.trainer import checkpoint
@@ -339,6 +340,7 @@ class TrainerStage(Stage):
         stats = self.backend.train_step(micro_batches(groups, t.max_tokens_per_microbatch),
                                         counts=counts, gather_optimizer=save)
         stats.update(cpu_usage(before, resource.getrusage(resource.RUSAGE_SELF)))
+        stats.update(memory_metrics())
         self.source.trained(batch, self.version)
         out = {**stats, **batch_metrics(batch, t.accuracy_reward, t.accuracy_threshold),
                **adv_stats, **prepared.metrics}

@@ -52,6 +52,12 @@ def test_tiny_async_run_accounts_for_every_rollout(tiny_run, broker):
             and r["name"] in ("weights_local_subscribers", "weights_broadcast_subscribers")]
     assert sorted(sent) == [("weights_broadcast_subscribers", 0.0),
                             ("weights_local_subscribers", 1.0)], sent
+    from relax.infra.observe.monitor import snapshot
+
+    latest = snapshot(BusConfig(bootstrap_servers=broker), recipe.run)["latest"]
+    peaks = {c: latest[c].get("peak_rss_mb", 0) for c in
+             ("trainer", "rollout-0", "aggregate-0", "reward.parity")}  # relax monitor's
+    assert all(v > 50 for v in peaks.values()), peaks
     names = readme_metric_names()
     assert not sorted(n for n in written if not documented(n, names)), "README metrics table"
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator

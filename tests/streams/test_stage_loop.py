@@ -137,6 +137,13 @@ class _Metrics:
     def add(self, name, value, policy_version=None):
         self.rows.append((name, value))
 
+    def add_many(self, values, policy_version=None):
+        for k, v in values.items():
+            self.add(k, v, policy_version)
+
+    def busy(self):
+        return [r for r in self.rows if r[0] == "busy_frac"]
+
     def flush(self):
         self.flushes += 1
 
@@ -174,8 +181,14 @@ def test_busy_window_writes_the_busy_fraction_of_each_window():
     step["kind"] = None
     now[0] = busy.start = 0.0
     run_loop(turn, lambda: step["kind"] == "end", ready=ready, wait=wait, busy=busy)
-    assert metrics.rows == [("busy_frac", 0.8), ("busy_frac", 2.0 / 11.0), ("busy_frac", 1.0)]
+    assert metrics.busy() == [("busy_frac", 0.8), ("busy_frac", 2.0 / 11.0), ("busy_frac", 1.0)]
     assert metrics.flushes == 3 and busy.busy_s == 0.0
+    # each row with the process's peak resident set (MB), as getrusage gives it
+    import resource
+
+    peaks = [v for n, v in metrics.rows if n == "peak_rss_mb"]
+    assert len(peaks) == 3 and 10 < peaks[-1] <= resource.getrusage(
+        resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e6
 
 
 def test_a_loop_shorter_than_a_window_still_writes_its_busy_fraction():
@@ -194,7 +207,7 @@ def test_a_loop_shorter_than_a_window_still_writes_its_busy_fraction():
         return n
 
     run_loop(turn, lambda: now[0] >= 3.0, busy=busy)
-    assert metrics.rows == [("busy_frac", 2.5 / 3.0)] and metrics.flushes == 1
+    assert metrics.busy() == [("busy_frac", 2.5 / 3.0)] and metrics.flushes == 1
     assert busy.close() is None  # nothing since: no second row
 
 
@@ -208,4 +221,4 @@ def test_busy_window_caps_at_one():
     assert busy.record(5.0, True) == 1.0  # a turn longer than the window it ends
     now[0] = 2.5
     assert busy.record(0.5, True) is None
-    assert metrics.rows == [("busy_frac", 1.0)]
+    assert metrics.busy() == [("busy_frac", 1.0)]
