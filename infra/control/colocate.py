@@ -66,7 +66,7 @@ class SharedEngine(HFEngine):
     def __init__(self, model, tokenizer, lock: threading.Lock, *, engine_id: str,
                  policy_version: int, **kwargs):
         super().__init__(model, tokenizer, engine_id=engine_id, policy_version=policy_version,
-                         **kwargs)
+                         own_weights=False, **kwargs)
         self.lock = lock
         model.train()  # HFEngine put it in eval mode; the trainer's state is train mode
 
