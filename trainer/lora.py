@@ -120,7 +120,7 @@ def _sync(path) -> None:
 
 
 def save_merged(state: dict[str, torch.Tensor], layer_scales: dict[str, float],
-                folder, max_shard_bytes: int = 1 << 30) -> list[str]:
+                folder, max_shard_bytes: int = 1 << 28) -> list[str]:
     """Write :func:`merged` of ``state`` into ``folder`` as safetensors in Hugging Face's
     layout (``model.safetensors``, or shards ``model-0000i-of-0000n.safetensors`` of at
     most ``max_shard_bytes`` bytes with ``model.safetensors.index.json``), merging each
