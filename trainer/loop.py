@@ -233,7 +233,8 @@ class TrainerStage(Stage):
         self.source = SampleSource(w.bus, cfg.run, self.ledger, batch_groups=t.batch_groups,
                                    max_staleness=t.max_staleness, offsets=self._state.offsets,
                                    on_drop=self._progress, start_version=self.version,
-                                   consumer=w.consumer)
+                                   consumer=w.consumer, start=False)
+        self.source.start()  # its first poll calls _on_assign, which reads self.source
         self._publish()
         self._progress()
 

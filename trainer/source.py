@@ -96,12 +96,16 @@ class SampleSource:
             consumer group, made by the stage contract (its ``on_assign`` must call
             :meth:`seek_assigned`); used by the reading thread alone, and not closed by
             :meth:`close`. None: make one (with ``metrics``), closed by :meth:`close`.
+        start: start the reading thread now; False: at :meth:`start` (a caller whose
+            ``on_assign`` reaches this object through an attribute sets it first: the
+            thread's first poll joins the group and calls ``on_assign``).
     """
 
     def __init__(self, bus: BusConfig, run: str, ledger: Ledger, *, batch_groups: int,
                  max_staleness: int, offsets: dict[str, dict[str, int]] | None = None,
                  on_drop: Callable[[int], None] | None = None, poll_timeout_s: float = 0.2,
-                 start_version: int = 0, metrics=None, consumer: BatchConsumer | None = None):
+                 start_version: int = 0, metrics=None, consumer: BatchConsumer | None = None,
+                 start: bool = True):
         self.ledger, self.batch_groups, self.max_staleness = ledger, batch_groups, max_staleness
         self.topic = topics.run_topic(run, topics.TRAIN_SAMPLES)
         self._offsets = offsets or {}
@@ -140,7 +144,15 @@ class SampleSource:
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._read_ahead, name="relax-trainer-input",
                                         daemon=True)
-        self._thread.start()
+        self._started = False
+        if start:
+            self.start()
+
+    def start(self) -> None:
+        """Start the reading thread (the first call only)."""
+        if not self._started:
+            self._started = True
+            self._thread.start()
 
     def seek_assigned(self, tps) -> None:
         """On an assignment (the consumer's ``on_assign``): the first assignment of a
@@ -351,7 +363,8 @@ class SampleSource:
         """Stop the reading thread and close the consumer if it made it (no commit)."""
         self._closed.set()
         self._may_read.set()
-        self._thread.join(timeout=10)
+        if self._started:
+            self._thread.join(timeout=10)
         if self._own_consumer:
             with self._io:
                 self.consumer.close()
