@@ -233,41 +233,51 @@ def tiny_qwen25_omni_config(vocab_size: int, token_ids: dict[str, int]):
         audio_end_token_id=token_ids["audio_eos_token"])
 
 
-def tiny_qwen25_omni_dir() -> Path:
-    """The ``tiny-qwen2.5-omni`` folder (thinker, tokenizer, processor), built into the
-    model cache once."""
+def _omni_dir(name: str, placeholders: dict, tokens: dict, patch: int, image_size: int,
+              video_size: dict, mel_bins: int, processor: str, model: str, config) -> Path:
+    """The folder of an Omni thinker ``name`` (thinker, tokenizer, processor), built into
+    the model cache once: the SmolLM2 tokenizer with ``tokens`` and a template writing
+    ``placeholders``, the ``processor`` class over Qwen2-VL image and video processors
+    (``patch`` px patches, images ``image_size`` px square, ``video_size`` frames) and a
+    Whisper feature extractor of ``mel_bins`` bins, and the ``model`` class made from
+    ``config(vocab_size, token_ids)``."""
     import transformers
 
     from relax.trainer.model_store import cache_dir, publish_folder, smollm2_tokenizer_dir
     from relax.trainer.vlm import smollm2_template
 
     def build(tmp: Path) -> None:
-        template = smollm2_template(OMNI_PLACEHOLDERS)
+        template = smollm2_template(placeholders)
         tok = transformers.AutoTokenizer.from_pretrained(smollm2_tokenizer_dir(),
-                                                         extra_special_tokens=OMNI_TOKENS)
+                                                         extra_special_tokens=tokens)
         tok.chat_template = template
-        grid = dict(patch_size=14, merge_size=2, temporal_patch_size=2)
-        size = QWEN25_VL_IMAGE_SIZE
-        proc = transformers.Qwen2_5OmniProcessor(
+        grid = dict(patch_size=patch, merge_size=2, temporal_patch_size=2)
+        proc = getattr(transformers, processor)(
             image_processor=transformers.Qwen2VLImageProcessor(
-                min_pixels=size * size, max_pixels=size * size, **grid),
+                min_pixels=image_size * image_size, max_pixels=image_size * image_size, **grid),
             video_processor=transformers.Qwen2VLVideoProcessor(
-                do_sample_frames=False, cap_pixels_per_frame=False, size=QWEN25_VL_VIDEO_SIZE,
-                **grid),
+                do_sample_frames=False, cap_pixels_per_frame=False, size=video_size, **grid),
             feature_extractor=transformers.WhisperFeatureExtractor(
-                feature_size=80, sampling_rate=16_000, chunk_length=OMNI_CLIP_SECONDS),
+                feature_size=mel_bins, sampling_rate=16_000, chunk_length=OMNI_CLIP_SECONDS),
             tokenizer=tok, chat_template=template)
-        ids = {name: tok.convert_tokens_to_ids(t) for name, t in OMNI_TOKENS.items()}
+        ids = {key: tok.convert_tokens_to_ids(t) for key, t in tokens.items()}
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(QWEN_SEED)
-            net = transformers.Qwen2_5OmniThinkerForConditionalGeneration(
-                tiny_qwen25_omni_config(len(tok), ids)).float()
+            net = getattr(transformers, model)(config(len(tok), ids)).float()
         net.generation_config.eos_token_id = 2
         net.generation_config.pad_token_id = 2
         net.save_pretrained(tmp, safe_serialization=True)
         proc.save_pretrained(tmp)
 
-    return publish_folder(build, cache_dir() / "models" / "tiny-qwen2.5-omni")
+    return publish_folder(build, cache_dir() / "models" / name)
+
+
+def tiny_qwen25_omni_dir() -> Path:
+    """The ``tiny-qwen2.5-omni`` folder (thinker, tokenizer, processor), built into the
+    model cache once."""
+    return _omni_dir("tiny-qwen2.5-omni", OMNI_PLACEHOLDERS, OMNI_TOKENS, 14,
+                     QWEN25_VL_IMAGE_SIZE, QWEN25_VL_VIDEO_SIZE, 80, "Qwen2_5OmniProcessor",
+                     "Qwen2_5OmniThinkerForConditionalGeneration", tiny_qwen25_omni_config)
 
 
 def tiny_qwen3_omni_config(vocab_size: int, token_ids: dict[str, int]):
@@ -300,38 +310,9 @@ def tiny_qwen3_omni_config(vocab_size: int, token_ids: dict[str, int]):
 def tiny_qwen3_omni_dir() -> Path:
     """The ``tiny-qwen3-omni`` folder (thinker, tokenizer, processor), built into the
     model cache once."""
-    import transformers
-
-    from relax.trainer.model_store import cache_dir, publish_folder, smollm2_tokenizer_dir
-    from relax.trainer.vlm import smollm2_template
-
-    def build(tmp: Path) -> None:
-        template = smollm2_template(OMNI3_PLACEHOLDERS)
-        tok = transformers.AutoTokenizer.from_pretrained(smollm2_tokenizer_dir(),
-                                                         extra_special_tokens=OMNI3_TOKENS)
-        tok.chat_template = template
-        grid = dict(patch_size=16, merge_size=2, temporal_patch_size=2)
-        size = QWEN3_VL_IMAGE_SIZE
-        proc = transformers.Qwen3OmniMoeProcessor(
-            image_processor=transformers.Qwen2VLImageProcessor(
-                min_pixels=size * size, max_pixels=size * size, **grid),
-            video_processor=transformers.Qwen2VLVideoProcessor(
-                do_sample_frames=False, cap_pixels_per_frame=False, size=QWEN3_OMNI_VIDEO_SIZE,
-                **grid),
-            feature_extractor=transformers.WhisperFeatureExtractor(
-                feature_size=128, sampling_rate=16_000, chunk_length=OMNI_CLIP_SECONDS),
-            tokenizer=tok, chat_template=template)
-        ids = {name: tok.convert_tokens_to_ids(t) for name, t in OMNI3_TOKENS.items()}
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(QWEN_SEED)
-            net = transformers.Qwen3OmniMoeThinkerForConditionalGeneration(
-                tiny_qwen3_omni_config(len(tok), ids)).float()
-        net.generation_config.eos_token_id = 2
-        net.generation_config.pad_token_id = 2
-        net.save_pretrained(tmp, safe_serialization=True)
-        proc.save_pretrained(tmp)
-
-    return publish_folder(build, cache_dir() / "models" / "tiny-qwen3-omni")
+    return _omni_dir("tiny-qwen3-omni", OMNI3_PLACEHOLDERS, OMNI3_TOKENS, 16,
+                     QWEN3_VL_IMAGE_SIZE, QWEN3_OMNI_VIDEO_SIZE, 128, "Qwen3OmniMoeProcessor",
+                     "Qwen3OmniMoeThinkerForConditionalGeneration", tiny_qwen3_omni_config)
 
 
 def tiny_qwen25_vl_dir() -> Path:
