@@ -275,6 +275,20 @@ def test_requests_aborted_by_a_weight_update_are_continued_with_their_versions()
         fake.close()
 
 
+def _generate_while_v1_arrives(fake, engine) -> list:
+    """Two prompts generated while v1 is received (``retract``): their generations."""
+    out = {}
+    t = threading.Thread(target=lambda: out.setdefault("gens", engine.generate(
+        [[1] * 3, [1] * 4], SamplingParams(max_new_tokens=16))))
+    t.start()
+    fake.wait_tokens(4)
+    ann = {"policy_version": 1, "manifest": manifest_rows(build_manifest(
+        {"w": torch.zeros(4)})), "bucket_bytes": 1 << 20, "group_name": "g"}
+    engine.receive_weights(ann)
+    t.join(30)
+    return out["gens"]
+
+
 def test_requests_retracted_for_a_weight_update_span_both_versions():
     """``retract`` (what the ServerSubscriber uses): the server holds the running requests
     and continues them with the new weights; the answer has no boundary, so each spans
@@ -284,15 +298,7 @@ def test_requests_retracted_for_a_weight_update_span_both_versions():
     fake = FakeSGLang(tick_s=0.01, hold_at=4)
     try:
         engine = SGLangEngine(fake.url, StubTokenizer(eos=2))
-        out = {}
-        t = threading.Thread(target=lambda: out.setdefault("gens", engine.generate(
-            [[1] * 3, [1] * 4], SamplingParams(max_new_tokens=16))))
-        t.start()
-        fake.wait_tokens(4)
-        ann = {"policy_version": 1, "manifest": manifest_rows(build_manifest(
-            {"w": torch.zeros(4)})), "bucket_bytes": 1 << 20, "group_name": "g"}
-        engine.receive_weights(ann)
-        t.join(30)
+        out = {"gens": _generate_while_v1_arrives(fake, engine)}
         assert fake.pauses == ["retract"] and fake.aborted == 0 and fake.generate_calls == 1
         for g in out["gens"]:
             assert g.finish_reason == "stop" and g.token_policy_versions is None
@@ -312,15 +318,7 @@ def test_a_swap_back_to_an_older_version_marks_the_call_s_generations_as_the_los
     fake = FakeSGLang(tick_s=0.01, hold_at=4)
     try:
         engine = SGLangEngine(fake.url, StubTokenizer(eos=2), policy_version=5)
-        out = {}
-        t = threading.Thread(target=lambda: out.setdefault("gens", engine.generate(
-            [[1] * 3, [1] * 4], SamplingParams(max_new_tokens=16))))
-        t.start()
-        fake.wait_tokens(4)
-        ann = {"policy_version": 1, "manifest": manifest_rows(build_manifest(
-            {"w": torch.zeros(4)})), "bucket_bytes": 1 << 20, "group_name": "g"}
-        engine.receive_weights(ann)
-        t.join(30)
+        out = {"gens": _generate_while_v1_arrives(fake, engine)}
         assert fake.pauses == ["retract"]
         assert [(g.policy_version_start, g.policy_version_end) for g in out["gens"]] == [
             (5, 5), (5, 5)]
