@@ -265,8 +265,8 @@ def loop_configs(w: dict, budget: int = 8192) -> tuple[dict, object, object]:
         token-mean, pi_old from the rollout), the ``RolloutConfig`` and the
         ``AdvantageConfig`` (GRPO, reward ``correct``).
     """
-    from relax.consumers.rollout import RolloutConfig
-    from relax.consumers.samples import AdvantageConfig
+    from relax.consumers.aggregate_config import AdvantageConfig
+    from relax.consumers.rollout.config import RolloutConfig
 
     trainer = dict(model=w["model"], batch_groups=w["batch_groups"], steps=w["steps"],
                    optim={"lr": w["lr"], "grad_clip": w["grad_clip"]},
@@ -302,7 +302,7 @@ def grpo_groups(engine, tok, batch: list[dict], step: int, w: dict, rcfg, acfg
 
     from relax.consumers.engines.base import SamplingParams
     from relax.consumers.multiturn import render_ids
-    from relax.consumers.rollout import rollout_batch, sample_groups
+    from relax.consumers.rollout.sampling import rollout_batch, sample_groups
     from relax.consumers.samples import build_train_samples
 
     ids = [render_ids(tok, [{"role": "user", "content": w["prompt_template"].format(

@@ -222,10 +222,12 @@ def run_relax_loop(config: dict, size: str) -> dict:
     functions, one optimizer step each."""
     import pyarrow as pa
 
+    from relax.consumers.aggregate_config import AdvantageConfig
     from relax.consumers.engines.base import SamplingParams
     from relax.consumers.engines.hf import HFEngine
-    from relax.consumers.rollout import RolloutConfig, rollout_batch, sample_groups
-    from relax.consumers.samples import AdvantageConfig, build_train_samples
+    from relax.consumers.rollout.config import RolloutConfig
+    from relax.consumers.rollout.sampling import rollout_batch, sample_groups
+    from relax.consumers.samples import build_train_samples
     from relax.trainer.backends.torch_backend import TorchBackend
     from relax.trainer.batching import informative_rows, loss_counts, micro_batches
     from relax.trainer.config import TrainerConfig

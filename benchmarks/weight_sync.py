@@ -1,8 +1,9 @@
 """Weight sync: trainer -> N rollout engines over the weight channel, while they generate.
 
 The publisher (this process) loads ``--model`` and publishes ``--versions`` versions
-(each a perturbed copy of the weights) with :class:`relax.streams.weights.WeightPublisher`,
-once per transport of ``--transports`` (side by side in one run): ``gloo`` (the
+(each a perturbed copy of the weights) with
+:class:`relax.streams.weights.publisher.WeightPublisher`, once per transport of
+``--transports`` (side by side in one run): ``gloo`` (the
 broadcast over TCP, what engines on other hosts get), ``shm`` (the same-host file in
 ``/dev/shm``, :mod:`relax.streams.weights.shm`, copied straight into the engine's second
 buffer) and ``shm-buffered`` (the same file copied into the subscriber's receive buffer
@@ -66,13 +67,8 @@ def subscriber(args) -> None:
     from relax.consumers.engines.base import SamplingParams
     from relax.consumers.engines.hf import HFEngine
     from relax.streams.client import BusConfig
-    from relax.streams.weights import (
-        WeightSubscriber,
-        build_manifest,
-        checksum,
-        flatten_into,
-        total_bytes,
-    )
+    from relax.streams.weights.layout import build_manifest, checksum, flatten_into, total_bytes
+    from relax.streams.weights.subscriber import WeightSubscriber
 
     torch.set_num_threads(1)
     out = Path(args.out)
@@ -184,7 +180,8 @@ def one_transport(args, bootstrap: str, named: dict, transport: str) -> dict:
     over ``transport`` (``gloo``, ``shm`` or ``shm-buffered``); the figures of the module
     docstring."""
     from relax.streams.client import BusConfig
-    from relax.streams.weights import AnnouncementReader, WeightPublisher
+    from relax.streams.weights.announce import AnnouncementReader
+    from relax.streams.weights.publisher import WeightPublisher
 
     if transport not in ("gloo", "shm", "shm-buffered"):
         raise SystemExit(f"--transports: gloo, shm or shm-buffered, got {transport!r}")

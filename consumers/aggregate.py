@@ -44,11 +44,11 @@ from dataclasses import dataclass, field
 
 import pyarrow as pa
 import pyarrow.compute as pc
-from pydantic import BaseModel, ConfigDict, Field
 
+from relax.consumers.aggregate_config import AdvantageConfig, AggregateConfig
 from relax.consumers.reward.changes import ChangeFollower
 from relax.consumers.reward.plan import RewardPlan, group_policy_version
-from relax.consumers.samples import AdvantageConfig, RewardCell, build_train_samples
+from relax.consumers.samples import RewardCell, build_train_samples
 from relax.schemas import metric_names as M
 from relax.schemas import topics
 from relax.streams.client import BusConfig
@@ -71,25 +71,6 @@ CHANGES_EVERY_S = 2.0
 their ``reward_weight.<name>`` metric; the groups are decided on a read to the end, made
 when a newer policy_version arrives): each read is a fetch round trip, and the
 aggregator turns every ``poll_timeout_s`` while idle."""
-
-
-class AggregateConfig(BaseModel):
-    """Configuration of the aggregator stage.
-
-    Attributes:
-        run: run name.
-        partitions: partition count of the run's co-partitioned topics.
-        advantage: rewards counted, estimator and filters.
-        group_timeout_s: emit an incomplete group this long after its first row (seconds).
-        poll_timeout_s: consumer poll timeout (seconds).
-    """
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-    run: str
-    partitions: int = Field(4, ge=1)
-    advantage: AdvantageConfig = Field(default_factory=AdvantageConfig)
-    group_timeout_s: float = Field(300.0, gt=0)
-    poll_timeout_s: float = Field(0.5, gt=0)
 
 
 @dataclass

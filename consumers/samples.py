@@ -18,7 +18,7 @@ Order of operations (each optional step off by default):
    loss tokens of the per-token KL estimate between rollout and reference
    log-probs (a sequence-level penalty, since outcome estimators take one
    reward per sample). The per-token estimates are the loss's own
-   (``relax.trainer.losses.KL_ESTIMATORS``, verl's formulas and clamps); summed over
+   (``relax.trainer.losses.registry.KL_ESTIMATORS``, verl's formulas and clamps); summed over
    the response this is verl's KL-in-reward for an outcome estimator (its
    ``apply_kl_penalty`` subtracts per token, and ``compute_grpo_outcome_advantage``
    sums the token rewards);
@@ -37,85 +37,23 @@ Order of operations (each optional step off by default):
 from __future__ import annotations
 
 import json
+
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import torch
-from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from relax.trainer.advantage import check_estimator, compute_advantages
-from relax.trainer.advantage.distill import distill_advantages
-from relax.trainer.advantage.filters import (TRUNCATED_REASONS, keep_groups_with_variance,
-                                               soft_overlong_penalty)
+from relax.consumers.aggregate_config import AdvantageConfig
 from relax.schemas.v1 import TRAIN_SAMPLES
+from relax.trainer.advantage.distill import distill_advantages
+from relax.trainer.advantage.filters import (
+    TRUNCATED_REASONS,
+    keep_groups_with_variance,
+    soft_overlong_penalty,
+)
+from relax.trainer.advantage.registry import compute_advantages
 from relax.trainer.batching import list_column
-from relax.trainer.losses import KL_ESTIMATORS
-from relax.trainer.losses.config import KL_ESTIMATOR_NAMES
-
-
-class SoftOverlong(BaseModel):
-    """DAPO soft overlong punishment: penalty rising linearly to ``penalty`` over the last
-    ``cache_length`` tokens before ``max_length`` (tokens)."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-    max_length: int = Field(gt=0)
-    cache_length: int = Field(gt=0)
-    penalty: float = Field(1.0, gt=0)
-
-
-class AdvantageConfig(BaseModel):
-    """How a joined group becomes train samples.
-
-    Attributes:
-        estimator: a key of ``ADVANTAGE_ESTIMATORS``.
-        estimator_options: keyword options of the estimator (e.g. ``{"eps": 1e-4}``).
-        rewards: counted reward names and their weights; the final reward is the
-            weighted sum. Other reward names on the topic are ignored.
-        dynamic_sampling: drop groups with zero reward variance (DAPO).
-        overlong_filter: zero the loss_mask of truncated rollouts (DAPO).
-        soft_overlong: DAPO soft overlong punishment, or None.
-        kl_in_reward_coef: > 0 puts a sequence KL penalty into the reward (needs
-            ref_logprobs); the loss must then not add KL (the trainer's config check).
-        kl_estimator: k1 | k2 | k3 | low_var_kl (= k3) for the KL-in-reward penalty.
-        ref_logprobs: join ``<run>.ref_logprobs`` and carry them on the train samples even
-            without a KL-in-reward penalty (the loss's KL needs them: recipe ``kl.in: loss``).
-        distill_coef: > 0 turns on on-policy distillation: join ``<run>.teacher_logprobs``
-            (the teacher stage) and add ``-distill_coef x (logprobs - teacher_logprobs)``
-            to every loss token's advantage (step 7 of the module docstring).
-    """
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-    estimator: str = "grpo"
-    estimator_options: dict[str, float | bool] = Field(default_factory=dict)
-    rewards: dict[str, float] = Field(default_factory=lambda: {"math": 1.0})
-    dynamic_sampling: bool = False
-    overlong_filter: bool = False
-    soft_overlong: SoftOverlong | None = None
-    kl_in_reward_coef: float = Field(0.0, ge=0)
-    kl_estimator: str = Field("k1", description="one of KL_ESTIMATOR_NAMES")
-    ref_logprobs: bool = False
-    distill_coef: float = Field(0.0, ge=0)
-
-    @model_validator(mode="after")
-    def _check(self):
-        check_estimator(self.estimator)  # gae: refused, naming the missing critic
-        if not self.rewards:
-            raise ValueError("rewards: at least one counted reward name is needed")
-        if self.kl_estimator not in KL_ESTIMATOR_NAMES:
-            raise ValueError(f"unknown kl_estimator {self.kl_estimator!r}; valid: "
-                             f"{', '.join(KL_ESTIMATOR_NAMES)}")
-        return self
-
-    @property
-    def needs_ref(self) -> bool:
-        """Whether reference log-probs are joined and put on the samples."""
-        return self.kl_in_reward_coef > 0 or self.ref_logprobs
-
-    @property
-    def needs_teacher(self) -> bool:
-        """Whether teacher log-probs are joined (on-policy distillation)."""
-        return self.distill_coef > 0
-
+from relax.trainer.losses.registry import KL_ESTIMATORS
 
 RewardCell = tuple[float | None, str | None]
 """One reward result: (value or None, error text or None)."""

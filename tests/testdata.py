@@ -489,8 +489,8 @@ def tiny_model(family: str = "llama", layers: int = 3, **config):
 def policy_grads(backend, mbs) -> tuple[float, dict]:
     """``(loss, {parameter name: gradient})`` of the micro-batches' summed policy loss
     under ``backend`` (a torch back end), as its step computes them."""
-    from relax.trainer.losses import compute_policy_loss
     from relax.trainer.losses.aggregate import mask_counts
+    from relax.trainer.losses.registry import compute_policy_loss
 
     backend.optimizer.zero_grad(set_to_none=True)
     counts = [mask_counts(mb.loss_mask) for mb in mbs]

@@ -1,6 +1,8 @@
 """Trainer configuration (pydantic): model, optimizer, loss, batching, staleness,
-checkpoints. Built from the recipe's ``trainer:`` section; unknown keys and bad
-values are rejected with the field's name."""
+checkpoints (:class:`TrainerConfig`, the recipe's ``trainer:`` section), and where the
+trainer stage runs and what it writes (:class:`TrainerStageConfig`). Unknown keys and bad
+values are rejected with the field's name. Torch-free: the driver and the stages without
+torch load it for the recipe's checks."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from relax.schemas.versions import DEFAULT_BATCH_GROUPS
 from relax.trainer.losses.config import LossConfig, ValueLossConfig
+from relax.trainer.telemetry import TelemetryConfig
 
 
 class OptimConfig(BaseModel):
@@ -211,7 +214,7 @@ class TrainerConfig(BaseModel):
 
     @model_validator(mode="after")
     def _check(self):
-        from relax.trainer.advantage.batch import BATCH_ESTIMATORS
+        from relax.trainer.advantage.names import BATCH_ESTIMATORS
 
         if self.batch_advantage is not None and self.batch_advantage not in BATCH_ESTIMATORS:
             raise ValueError(f"batch_advantage {self.batch_advantage!r}: expected one of "
@@ -251,3 +254,43 @@ class TrainerConfig(BaseModel):
                              f"it needs old_logprobs 'rollout', not {self.old_logprobs!r} (the "
                              f"ratio to a recomputed pi_old is ~1 and would mask nothing)")
         return self
+
+
+class TrainerStageConfig(BaseModel):
+    """Where the trainer runs and what it writes.
+
+    Attributes:
+        run: run name.
+        run_dir: run folder (checkpoints, final model, TensorBoard events).
+        trainer: the trainer settings.
+        weights_host: address subscribers reach the weight rendezvous at (announced with
+            every version); None = this node's address as Ray knows it
+            (:func:`relax.trainer.distributed.node_address`; 127.0.0.1 outside Ray and in
+            single-host runs).
+        weights_port: rendezvous port (0 = free).
+        telemetry: TensorBoard, Prometheus and W&B (recipe block ``telemetry:``,
+            :class:`~relax.trainer.telemetry.TelemetryConfig`).
+        processes: trainer ranks (``relax.trainer.ranks``): data-parallel with the torch
+            back end, tensor-parallel (``tp * pp``) with megatron; this process is rank 0.
+        rank_hosts: the host of each rank 1..processes-1 (Ray tasks on the nodes that
+            offer ``host:<name>``, each asking for ``rank_num_cpus``); None = child
+            processes on this host.
+        publish_weights: send each version's weights (broadcast, same-host files,
+            snapshots); False: announce each policy_version only
+            (:meth:`~relax.streams.weights.publisher.WeightPublisher.announce_version`),
+            for a colocated trainer in a run with no other weight subscriber (set by
+            ``relax.infra.recipe.specs``): no send buffer of the model's size, no
+            merged LoRA copy, no snapshot.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    run: str
+    run_dir: str
+    trainer: TrainerConfig
+    weights_host: str | None = None
+    weights_port: int = 0
+    telemetry: TelemetryConfig = Field(default_factory=TelemetryConfig)
+    processes: int = Field(1, ge=1)
+    rank_hosts: list[str] | None = None
+    rank_num_cpus: float = Field(1.0, ge=0)
+    publish_weights: bool = True

@@ -18,7 +18,7 @@ and over exactly the rows of the step's batch (like the batch estimators of
    (:func:`~relax.trainer.advantage.gae.masked_whiten`) and written into the groups'
    ``advantages`` column, which the policy loss reads as it reads any estimator's;
 4. the critic's update on the clipped value loss to the returns
-   (:func:`~relax.trainer.losses.compute_value_loss`, ``trainer.critic.loss``: token-mean
+   (:func:`~relax.trainer.losses.registry.compute_value_loss`, ``trainer.critic.loss``: token-mean
    over the batch's loss tokens by default), gradients accumulated over micro-batches,
    its own AdamW. The update's first forward is step 1's: one critic forward per
    micro-batch, not two. With
@@ -59,15 +59,15 @@ import pyarrow.compute as pc
 import torch
 
 from relax.schemas import metric_names as M
+from relax.trainer import checkpointing
 from relax.trainer.advantage.gae import gae_advantages, masked_whiten, outcome_token_rewards
 from relax.trainer.backends.step import adamw, set_learning_rate, to_device
-from relax.trainer import checkpointing
 from relax.trainer.backends.torch_backend import response_hidden
 from relax.trainer.batching import MicroBatch, list_column, micro_batches
 from relax.trainer.config import TrainerConfig
-from relax.trainer.losses import KL_ESTIMATORS, compute_value_loss
 from relax.trainer.losses.aggregate import mask_counts
 from relax.trainer.losses.kl import kl_in_reward
+from relax.trainer.losses.registry import KL_ESTIMATORS, compute_value_loss
 
 log = logging.getLogger(__name__)
 

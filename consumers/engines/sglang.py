@@ -32,7 +32,7 @@ Endpoints used:
   ``group_name``, ``flush_cache``, ``weight_version``, ``load_format``). With
   ``load_format="flattened_bucket"`` SGLang receives one flat uint8 tensor per call
   whose layout (each tensor's bytes, in order, no padding) is relax's bucket layout
-  (``relax.streams.weights.plan_buckets``), so :meth:`SGLangEngine.weight_update_requests`
+  (``relax.streams.weights.layout.plan_buckets``), so :meth:`SGLangEngine.weight_update_requests`
   makes one request per relax bucket.
 * ``POST /pause_generation`` / ``POST /continue_generation`` around a weight update
   (partial rollout: in-flight requests keep their KV cache with ``mode="in_place"`` or
@@ -48,7 +48,7 @@ server refused the request) stays an ``abort`` (the aggregator drops it as
 versions with no boundary in the answer, so it records ``policy_version_start`` = the
 version before the call (its staleness is counted from there).
 
-Weights: a rollout instance's :class:`relax.streams.weights.ServerSubscriber` registers
+Weights: a rollout instance's :class:`relax.streams.weights.server.ServerSubscriber` registers
 the server in the publisher's group (one member id per TP rank),
 asks it to join with ``/init_weights_update_group`` (relax forms its groups on the store
 keys of SGLang's ``init_custom_process_group``:
@@ -248,7 +248,7 @@ class SGLangEngine:
 
     receives_broadcast = True
     """Its weights come from the broadcast group into the server, not through this
-    process (:class:`relax.streams.weights.ServerSubscriber` asks it to join)."""
+    process (:class:`relax.streams.weights.server.ServerSubscriber` asks it to join)."""
 
     def __init__(
         self,
@@ -395,7 +395,7 @@ class SGLangEngine:
         """``/update_weights_from_distributed`` bodies for a WEIGHTS announcement: one per
         relax bucket, ``load_format="flattened_bucket"``, ``weight_version`` = the
         policy_version (cache flushed after the last one only)."""
-        from relax.streams.weights import manifest_from_rows, plan_buckets
+        from relax.streams.weights.layout import manifest_from_rows, plan_buckets
 
         manifest = manifest_from_rows(announcement["manifest"])
         buckets = plan_buckets(manifest, announcement["bucket_bytes"])

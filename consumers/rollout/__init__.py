@@ -42,7 +42,7 @@ prompt messages not yet committed (those prompts come again after a restart or a
 rebalance and are skipped, not re-sampled).
 
 Weights: with ``follow_weights`` the HF engine subscribes to the weight broadcast
-(:class:`relax.streams.weights.WeightSubscriber`) and swaps at its safe points:
+(:class:`relax.streams.weights.subscriber.WeightSubscriber`) and swaps at its safe points:
 between generate calls (so without ``partial_rollout`` no sample mixes two versions;
 a multi-turn group holds one version for all its turns), or with ``partial_rollout``
 also between chunks, with per-token versions. No group starts while the engine's
@@ -69,36 +69,6 @@ functions and the claim ledger; its input, the trainer's progress, is read by
 (``<run>.rollout_state``), :mod:`.prompts` (the prompt queue and epochs),
 :mod:`.sampling` (engine, :func:`sample_groups`, :func:`rollout_batch`), :mod:`.errors`
 (unrenderable prompts), :mod:`.metrics` (counters and metrics), :mod:`.stage` (the loop,
-:class:`RolloutStage`).
+:class:`RolloutStage`). The package itself imports nothing, so :mod:`.config` loads in
+processes without torch (the driver's recipe checks).
 """
-
-from __future__ import annotations
-
-from relax.consumers.rollout.config import RolloutConfig
-from relax.consumers.rollout.claims import ClaimLog
-from relax.consumers.rollout.credit import ClaimLedger, run_allowance
-from relax.consumers.rollout.metrics import WEIGHT_WAIT_S, RolloutStats
-from relax.consumers.rollout.prompts import PromptItem  # tests build queue items
-from relax.consumers.environments import load_environment_factory
-from relax.consumers.rollout.sampling import build_engine, rollout_batch, sample_groups
-from relax.consumers.rollout.stage import RolloutStage
-from relax.consumers.rollout.state import SavedState, saved_state
-from relax.streams.progress import TrainerProgress
-
-__all__ = [
-    "WEIGHT_WAIT_S",
-    "ClaimLedger",
-    "ClaimLog",
-    "PromptItem",
-    "RolloutConfig",
-    "RolloutStage",
-    "RolloutStats",
-    "SavedState",
-    "TrainerProgress",
-    "build_engine",
-    "load_environment_factory",
-    "rollout_batch",
-    "sample_groups",
-    "run_allowance",
-    "saved_state",
-]

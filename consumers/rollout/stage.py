@@ -9,7 +9,9 @@ import logging
 import time
 from collections.abc import Callable
 
+import relax.consumers.rollout.credit as credit
 from relax.consumers.engines.base import Engine
+from relax.consumers.environments import load_environment_factory
 from relax.consumers.multiturn import (
     Episode,
     TemplateError,
@@ -17,17 +19,15 @@ from relax.consumers.multiturn import (
     render_ids,
     run_episodes,
 )
-import relax.consumers.rollout.credit as credit
 from relax.consumers.rollout.claims import ClaimLog
 from relax.consumers.rollout.config import RolloutConfig
 from relax.consumers.rollout.errors import route_prompt_error
 from relax.consumers.rollout.metrics import RolloutStats, emit_metrics
 from relax.consumers.rollout.prompts import PromptItem, PromptQueue, message_key
-from relax.consumers.environments import load_environment_factory
 from relax.consumers.rollout.sampling import (
-    now_ms,
     build_engine,
     environment_reward_batch,
+    now_ms,
     rollout_batch,
     sample_groups,
     sample_sglang_media,
@@ -404,7 +404,9 @@ class RolloutStage(Stage):
         and the trainer's progress on one :class:`~relax.streams.follow.Follower`, the
         claim log, the weight subscriber (when ``follow_weights``); learn where the run is."""
         from relax.streams.follow import Follower
-        from relax.streams.weights import AnnouncementReader, ServerSubscriber, WeightSubscriber
+        from relax.streams.weights.announce import AnnouncementReader
+        from relax.streams.weights.server import ServerSubscriber
+        from relax.streams.weights.subscriber import WeightSubscriber
 
         cfg, bus = self.cfg, w.bus
         self.w = w

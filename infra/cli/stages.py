@@ -2,8 +2,10 @@
 from the command line.
 
 Settings come from an optional YAML file (the fields of the stage's config class:
-:class:`relax.consumers.rollout.RolloutConfig`, :class:`relax.consumers.reference.ReferenceConfig`,
-any contract stage's ``config_type``; the bus is ``--bootstrap``) and ``--set key=value`` overrides (values read as YAML). The stage runs
+:class:`relax.consumers.rollout.config.RolloutConfig`,
+:class:`relax.consumers.reference_config.ReferenceConfig`, any contract stage's
+``config_type``; the bus is ``--bootstrap``) and ``--set key=value`` overrides (values read
+as YAML). The stage runs
 until Ctrl-C (or SIGTERM), then flushes, commits and exits. Imports stay light: the
 stages load inside the commands.
 """
@@ -80,7 +82,8 @@ def rollout_cmd(
     """Run a rollout instance: prompts.DATASET -> RUN.rollouts (see consumers/rollout/)."""
     from pydantic import ValidationError
 
-    from relax.consumers.rollout import RolloutConfig, RolloutStage
+    from relax.consumers.rollout.config import RolloutConfig
+    from relax.consumers.rollout.stage import RolloutStage
 
     try:
         cfg = RolloutConfig(
@@ -112,7 +115,8 @@ def reference_cmd(
     """Run a reference instance: RUN.rollouts -> RUN.ref_logprobs (see consumers/reference.py)."""
     from pydantic import ValidationError
 
-    from relax.consumers.reference import ReferenceConfig, ReferenceStage
+    from relax.consumers.reference import ReferenceStage
+    from relax.consumers.reference_config import ReferenceConfig
 
     try:
         cfg = ReferenceConfig(

@@ -28,9 +28,11 @@ from concurrent.futures import ThreadPoolExecutor
 from pydantic import BaseModel, ConfigDict, model_validator
 
 from relax.consumers.engines.hf import HFEngine
-from relax.consumers.rollout import RolloutConfig, RolloutStage
+from relax.consumers.rollout.config import RolloutConfig
+from relax.consumers.rollout.stage import RolloutStage
 from relax.streams.client import BusConfig
-from relax.trainer.loop import TrainerStage, TrainerStageConfig
+from relax.trainer.config import TrainerStageConfig
+from relax.trainer.loop import TrainerStage
 
 
 class ColocateConfig(BaseModel):

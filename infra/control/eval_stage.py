@@ -219,7 +219,7 @@ class EvalStage(Stage):
     def build(self, w: Wiring) -> None:
         """The telemetry and the weight subscriber (its target: :class:`DueVersions`);
         then the due versions published before it joined (:meth:`catch_up`)."""
-        from relax.streams.weights import WeightSubscriber
+        from relax.streams.weights.subscriber import WeightSubscriber
         from relax.trainer.telemetry import Telemetry
 
         c = self.cfg

@@ -55,7 +55,7 @@ from relax.infra.recipe.specs import disk_warnings, run_bus, run_topics, stage_s
 from relax.schemas import metric_names as M
 from relax.schemas import topics
 from relax.streams.client import BusConfig, ensure_topics
-from relax.streams.weights.shm import SHM_ROOT, remove_run_files
+from relax.streams.weights.shm_folders import SHM_ROOT, remove_run_files
 
 log = logging.getLogger(__name__)
 

@@ -3,10 +3,10 @@
 whatever process runs it (a Ray actor of :mod:`relax.infra.control.controller`, a plain
 subprocess, a test) and runs it until told to stop. The stages' configs and the specs are
 made from the recipe by :mod:`relax.infra.recipe.specs`; this module holds what starts
-them: the stages on the stage contract from one table
-(:data:`relax.infra.recipe.specs.CONTRACT_STAGES`), the trainer and the infra stages
-(:mod:`~relax.infra.control.eval_stage`, :mod:`~relax.infra.control.colocate`) by their
-own functions.
+them: every stage of one table (:data:`relax.infra.recipe.specs.CONTRACT_STAGES`: rollout,
+reward, reference, aggregate, trainer, eval) the same way, and the colocated stage (a
+rollout and a trainer in one process, :mod:`~relax.infra.control.colocate`) by its own
+function.
 """
 
 from __future__ import annotations
@@ -21,7 +21,8 @@ from relax.streams.client import BusConfig
 
 def _contract(kind: str) -> Callable[[dict, BusConfig, Callable[[], bool]], None]:
     """The runner of a stage on the stage contract (:data:`CONTRACT_STAGES`): its config
-    class from its declaration, the bus its argument, :func:`relax.streams.stage_contract.run_stage`."""
+    class from its declaration, the bus its argument,
+    :func:`relax.streams.stage_contract.run_stage`."""
 
     def runner(config: dict, bus: BusConfig, should_stop: Callable[[], bool]) -> None:
         from relax.streams.stage_contract import run_stage
@@ -32,19 +33,6 @@ def _contract(kind: str) -> Callable[[dict, BusConfig, Callable[[], bool]], None
     return runner
 
 
-def _eval(config: dict, bus: BusConfig, should_stop: Callable[[], bool]) -> None:
-    from relax.infra.control.eval_stage import EvalStage
-    from relax.infra.recipe.specs import EvalStageConfig
-
-    EvalStage(EvalStageConfig(**config), bus).run(should_stop)
-
-
-def _trainer(config: dict, bus: BusConfig, should_stop: Callable[[], bool]) -> None:
-    from relax.trainer.loop import TrainerStage, TrainerStageConfig
-
-    TrainerStage(TrainerStageConfig(**config), bus).run(should_stop)
-
-
 def _colocate(config: dict, bus: BusConfig, should_stop: Callable[[], bool]) -> None:
     from relax.infra.control.colocate import ColocateConfig, ColocatedStage
 
@@ -53,8 +41,6 @@ def _colocate(config: dict, bus: BusConfig, should_stop: Callable[[], bool]) -> 
 
 RUNNERS: dict[str, Callable[[dict, BusConfig, Callable[[], bool]], None]] = {
     **{kind: _contract(kind) for kind in CONTRACT_STAGES},
-    "eval": _eval,
-    "trainer": _trainer,
     "colocate": _colocate,
 }
 

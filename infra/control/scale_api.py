@@ -20,7 +20,7 @@ A scale request answers 202 with its operation at once; the operation then moves
 in the run's watching loop. On engine ``sglang`` each instance drives one SGLang server
 the user runs (``rollout.sglang_urls``): such a run scales by ``engine_urls`` (a new
 instance's server joins the weight broadcast before it samples:
-:class:`relax.streams.weights.ServerSubscriber`), any other by ``instances``; the other
+:class:`relax.streams.weights.server.ServerSubscriber`), any other by ``instances``; the other
 form is refused with 422.
 """
 

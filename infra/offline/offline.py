@@ -215,8 +215,8 @@ def recompute_losses(archive_dir: str, run_dir: str, *, rtol: float = 1e-3,
     from relax.infra.recipe.recipe import load_recipe
     from relax.trainer.backends.torch_backend import TorchBackend
     from relax.trainer.batching import micro_batches
-    from relax.trainer.losses import compute_policy_loss
     from relax.trainer.losses.aggregate import mask_counts
+    from relax.trainer.losses.registry import compute_policy_loss
 
     run_dir_p = Path(run_dir)
     recipe = load_recipe(run_dir_p / "recipe.yaml")

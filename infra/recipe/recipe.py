@@ -41,7 +41,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, Field, ValidationError, model_validator
 
-from relax.consumers.samples import AdvantageConfig
+from relax.consumers.aggregate_config import AdvantageConfig
 from relax.infra.recipe.overrides import parse_override, set_dotted
 from relax.infra.recipe.sections import (  # ENVIRONMENT_REWARD, RecipeError, Resources: re-exported
     ENVIRONMENT_REWARD,
@@ -444,7 +444,7 @@ def _fill_kl(tree: dict) -> None:
 def _fill_batch_advantage(tree: dict) -> None:
     """An estimator whose statistics span the global batch (REINFORCE++) runs in the
     trainer: ``advantage.estimator`` fills ``trainer.batch_advantage`` and its options."""
-    from relax.trainer.advantage.batch import BATCH_ESTIMATORS
+    from relax.trainer.advantage.names import BATCH_ESTIMATORS
 
     adv = tree.get("advantage") or {}
     if adv.get("estimator") in BATCH_ESTIMATORS:

@@ -14,13 +14,12 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, create_model, model_validator
 
-from relax.consumers.aggregate import AggregateConfig
-from relax.consumers.reference import ReferenceConfig
+from relax.consumers.aggregate_config import AggregateConfig
+from relax.consumers.reference_config import ReferenceConfig
 from relax.consumers.reward.stage import RewardStageConfig
-from relax.consumers.rollout import RolloutConfig
+from relax.consumers.rollout.config import RolloutConfig
 from relax.streams.client import BusConfig
-from relax.trainer.config import TrainerConfig
-from relax.trainer.loop import TrainerStageConfig
+from relax.trainer.config import TrainerConfig, TrainerStageConfig
 
 
 class StrictModel(BaseModel):

@@ -39,18 +39,38 @@ Recipe = BaseModel
 circle; these functions read the recipe's fields only."""
 
 
-CONTRACT_STAGES: dict[str, str] = {
-    "rollout": "relax.consumers.rollout:RolloutStage",
-    "reward": "relax.consumers.reward.stage:RewardStage",
-    "reference": "relax.consumers.reference:ReferenceStage",
-    "aggregate": "relax.consumers.aggregate:AggregateStage",
+CONTRACT_STAGES: dict[str, tuple[str, str]] = {
+    "rollout": ("relax.consumers.rollout.stage:RolloutStage",
+                "relax.consumers.rollout.config:RolloutConfig"),
+    "reward": ("relax.consumers.reward.stage:RewardStage",
+               "relax.consumers.reward.stage:RewardStageConfig"),
+    "reference": ("relax.consumers.reference:ReferenceStage",
+                  "relax.consumers.reference_config:ReferenceConfig"),
+    "aggregate": ("relax.consumers.aggregate:AggregateStage",
+                  "relax.consumers.aggregate_config:AggregateConfig"),
+    "trainer": ("relax.trainer.loop:TrainerStage", "relax.trainer.config:TrainerStageConfig"),
+    "eval": ("relax.infra.control.eval_stage:EvalStage",
+             "relax.infra.recipe.specs:EvalStageConfig"),
 }
 """The stages on the stage contract (:mod:`relax.streams.stage_contract`) by kind, as
-``module:Class``: the one table the controller's runners
+``(module:Stage, module:Config)``: the one table the controller's runners
 (:mod:`relax.infra.control.runners`), ``relax stage KIND`` and the config checks below
-read. Each class declares its ``config_type`` and its topics; it is made as
-``Class(config_type(**config), bus)``. Imported when asked for (:func:`stage_class`):
-the stages bring torch and their engines."""
+read. Every stage of a run is here but the colocated one, which runs a rollout and a
+trainer of this table in one process (:mod:`relax.infra.control.colocate`). The eval
+stage's module is above this one (``infra/control``); it is named, not imported, here. Each class declares its ``config_type`` (the second entry names the same class:
+``tests/streams/test_stage_contract.py``) and its topics; it is made as
+``Class(config_type(**config), bus)``. Both are imported when asked for
+(:func:`stage_class`, :func:`stage_config_type`): the stages bring torch and their
+engines, their configs do not (the driver and the reward stage run without torch)."""
+
+
+def _load(kind: str, which: int) -> type:
+    import importlib
+
+    if kind not in CONTRACT_STAGES:
+        raise ValueError(f"unknown stage kind {kind!r}; valid: {', '.join(CONTRACT_STAGES)}")
+    module, _, name = CONTRACT_STAGES[kind][which].partition(":")
+    return getattr(importlib.import_module(module), name)
 
 
 def stage_class(kind: str) -> type:
@@ -59,12 +79,17 @@ def stage_class(kind: str) -> type:
     Raises:
         ValueError: ``kind`` is not a contract stage (lists the valid ones).
     """
-    import importlib
+    return _load(kind, 0)
 
-    if kind not in CONTRACT_STAGES:
-        raise ValueError(f"unknown stage kind {kind!r}; valid: {', '.join(CONTRACT_STAGES)}")
-    module, _, name = CONTRACT_STAGES[kind].partition(":")
-    return getattr(importlib.import_module(module), name)
+
+def stage_config_type(kind: str) -> type:
+    """The config class of stage ``kind`` (its ``config_type``) without importing the
+    stage's own module (:data:`CONTRACT_STAGES`).
+
+    Raises:
+        ValueError: ``kind`` is not a contract stage (lists the valid ones).
+    """
+    return _load(kind, 1)
 
 
 @dataclass(frozen=True)
@@ -168,10 +193,10 @@ def stage_specs(recipe: Recipe, run_dir: Path) -> list[StageSpec]:
     Raises:
         RecipeError: a stage config does not validate.
     """
-    from relax.trainer.loop import TrainerStageConfig
+    from relax.trainer.config import TrainerStageConfig
 
     RolloutConfig, RewardStageConfig, ReferenceConfig, AggregateConfig = (
-        stage_class(k).config_type for k in ("rollout", "reward", "reference", "aggregate"))
+        stage_config_type(k) for k in ("rollout", "reward", "reference", "aggregate"))
 
     run, ro = recipe.run, recipe.rollout
     specs = []

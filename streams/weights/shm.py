@@ -35,7 +35,8 @@ Only CPU buffers use it (on a GPU the same-host path would be CUDA IPC). A publi
 that finds too little room in the tmpfs for two versions offers nothing and everyone
 gets the broadcast. A publisher's folder is removed by :meth:`ShmOffer.close`, and
 folders left by an earlier incarnation of the same run (a trainer that was killed) by
-the next one and by ``relax train`` when the run ends (:func:`remove_run_files`).
+the next one and by ``relax train`` when the run ends
+(:func:`relax.streams.weights.shm_folders.remove_run_files`).
 """
 
 from __future__ import annotations
@@ -56,11 +57,9 @@ from relax.streams.weights.layout import (
     copy_with_checksum,
     manifest_from_rows,
 )
+from relax.streams.weights.shm_folders import publisher_folder, remove_run_files
 
 log = logging.getLogger(__name__)
-
-SHM_ROOT = "/dev/shm"
-"""Where the same-host files go by default (a tmpfs on Linux)."""
 
 SHM_KEY = "relax/shm"
 """Rendezvous-store key of the publisher's offer: ``<folder>\\n<nonce>``."""
@@ -72,15 +71,6 @@ _SPARE = 64 << 20
 def member_key(member_id: str) -> str:
     """Rendezvous-store key where a subscriber says whether it sees the offer."""
     return f"shm/{member_id}"
-
-
-def remove_run_files(root: str | Path, run: str) -> None:
-    """Remove the same-host folders of every publisher of ``run`` under ``root`` (a
-    trainer that was killed leaves its own; the driver calls this when a run ends)."""
-    prefix = f"relax-weights-{run}-"
-    for old in Path(root).glob(f"{prefix}*"):
-        if old.name[len(prefix):].isalnum():  # not run "<run>-2"'s: "2-<incarnation>"
-            shutil.rmtree(old, ignore_errors=True)
 
 
 class ShmOffer:
@@ -98,7 +88,7 @@ class ShmOffer:
     def __init__(self, root: str | Path, run: str, incarnation: str):
         self.root = Path(root)
         remove_run_files(self.root, run)  # left by a killed trainer of this run
-        self.folder = self.root / f"relax-weights-{run}-{incarnation}"
+        self.folder = publisher_folder(self.root, run, incarnation)
         self.folder.mkdir(parents=True)
         self.nonce = uuid.uuid4().hex
         (self.folder / "probe").write_text(self.nonce)

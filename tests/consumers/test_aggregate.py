@@ -6,17 +6,16 @@ import time
 
 import pyarrow as pa
 import pytest
+from testdata import reward_rows, rollout_rows
 
-from relax.consumers.samples import AdvantageConfig
-from relax.streams.read import read_table
+from relax.consumers.aggregate import AggregateStage, JoinState
+from relax.consumers.aggregate_config import AdvantageConfig, AggregateConfig
 from relax.schemas import topics
 from relax.schemas.v1 import REWARDS, ROLLOUTS
-from relax.consumers.aggregate import AggregateConfig, AggregateStage, JoinState
 from relax.streams.client import ensure_topics
 from relax.streams.producer import BatchProducer
+from relax.streams.read import read_table
 from relax.streams.stage_contract import wired
-
-from testdata import reward_rows, rollout_rows
 
 
 def test_join_state_completes_only_with_all_counted_rewards():

@@ -13,7 +13,10 @@ from stagerun import trainer_progress as _trainer_progress
 from stagerun import wait_for as _wait
 from testdata import prompt_rows
 
-from relax.consumers.rollout import ClaimLedger, ClaimLog, RolloutConfig, RolloutStage
+from relax.consumers.rollout.claims import ClaimLog
+from relax.consumers.rollout.config import RolloutConfig
+from relax.consumers.rollout.credit import ClaimLedger
+from relax.consumers.rollout.stage import RolloutStage
 from relax.schemas import topics
 from relax.streams.producer import BatchProducer
 from relax.streams.read import read_partition, read_table

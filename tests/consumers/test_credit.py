@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from relax.consumers.rollout import RolloutConfig, RolloutStage
+from relax.consumers.rollout.config import RolloutConfig
 from relax.consumers.rollout.credit import (
     ClaimLedger,
     credit_left,
@@ -19,6 +19,7 @@ from relax.consumers.rollout.credit import (
     report_lags,
     run_allowance,
 )
+from relax.consumers.rollout.stage import RolloutStage
 
 
 def test_sync_mode_allows_one_batch_per_trainer_version():

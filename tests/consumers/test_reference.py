@@ -12,13 +12,14 @@ import torch
 
 from relax.consumers.engines.base import SamplingParams
 from relax.consumers.engines.hf import HFEngine
-from relax.consumers.reference import ReferenceConfig, ReferenceStage, ref_batch, response_logprobs
-from relax.streams.read import read_table
+from relax.consumers.reference import ReferenceStage, ref_batch, response_logprobs
+from relax.consumers.reference_config import ReferenceConfig
 from relax.schemas import topics
 from relax.schemas.v1 import ROLLOUTS
 from relax.schemas.validate import validate
 from relax.streams.client import ensure_topics
 from relax.streams.producer import BatchProducer
+from relax.streams.read import read_table
 
 
 @pytest.fixture(scope="module")
@@ -168,7 +169,8 @@ def test_reference_stage_on_the_broker(bus, unique, engine):
 
 def test_reference_follows_the_policy_every_n_versions(bus, unique, tmp_path):
     """follow_every = 2: v1 is not installed, v2 is (from the checkpoint store here)."""
-    from relax.streams.weights import WeightPublisher, WeightSubscriber
+    from relax.streams.weights.publisher import WeightPublisher
+    from relax.streams.weights.subscriber import WeightSubscriber
     from relax.trainer.models import load_model
 
     policy = load_model("tiny-llama")

@@ -5,17 +5,16 @@ from __future__ import annotations
 
 import pyarrow as pa
 import pytest
+from testdata import reward_rows, rollout_rows
 
 from relax.consumers.aggregate import JoinState
+from relax.consumers.aggregate_config import AdvantageConfig
 from relax.consumers.reward.changes import ChangeFollower, announce, latest_policy_version
 from relax.consumers.reward.plan import RewardChange, RewardPlan, group_policy_version
-from relax.consumers.samples import AdvantageConfig
 from relax.schemas import topics
 from relax.schemas.v1 import REWARDS, ROLLOUTS
 from relax.streams.producer import BatchProducer
 from relax.streams.progress import PROGRESS_KEY, progress_row
-
-from testdata import reward_rows, rollout_rows
 
 
 def test_plan_at_each_version():

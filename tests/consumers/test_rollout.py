@@ -15,11 +15,13 @@ from testdata import ScriptedEngine, prompt_rows
 
 from relax.consumers.engines.base import SamplingParams
 from relax.consumers.multiturn import TemplateError, observation_ids, render_ids, run_episodes
-from relax.consumers.rollout import RolloutConfig, RolloutStage, rollout_batch
-from relax.streams.read import read_table
+from relax.consumers.rollout.config import RolloutConfig
+from relax.consumers.rollout.sampling import rollout_batch
+from relax.consumers.rollout.stage import RolloutStage
 from relax.schemas import metric_names as M
 from relax.schemas import topics
 from relax.schemas.validate import validate
+from relax.streams.read import read_table
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +37,7 @@ def test_rollout_stage_on_the_broker_respects_the_staleness_budget(
     """6 prompts, G = 2, batch_groups = 2, max_staleness = 0: 2 groups at v0, then nothing
     until the trainer announces v1 (and its weights arrive by broadcast), 2 more at v1,
     2 more at v2. Every row valid against ROLLOUTS."""
-    from relax.streams.weights import WeightPublisher
+    from relax.streams.weights.publisher import WeightPublisher
     from relax.trainer.models import load_model
 
     rows = prompt_rows(8, dataset=unique, messages=False)
@@ -212,7 +214,7 @@ def test_a_rollout_waiting_for_weights_wakes_on_the_progress_that_follows_them(
     needs to be one step newer than the one it received, and waits for weights. It must
     wake on the report (which came ~0.5 s late in a sync step on Kafka), not at its poll
     timeout: 60 s here, so 2 more groups follow within 20 s only if it does."""
-    from relax.streams.weights import WeightPublisher
+    from relax.streams.weights.publisher import WeightPublisher
     from relax.trainer.models import load_model
 
     _publish_prompts(bus, unique, prompt_rows(4, dataset=unique, messages=False))
@@ -473,7 +475,7 @@ def test_prompt_template_is_applied_before_the_chat_template(tokenizer):
     engine = ScriptedEngine(tokenizer, [])
     stage = RolloutStage(cfg, engine=engine)
     row = prompt_rows(1)[0]
-    from relax.consumers.rollout import PromptItem
+    from relax.consumers.rollout.prompts import PromptItem
 
     ids = stage._render(PromptItem(None, row, 0))
     want = [{"role": "user", "content": "What is 0 + 1?\nReply with just the number."}]
@@ -493,7 +495,7 @@ def test_a_text_only_model_refuses_a_row_with_media(tokenizer):
     stage = RolloutStage(cfg, engine=ScriptedEngine(tokenizer, []))
     row = {**prompt_rows(1)[0], "media": [{"kind": "image", "uri": None, "data": b"x",
                                            "mime": "image/png", "turn": 0}]}
-    from relax.consumers.rollout import PromptItem
+    from relax.consumers.rollout.prompts import PromptItem
 
     with pytest.raises(ValueError, match="the row has 1 media items but tiny-llama takes no "
                                          "images or audio"):

@@ -6,12 +6,12 @@ import math
 
 import pyarrow as pa
 import pytest
+from testdata import rollout_rows
 
-from relax.consumers.samples import AdvantageConfig, SoftOverlong, build_train_samples
+from relax.consumers.aggregate_config import AdvantageConfig, SoftOverlong
+from relax.consumers.samples import build_train_samples
 from relax.schemas import validate
 from relax.schemas.v1 import ROLLOUTS
-
-from testdata import rollout_rows
 
 
 def _group(n=4, tokens=3):

@@ -18,7 +18,9 @@ from safetensors import safe_open
 from testdata import StubTokenizer
 
 from relax.consumers.engines.sglang import SGLangEngine
-from relax.streams.weights import ServerSubscriber, WeightPublisher, WeightSubscriber
+from relax.streams.weights.publisher import WeightPublisher
+from relax.streams.weights.server import ServerSubscriber
+from relax.streams.weights.subscriber import WeightSubscriber
 
 RECEIVER = Path(__file__).parent / "fixtures" / "sglang" / "weight_receiver.py"
 

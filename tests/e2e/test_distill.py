@@ -18,7 +18,7 @@ from testdata import tiny_recipe
 from relax.schemas import metric_names as M
 from relax.streams.client import BusConfig
 from relax.streams.read import read_table
-from relax.trainer.advantage import compute_advantages
+from relax.trainer.advantage.registry import compute_advantages
 
 pytestmark = [pytest.mark.e2e, pytest.mark.usefixtures("local_ray")]
 

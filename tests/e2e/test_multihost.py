@@ -56,7 +56,7 @@ SNAPSHOT = """
 import json, sys
 from relax.streams.client import BusConfig
 from relax.streams.read import read_table
-from relax.streams.weights import checksum
+from relax.streams.weights.layout import checksum
 from relax.streams.weights.store import read_snapshot
 every = read_table(BusConfig(bootstrap_servers=sys.argv[1]), sys.argv[2] + ".weights").to_pylist()
 rows = [r for r in every if r["transport"] == "checkpoint"]

@@ -102,9 +102,11 @@ def test_sglang_requests_aborted_by_a_weight_update_are_continued_not_dropped(bu
     pauses the server in ``abort`` mode while every request runs. All 16 rollouts come out
     whole (``length``, none ``abort``), each token with the version the server produced it
     with, and the aggregator keeps every one of them (no ``error_rollout``)."""
-    from relax.consumers.rollout import RolloutConfig, RolloutStage
-    from relax.consumers.samples import AdvantageConfig, build_train_samples
-    from relax.streams.weights import build_manifest, manifest_rows
+    from relax.consumers.aggregate_config import AdvantageConfig
+    from relax.consumers.rollout.config import RolloutConfig
+    from relax.consumers.rollout.stage import RolloutStage
+    from relax.consumers.samples import build_train_samples
+    from relax.streams.weights.layout import build_manifest, manifest_rows
 
     fake = FakeSGLang(tick_s=0.01, hold_at=16 * 5, stop_every=10_000)  # ends by length
     publish_prompts(bus, unique, prompt_rows(4, dataset=unique))

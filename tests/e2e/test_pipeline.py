@@ -15,7 +15,7 @@ from testdata import PARITY_REWARD, RECIPES, kill_when, s3_uri, tiny_recipe
 
 from relax.schemas import metric_names as M
 from relax.streams.fsuri import open_uri
-from relax.streams.weights.shm import SHM_ROOT
+from relax.streams.weights.shm_folders import SHM_ROOT
 from relax.trainer import checkpoint
 from relax.trainer.ledger import Ledger
 
@@ -31,8 +31,8 @@ def test_tiny_async_run_accounts_for_every_rollout(tiny_run, broker):
     assert s["steps"] == 3 and s["balanced"], s
     assert s["trained"] + s["stale"] + s["filtered"] + s["errors"] == s["sampled"] > 0
     assert checkpoint.latest(Path(s["run_dir"])).name == "step_000003"  # policy_version 3
-    from relax.streams.read import read_table
     from relax.streams.client import BusConfig
+    from relax.streams.read import read_table
 
     weights = read_table(BusConfig(bootstrap_servers=broker), f"{recipe.run}.weights")
     assert sorted(set(weights.column("policy_version").to_pylist())) == [0, 1, 2, 3]

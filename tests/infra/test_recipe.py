@@ -9,23 +9,22 @@ from pathlib import Path
 import pytest
 from testdata import RECIPES
 
-from relax.consumers.aggregate import AggregateConfig
-from relax.consumers.reference import ReferenceConfig
+from relax.consumers.aggregate_config import AggregateConfig
+from relax.consumers.reference_config import ReferenceConfig
 from relax.consumers.reward.stage import RewardStageConfig
-from relax.consumers.rollout import RolloutConfig
+from relax.consumers.rollout.config import RolloutConfig
 from relax.infra.recipe.recipe import RecipeError, load_recipe
 from relax.infra.recipe.sections import (
     AGGREGATE_WIRING,
     REFERENCE_WIRING,
-    TEACHER_WIRING,
     REWARD_WIRING,
     ROLLOUT_WIRING,
+    TEACHER_WIRING,
     TRAINER_WIRING,
 )
 from relax.infra.recipe.specs import run_bus, stage_specs
 from relax.streams.client import FETCH_WAIT_MS, BusConfig, consumer_kwargs
-from relax.trainer.config import TrainerConfig
-from relax.trainer.loop import TrainerStageConfig
+from relax.trainer.config import TrainerConfig, TrainerStageConfig
 
 # stage kind -> (config class, recipe path of its section, wiring the launcher fills)
 STAGES = {

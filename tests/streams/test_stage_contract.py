@@ -149,16 +149,21 @@ def test_a_stage_that_raises_is_closed_and_its_poll_not_committed(bus, unique):
 
 def test_the_table_names_each_stage_by_its_kind():
     """The one table of contract stages (infra/recipe/specs.py) holds Stage classes under
-    their own kind, each with a config class of its own; an unknown kind lists them."""
-    from relax.infra.recipe.specs import CONTRACT_STAGES, stage_class
+    their own kind, each with a config class of its own (the one the table names beside
+    it, loaded without the stage); an unknown kind lists them."""
+    from relax.infra.recipe.specs import CONTRACT_STAGES, stage_class, stage_config_type
 
-    assert list(CONTRACT_STAGES) == ["rollout", "reward", "reference", "aggregate"]
+    assert list(CONTRACT_STAGES) == ["rollout", "reward", "reference", "aggregate", "trainer",
+                                     "eval"]
     for kind in CONTRACT_STAGES:
         cls = stage_class(kind)
         assert issubclass(cls, Stage) and cls.kind == kind
+        assert cls.config_type is stage_config_type(kind)
         assert "bus" not in cls.config_type.model_fields
-    with pytest.raises(ValueError, match="valid: rollout, reward, reference, aggregate"):
-        stage_class("trainer")
+    for load in (stage_class, stage_config_type):
+        with pytest.raises(ValueError, match="valid: rollout, reward, reference, aggregate, "
+                           "trainer, eval"):
+            load("colocate")
 
 
 def test_every_declared_run_topic_is_in_the_run_s_one_list():
@@ -168,11 +173,13 @@ def test_every_declared_run_topic_is_in_the_run_s_one_list():
     ``prompts.<dataset>`` is not a run's). The e2e twin: test_pipeline's tiny run."""
     from types import SimpleNamespace
 
-    from relax.consumers.aggregate import AggregateConfig, AggregateStage
-    from relax.consumers.reference import ReferenceConfig, ReferenceStage
+    from relax.consumers.aggregate import AggregateStage
+    from relax.consumers.aggregate_config import AdvantageConfig, AggregateConfig
+    from relax.consumers.reference import ReferenceStage
+    from relax.consumers.reference_config import ReferenceConfig
     from relax.consumers.reward.stage import RewardStage, RewardStageConfig
-    from relax.consumers.rollout import RolloutConfig, RolloutStage
-    from relax.consumers.samples import AdvantageConfig
+    from relax.consumers.rollout.config import RolloutConfig
+    from relax.consumers.rollout.stage import RolloutStage
 
     parts = 3
     listed = topics.run_topic_partitions("r", parts)

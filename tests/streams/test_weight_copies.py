@@ -10,17 +10,18 @@ import time
 import pytest
 import torch
 
-from relax.streams.weights import (
-    AnnouncementReader,
-    WeightPublisher,
-    WeightSubscriber,
+from relax.streams.weights.announce import AnnouncementReader
+from relax.streams.weights.layout import (
     build_manifest,
     checksum,
+    copy_entries,
+    distinct_tensors,
     flatten_into,
     total_bytes,
     views,
 )
-from relax.streams.weights.layout import copy_entries, distinct_tensors
+from relax.streams.weights.publisher import WeightPublisher
+from relax.streams.weights.subscriber import WeightSubscriber
 
 
 def _tensors() -> dict[str, torch.Tensor]:

@@ -13,8 +13,9 @@ from testdata import s3_uri
 
 from relax.streams.blobs import BlobStore
 from relax.streams.fsuri import child_uri, public_uri
-from relax.streams.weights import WeightPublisher, WeightSubscriber
+from relax.streams.weights.publisher import WeightPublisher
 from relax.streams.weights.store import SnapshotStore, read_snapshot
+from relax.streams.weights.subscriber import WeightSubscriber
 
 
 def _uri(endpoint: str, prefix: str) -> str:
@@ -33,7 +34,7 @@ def test_snapshots_on_s3_are_written_pruned_and_read_back(s3_endpoint, unique):
     store = SnapshotStore(_uri(s3_endpoint, f"{unique}/weights").replace(
         "s3://", "s3://test:test@"), keep=2)
     model = torch.nn.Linear(5, 3)
-    from relax.streams.weights import build_manifest, checksum, flatten_into, total_bytes
+    from relax.streams.weights.layout import build_manifest, checksum, flatten_into, total_bytes
 
     tensors = dict(model.named_parameters())
     manifest = build_manifest(tensors)

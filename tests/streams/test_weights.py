@@ -17,24 +17,22 @@ from pathlib import Path
 import pytest
 import torch
 
-from relax.streams.weights import (
-    AnnouncementReader,
-    WeightPublisher,
-    WeightSubscriber,
+from relax.streams.weights.announce import AnnouncementReader, newest_rows
+from relax.streams.weights.files import read_safetensors_flat, write_safetensors
+from relax.streams.weights.install import install_weights
+from relax.streams.weights.layout import (
     build_manifest,
     checksum,
     flatten_into,
-    install_weights,
     manifest_rows,
-    newest_rows,
     plan_buckets,
-    read_safetensors_flat,
-    replay_membership,
     total_bytes,
     views,
-    write_safetensors,
 )
+from relax.streams.weights.publisher import WeightPublisher
+from relax.streams.weights.rendezvous import replay_membership
 from relax.streams.weights.shm import ShmFiles, ShmOffer, sees_offer
+from relax.streams.weights.subscriber import WeightSubscriber
 
 
 def _announcements(bus, run: str, n: int, timeout_s: float = 30.0) -> list[dict]:
@@ -319,7 +317,7 @@ def test_a_joiner_after_the_trainer_died_loads_its_snapshot_and_takes_the_next_o
     code = textwrap.dedent(f"""
         import torch
         from relax.streams.client import BusConfig
-        from relax.streams.weights import WeightPublisher
+        from relax.streams.weights.publisher import WeightPublisher
         pub = WeightPublisher(BusConfig(bootstrap_servers={bus.bootstrap_servers!r}),
                               {unique!r}, checkpoint_dir={str(tmp_path / "ckpt")!r},
                               checkpoint_every=1)
@@ -373,8 +371,8 @@ _SUBSCRIBER = textwrap.dedent("""
     from relax.consumers.engines.base import SamplingParams
     from relax.consumers.engines.hf import HFEngine
     from relax.streams.client import BusConfig
-    from relax.streams.weights import (WeightSubscriber, build_manifest, checksum, flatten_into,
-                                       total_bytes)
+    from relax.streams.weights.layout import build_manifest, checksum, flatten_into, total_bytes
+    from relax.streams.weights.subscriber import WeightSubscriber
 
     bootstrap, run, member, rdv, out, mode = sys.argv[1:7]
     out = Path(out)

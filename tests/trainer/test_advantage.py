@@ -8,13 +8,19 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from relax.trainer.advantage import ADVANTAGE_ESTIMATORS, compute_advantages
 from relax.trainer.advantage.distill import distill_advantages
-from relax.trainer.advantage.filters import (keep_groups_with_variance, overlong_filter,
-                                               soft_overlong_penalty)
+from relax.trainer.advantage.filters import (
+    keep_groups_with_variance,
+    overlong_filter,
+    soft_overlong_penalty,
+)
 from relax.trainer.advantage.grpo import dr_grpo_advantages, grpo_advantages
-from relax.trainer.advantage.reinforce_pp import (reinforce_pp_advantages,
-                                                    reinforce_pp_baseline_advantages)
+from relax.trainer.advantage.names import BATCH_ESTIMATORS, CRITIC_ESTIMATORS, ESTIMATOR_NAMES
+from relax.trainer.advantage.registry import ADVANTAGE_ESTIMATORS, compute_advantages
+from relax.trainer.advantage.reinforce_pp import (
+    reinforce_pp_advantages,
+    reinforce_pp_baseline_advantages,
+)
 from relax.trainer.advantage.rloo import rloo_advantages
 from relax.trainer.masks import completion_mask
 
@@ -321,3 +327,10 @@ def test_c24_distillation_uses_the_length_mask_with_pad_equal_eos():
     assert torch.isfinite(adv).all()
     wrong_mask = completion != 9
     assert wrong_mask.sum() == 2 and mask.sum() == 3
+
+
+def test_the_torch_free_names_are_the_registry_s_estimators():
+    """The configs check names against :mod:`relax.trainer.advantage.names` (no torch);
+    the aggregator runs :data:`ADVANTAGE_ESTIMATORS`: the two lists are one."""
+    assert tuple(ADVANTAGE_ESTIMATORS) == ESTIMATOR_NAMES
+    assert set(BATCH_ESTIMATORS) | set(CRITIC_ESTIMATORS) < set(ESTIMATOR_NAMES)

@@ -6,14 +6,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from testdata import train_sample_table
 
 from relax.streams.codec import group_by_key
 from relax.trainer.backends.torch_backend import TorchBackend, response_logits
 from relax.trainer.batching import micro_batches
 from relax.trainer.config import TrainerConfig
 from relax.trainer.logprobs import token_logprobs
-
-from testdata import train_sample_table
 
 
 @pytest.fixture(scope="module")
@@ -25,8 +24,8 @@ def tiny():
 
 def _grads(backend, mbs):
     backend.optimizer.zero_grad()
-    from relax.trainer.losses import compute_policy_loss
     from relax.trainer.losses.aggregate import mask_counts
+    from relax.trainer.losses.registry import compute_policy_loss
 
     counts = [mask_counts(mb.loss_mask) for mb in mbs]
     tokens, seqs = sum(c[0] for c in counts), sum(c[1] for c in counts)

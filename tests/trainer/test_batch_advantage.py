@@ -9,17 +9,18 @@ from pathlib import Path
 import pyarrow as pa
 import pytest
 import torch
+from testdata import rollout_rows, train_sample_rows
 
 from relax.infra.recipe.recipe import RecipeError, load_recipe
 from relax.schemas.v1 import TRAIN_SAMPLES
-from relax.trainer.advantage import compute_advantages
-from relax.trainer.advantage.reinforce_pp import (reinforce_pp_advantages,
-                                                  reinforce_pp_baseline_advantages)
 from relax.trainer.advantage.batch import row_advantages, with_batch_advantages
+from relax.trainer.advantage.registry import compute_advantages
+from relax.trainer.advantage.reinforce_pp import (
+    reinforce_pp_advantages,
+    reinforce_pp_baseline_advantages,
+)
 from relax.trainer.config import TrainerConfig
 from relax.trainer.loop import advantage_metrics
-
-from testdata import rollout_rows, train_sample_rows
 
 RECIPES = Path(__file__).resolve().parents[2] / "recipes"
 REWARDS = [[1.0, 0.0, 0.0, 1.0], [1.0, 1.0, 1.0, 0.0], [0.0, 0.0, 0.0, 0.5]]

@@ -477,7 +477,9 @@ def test_video_is_refused_where_it_is_not_taken():
     trainer rebuilds its inputs; for the SGLang engine (not sent: its server samples a clip
     itself) at the rollout's rendering and in the request."""
     from relax.consumers.engines.sglang import media_fields
-    from relax.consumers.rollout import PromptItem, RolloutConfig, RolloutStage
+    from relax.consumers.rollout.config import RolloutConfig
+    from relax.consumers.rollout.prompts import PromptItem
+    from relax.consumers.rollout.stage import RolloutStage
     from relax.trainer.models import load_processor
 
     (q, _, item), = _clips(1)

@@ -13,14 +13,16 @@ import numpy as np
 import pytest
 import torch
 
-from relax.trainer.advantage import compute_advantages
 from relax.trainer.advantage.gae import (
     gae_advantages,
     gae_for_rows,
     masked_whiten,
     outcome_token_rewards,
 )
-from relax.trainer.losses import ValueLossConfig, aggregate, compute_value_loss
+from relax.trainer.advantage.registry import compute_advantages
+from relax.trainer.losses import aggregate
+from relax.trainer.losses.config import ValueLossConfig
+from relax.trainer.losses.registry import compute_value_loss
 from relax.trainer.losses.value import clipped_value_loss
 
 NAN = float("nan")

@@ -11,13 +11,19 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
-from relax.trainer.losses import (KL_ESTIMATORS, LOSS_AGGREGATIONS, POLICY_LOSSES, LossConfig,
-                                  compute_policy_loss, pick)
 from relax.trainer.losses import aggregate, config
+from relax.trainer.losses.config import LossConfig
 from relax.trainer.losses.entropy import token_entropy
 from relax.trainer.losses.importance import rollout_importance_weights
 from relax.trainer.losses.kl import k1, k2, k3, kl_in_reward
 from relax.trainer.losses.ppo_clip import clipped_surrogate
+from relax.trainer.losses.registry import (
+    KL_ESTIMATORS,
+    LOSS_AGGREGATIONS,
+    POLICY_LOSSES,
+    compute_policy_loss,
+    pick,
+)
 
 AGG_MODES = sorted(LOSS_AGGREGATIONS)
 NORM = 7.0  # constant divisor for seq-mean-token-sum-norm

@@ -35,8 +35,9 @@ import torch
 pytest.importorskip("trl")
 from trl.trainer.grpo_trainer import GRPOTrainer
 
-from relax.trainer.losses import LossConfig, compute_policy_loss
 from relax.trainer.losses.aggregate import mask_counts
+from relax.trainer.losses.config import LossConfig
+from relax.trainer.losses.registry import compute_policy_loss
 
 EPS_LOW, EPS_HIGH = 0.2, 0.28
 CISPO_CAP = 1.2  # TRL epsilon_high for cispo (absolute cap); low enough to bind on these inputs

@@ -9,8 +9,10 @@ import torch
 from pydantic import ValidationError
 
 from relax.trainer.config import TrainerConfig
-from relax.trainer.losses import LossConfig, aggregate, compute_policy_loss
+from relax.trainer.losses import aggregate
+from relax.trainer.losses.config import LossConfig
 from relax.trainer.losses.m2po import m2po_keep_mask
+from relax.trainer.losses.registry import compute_policy_loss
 
 NAN = float("nan")
 

@@ -4,9 +4,10 @@ REINFORCE++ normalises by the statistics of the global batch (Hu et al., arXiv
 2501.03262; verl's ``compute_reinforce_plus_plus*_outcome_advantage`` whitens over the
 batch the trainer holds). In relax the aggregator sees one group at a time, so such an
 estimator would normalise over one group. For the estimators of
-:data:`BATCH_ESTIMATORS` the aggregator's per-group values are therefore replaced by
-the trainer, once per optimizer step, over exactly the rows of the step's batch
-(``TrainerConfig.batch_advantage``, filled by the recipe from ``advantage.estimator``).
+:data:`~relax.trainer.advantage.names.BATCH_ESTIMATORS` the aggregator's per-group values
+are therefore replaced by the trainer, once per optimizer step, over exactly the rows of
+the step's batch (``TrainerConfig.batch_advantage``, filled by the recipe from
+``advantage.estimator``).
 Rows the batch does not hold (stale, filtered, errors) are in no statistic; overlong-
 filtered rows (loss_mask 0) are, as in the group estimators (public case C23).
 """
@@ -18,11 +19,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import torch
 
-from relax.trainer.advantage import compute_advantages
+from relax.trainer.advantage.registry import compute_advantages
 from relax.trainer.batching import list_column
-
-BATCH_ESTIMATORS = ("reinforce_pp", "reinforce_pp_baseline")
-"""Estimators whose statistics span the global batch (computed by the trainer)."""
 
 
 def row_advantages(groups: list[pa.Table], estimator: str,
@@ -33,7 +31,7 @@ def row_advantages(groups: list[pa.Table], estimator: str,
     Args:
         groups: the batch, one ``train_samples`` table per group (``reward`` float32).
         estimator: a key of ``ADVANTAGE_ESTIMATORS`` (in practice one of
-            :data:`BATCH_ESTIMATORS`).
+            :data:`~relax.trainer.advantage.names.BATCH_ESTIMATORS`).
         options: keyword options of the estimator.
 
     Returns:

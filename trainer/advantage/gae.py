@@ -26,7 +26,8 @@ Both veRL and TRL then whiten the advantages over the whole batch's loss tokens
 (:func:`masked_whiten`); that is a separate call here, because it needs the global
 batch (like :mod:`relax.trainer.advantage.batch`), not one group.
 
-Where it runs (``advantage.estimator: gae``, :data:`CRITIC_ESTIMATORS`): in the trainer
+Where it runs (``advantage.estimator: gae``,
+:data:`~relax.trainer.advantage.names.CRITIC_ESTIMATORS`): in the trainer
 process, which holds the critic (:mod:`relax.trainer.critic`): its values of the step's
 batch, :func:`gae_advantages` per row, :func:`masked_whiten` over the batch. The
 aggregator writes 0 advantages for such an estimator (:func:`trainer_computed`); the
@@ -41,14 +42,11 @@ import torch
 WHITEN_EPS = 1e-8
 """Added to the variance before the square root (veRL and TRL ``masked_whiten``)."""
 
-CRITIC_ESTIMATORS = ("gae",)
-"""Estimators computed by the trainer's critic (:mod:`relax.trainer.critic`), not by the
-aggregator."""
-
 
 def trainer_computed(rewards: torch.Tensor, group_ids: torch.Tensor, *, gamma: float = 1.0,
                      lam: float = 1.0) -> torch.Tensor:
-    """The aggregator's advantages for :data:`CRITIC_ESTIMATORS`: ``[N]`` float32 zeros.
+    """The aggregator's advantages for
+    :data:`~relax.trainer.advantage.names.CRITIC_ESTIMATORS`: ``[N]`` float32 zeros.
     GAE needs the critic's values, which the trainer holds; it replaces these with
     :func:`gae_advantages` of the step's batch (``gamma`` and ``lam`` are accepted, as
     ``advantage.estimator_options``, and used there).

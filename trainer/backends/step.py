@@ -9,7 +9,7 @@ import torch
 
 from relax.trainer.batching import MicroBatch
 from relax.trainer.config import OptimConfig, TrainerConfig
-from relax.trainer.losses import compute_policy_loss
+from relax.trainer.losses.registry import compute_policy_loss
 
 
 def adamw(params, optim: OptimConfig) -> torch.optim.AdamW:
