@@ -61,10 +61,14 @@ def version_of(logprob: float) -> int:
 class FakeSGLang:
     """The server; ``url`` is its address. Counters: ``tokens`` (generated so far),
     ``generate_calls``, ``aborted`` (requests ended by an ``abort`` pause),
-    ``pauses`` (``/pause_generation`` modes in order)."""
+    ``pauses`` (``/pause_generation`` modes in order). With ``late_abort_answers`` the
+    answer to requests ended by an ``abort`` pause is made after the update that the pause
+    was for (its ``weight_version`` the new one; their tokens are still the old one's)."""
 
-    def __init__(self, tick_s: float = 0.01, hold_at: int | None = None, stop_every: int = 13):
+    def __init__(self, tick_s: float = 0.01, hold_at: int | None = None, stop_every: int = 13,
+                 late_abort_answers: bool = False):
         self.tick_s, self.hold_at, self.stop_every = tick_s, hold_at, stop_every
+        self.late_abort_answers = late_abort_answers
         self.cond = threading.Condition()
         self.version = "default"
         self.paused: str | None = None
@@ -113,6 +117,7 @@ class FakeSGLang:
                 return {"success": False, "message": "Cache not flushed because there are "
                         "pending requests: pause_generation first"}
             self.version = body.get("weight_version") or self.version
+            self.cond.notify_all()
         return {"success": True, "message": "Succeeded to update parameter online."}
 
     def _generate(self, body: dict) -> list[dict]:
@@ -132,6 +137,9 @@ class FakeSGLang:
                 self.cond.wait_for(lambda: self._aborts != aborts or (
                     self.paused is None and (self.hold_at is None or self.tokens < self.hold_at)))
                 if self._aborts != aborts:  # an abort pause came (even if continued since)
+                    if self.late_abort_answers:
+                        at_pause = self.version
+                        self.cond.wait_for(lambda: self.version != at_pause, 30)
                     for r in reqs:
                         if r["finish"] is None:
                             r["finish"] = {"type": "abort", "message": "Abort by pause_generation"}

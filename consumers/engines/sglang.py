@@ -342,7 +342,11 @@ class SGLangEngine:
         self._wait_unpaused()
         before, pauses = self._version, self._pauses
         body = self._post("/generate", generate_request(prompts, params, media, budgets))
-        changed = self._version != before  # a version was received during the call
+        paused = self._pauses != pauses
+        # a version was received during the call, or is being received: a pause for an
+        # update came, and the answer may carry the new version before receive_weights
+        # has set it here (an aborted request's tokens are still the version before)
+        changed = paused or self._version != before
         # "default": the server has had no update since it started, so nor during the call
         gens = parse_generate_response(body, len(prompts), before)
         for g in gens:
@@ -350,7 +354,7 @@ class SGLangEngine:
                 g.policy_version_start = min(g.policy_version_start, before)
             else:  # (a version received during the call is already self._version)
                 self._version = max(self._version, g.policy_version_end)
-        return gens, self._pauses != pauses
+        return gens, paused
 
     def _wait_unpaused(self) -> None:
         with self._pause:

@@ -7,6 +7,7 @@ import json
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -22,7 +23,7 @@ from relax.consumers.engines.sglang import (
     parse_generate_response,
     sampling_params_json,
 )
-from relax.streams.weights import build_manifest, manifest_rows, plan_buckets
+from relax.streams.weights.layout import build_manifest, manifest_rows, plan_buckets
 
 FIXTURES = Path(__file__).parent / "fixtures" / "sglang"
 
@@ -274,6 +275,52 @@ def test_requests_aborted_by_a_weight_update_are_continued_with_their_versions()
     finally:
         fake.close()
 
+
+
+def test_an_abort_answered_with_the_new_version_keeps_its_tokens_at_the_old_one():
+    """SGLang may answer a request that an ``abort`` pause ended after the update the pause
+    was for (``weight_version`` the new one) and before :meth:`receive_weights` has
+    recorded that version: the tokens it had are still the version before, so they carry
+    it (a pause came during the call), and the continuation carries the new one. Made
+    deterministic: the update's answer is held here until the aborted answer was read."""
+    from fake_sglang import FakeSGLang, version_of
+
+    fake = FakeSGLang(tick_s=0.01, hold_at=4 * 3, late_abort_answers=True)
+    try:
+        engine = SGLangEngine(fake.url, StubTokenizer(eos=2), engine_id="sg-0")
+        waits, post, wait = [], engine._post, engine._wait_unpaused
+
+        def counted_wait():
+            waits.append(1)
+            wait()
+
+        def held_post(path, body):
+            out = post(path, body)
+            if path == "/update_weights_from_distributed":  # the answer was read: 2nd wait
+                deadline = time.monotonic() + 30
+                while len(waits) < 2 and time.monotonic() < deadline:
+                    time.sleep(0.01)
+            return out
+
+        engine._wait_unpaused, engine._post = counted_wait, held_post
+        prompts = [[1] + [7] * (2 + i) for i in range(4)]  # 13 - len % 13 tokens each: 10..7
+        ann = {"policy_version": 1, "manifest": manifest_rows(build_manifest(
+            {"w": torch.zeros(4)})), "bucket_bytes": 1 << 20, "group_name": "g"}
+        out = {}
+        t = threading.Thread(target=lambda: out.setdefault("gens", engine.generate(
+            prompts, SamplingParams(max_new_tokens=16))))
+        t.start()
+        fake.wait_tokens(4 * 3)
+        assert engine.receive_weights(ann, pause_mode="abort") == 1
+        t.join(30)
+        assert len(waits) >= 2 and fake.aborted == 4
+        for g in out["gens"]:
+            truth = [version_of(lp) for lp in g.logprobs]
+            assert truth[:3] == [0, 0, 0] and truth[-1] == 1 and g.finish_reason == "stop"
+            assert g.token_policy_versions == truth
+            assert (g.policy_version_start, g.policy_version_end) == (0, 1)
+    finally:
+        fake.close()
 
 def _generate_while_v1_arrives(fake, engine) -> list:
     """Two prompts generated while v1 is received (``retract``): their generations."""
