@@ -85,6 +85,7 @@ SYSTEMS = {
     "async1": "relax async s=1",
     "async2": "relax async s=2",
     "syncgloo": "relax sync, weights by broadcast (no /dev/shm)",
+    "colocate": "relax colocate (rollout and trainer in one process, one model)",
     "loop1tx2": "two 1-thread plain loops side by side",
 }
 
@@ -190,7 +191,7 @@ def run_loop(w: dict, threads: int) -> dict:
     from relax.trainer.loop import cpu_usage
 
     p = loop_parts(w, threads, "loop")
-    per_step = []
+    per_step, first_step_at = [], None
     t0 = time.perf_counter()
     for step in range(w["steps"]):
         ts = time.perf_counter()
@@ -205,7 +206,8 @@ def run_loop(w: dict, threads: int) -> dict:
                          "train_s": stats["train_s"], "rows": stats["rows_computed"],
                          "tokens": stats["tokens_trained"],
                          **train_cpu(cpu_usage(before, resource.getrusage(resource.RUSAGE_SELF)))})
-    return {"steps": per_step, "train_s": per_step[-1]["t"]}
+        first_step_at = first_step_at or time.time()
+    return {"steps": per_step, "train_s": per_step[-1]["t"], "first_step_at": first_step_at}
 
 
 class LoopParts:
@@ -391,7 +393,8 @@ def run_relax(w: dict, mode: str, staleness: int, threads: int, run_root: str,
     rollout_idle = ((inside[-1][1] - inside[0][1]) / (inside[-1][0] - inside[0][0])
                     if len(inside) >= 2 and inside[-1][0] > inside[0][0] else None)
     return {"steps": per_step, "train_s": per_step[-1]["t"], "rollout_idle_frac": rollout_idle,
-            "run_dir": str(run_dir),
+            "run_dir": str(run_dir), "first_step_at": t0 + min(ends.values()),
+            "startup_laps_s": summary.get("startup_s"),
             "accounting": {k: summary.get(k) for k in ("sampled", "trained", "stale", "filtered",
                                                          "errors")}}
 
@@ -399,15 +402,18 @@ def run_relax(w: dict, mode: str, staleness: int, threads: int, run_root: str,
 def one(system: str, w: dict, threads: int, out: Path, bootstrap: str | None = None,
         fetch_wait_ms: int | None = None, trainer_processes: int = 1) -> None:
     """Run one system and write its raw result to ``out``; relax systems on the cluster at
-    ``bootstrap`` (None: the run starts its own local Kafka, as ``relax train`` does)."""
-    t0 = time.perf_counter()
+    ``bootstrap`` (None: the run starts its own local Kafka, as ``relax train`` does).
+    ``first_step_s``: seconds from here (this process, its imports done) to the end of the
+    system's first optimizer step (the loop and relax; TRL's is not taken)."""
+    t0, begin = time.perf_counter(), time.time()
     if system == "trl":
         res = run_trl(w, threads)
     elif system.startswith("loop"):
         res = run_loop(w, threads)
     else:
         name = system.removesuffix("gloo")
-        mode, s = ("sync", 0) if name.startswith("sync") else ("async", int(name[-1]))
+        mode, s = (("sync", 0) if name.startswith("sync") else ("colocate", 0)
+                   if name == "colocate" else ("async", int(name[-1])))
         with tempfile.TemporaryDirectory(prefix="relax-bench-") as d:
             res = run_relax(w, mode, s, threads, d, shm=not system.endswith("gloo"),
                             bootstrap=bootstrap, fetch_wait_ms=fetch_wait_ms,
@@ -416,17 +422,21 @@ def one(system: str, w: dict, threads: int, out: Path, bootstrap: str | None = N
             if png.exists():
                 shutil.copy(png, out.parent / f"{out.stem.replace('raw_', 'timeline_')}.png")
     res["wall_s"] = time.perf_counter() - t0
+    at = res.pop("first_step_at", None)
+    res["first_step_s"] = None if at is None else at - begin
     out.write_text(json.dumps(res))
 
 
 # ------------------------------------------------------------------ the comparison
 THREADS = {"trl": 2, "loop": 2, "loop1t": 1, "sync": 2, "sync1t": 1, "async1": 1, "async2": 1,
-           "syncgloo": 2, "loop1tx2": 1}
+           "syncgloo": 2, "loop1tx2": 1, "colocate": 2}
 """torch threads per process. A single process, and relax sync whose stages take turns,
 use both cores; the overlapped relax async stages get one each (two would fight).
 ``sync1t``: relax sync with async's per-stage threads (the same resources section);
 ``loop1t``: the plain loop at one thread (for :func:`derived_limit`);
 ``syncgloo``: relax sync with the weights sent by the gloo broadcast, not /dev/shm;
+``colocate``: relax colocate, the rollout and the trainer taking turns in one process on
+the same parameters (both cores, as the loop);
 ``loop1tx2``: two ``loop1t`` processes at once (each half's time while the other core is
 busy too, for :func:`derived_limit`; samples/s is the two together)."""
 
@@ -475,6 +485,9 @@ def summarise(raw: dict) -> dict:
         "own_s_curve": [round(s["step_s"] - s["wait_s"] - s.get("checkpoint_s", 0.0), 3)
                         for s in st],
         **({"accounting": raw["accounting"]} if "accounting" in raw else {}),
+        "first_step_s": (None if raw.get("first_step_s") is None
+                         else round(raw["first_step_s"], 1)),
+        **({"startup_laps_s": raw["startup_laps_s"]} if raw.get("startup_laps_s") else {}),
     }
 
 
@@ -551,6 +564,7 @@ def ratios(res: dict) -> dict:
            "async_over_loop": r(best_async, "loop"), "relax_over_trl": r(best_async, "trl"),
            "sync_over_loop": r("sync", "loop"), "loop_over_trl": r("loop", "trl"),
            "sync_over_loop_1thread": r("sync1t", "loop1t"),
+           "colocate_over_loop": r("colocate", "loop"),
            "async_over_sync_e2e": r(best_async, "sync", "samples_per_s"),
            "relax_over_trl_e2e": r(best_async, "trl", "samples_per_s"),
            "best_async": best_async}
@@ -572,7 +586,23 @@ def ratios(res: dict) -> dict:
     out["trainer_data_wait"] = (round(res[best_async]["data_wait_pct"] / 100, 4)
                                 if best_async in res else None)
     out.update(wait_floors(res, best_async))
+    out.update(startup_over_loop(res))
     return out
+
+
+def startup_over_loop(res: dict) -> dict:
+    """``startup_over_loop_s``: relax sync's seconds to its first optimizer step less the
+    plain loop's (each from its process's start; the first step's own work is about the
+    same in both), and the same for ``colocate`` (``startup_colocate_over_loop_s``). None
+    where a system is missing."""
+    def over(name: str) -> float | None:
+        if name in res and "loop" in res and res[name].get("first_step_s") is not None \
+                and res["loop"].get("first_step_s") is not None:
+            return round(res[name]["first_step_s"] - res["loop"]["first_step_s"], 1)
+        return None
+
+    return {"startup_over_loop_s": over("sync"),
+            "startup_colocate_over_loop_s": over("colocate")}
 
 
 def plot(res: dict, path: Path) -> None:

@@ -175,6 +175,37 @@ def evaluate_held_out(recipe: Recipe, model: str, rows: list[dict], pool=None):
     return r
 
 
+class StartupLaps:
+    """Where a run's start-up time goes: ``lap(name)`` records the seconds since the last
+    lap (or since it was made) under ``name`` in :attr:`seconds` (the summary's
+    ``startup_s``: ``preflight``, ``held_out``, ``bus`` (broker, topics, prompts),
+    ``eval_before``, ``specs``, ``ray_and_stages``, ``first_step`` (the stages' model loads,
+    first sampling and first optimizer step, until the driver sees its metrics)."""
+
+    def __init__(self):
+        self.seconds: dict[str, float] = {}
+        self._last = time.time()
+
+    def __call__(self, name: str) -> None:
+        now = time.time()
+        self.seconds[name], self._last = round(now - self._last, 2), now
+
+    def first_step(self, on_step: Callable[[dict, Path], None] | None,
+                   say: Callable[[str], None]) -> Callable[[dict, Path], None]:
+        """``on_step`` that first records the ``first_step`` lap and says the start-up's
+        laps once."""
+
+        def step(metrics: dict, run_dir: Path) -> None:
+            if "first_step" not in self.seconds:
+                self("first_step")
+                say(f"first step after {sum(self.seconds.values()):.1f} s: " + ", ".join(
+                    f"{k} {v:.1f}" for k, v in self.seconds.items()))
+            if on_step is not None:
+                on_step(metrics, run_dir)
+
+        return step
+
+
 def train(recipe: Recipe, *, say: Callable[[str], None] = print,
           on_step: Callable[[dict, Path], None] | None = None,
           timeout_s: float | None = None, resumed: Resumed | None = None) -> dict:
@@ -199,22 +230,28 @@ def train(recipe: Recipe, *, say: Callable[[str], None] = print,
             has fewer than ``eval.size`` prompts outside the training data, or the eval
             reward fails to load or warm up (with ``eval.before``).
     """
+    lap = StartupLaps()
     preflight(recipe)
+    lap("preflight")
     t_start = time.time()
     held_out = held_out_rows(recipe)  # first: a short eval source is a recipe error
-    summary: dict = {"run": recipe.run, "mode": recipe.mode, "resumed": resumed is not None}
+    summary: dict = {"run": recipe.run, "mode": recipe.mode, "resumed": resumed is not None,
+                     "startup_s": lap.seconds}
     resumed = resumed or Resumed()
     with contextlib.ExitStack() as stack:
         pool = (None if resumed.eval_before  # a reward that cannot work: a recipe error too
                 else _warm_eval_pool(recipe, held_out, stack))
         check_bus(recipe)  # the recipe's cluster answers with its credentials
+        lap("held_out")
         run_dir = _run_folder(recipe, say)
         summary["run_dir"] = str(run_dir)
         broker: dict[str, int] = {}
         bus = _bus(recipe, run_dir, stack, say, broker, resumed.broker)  # broker, topics, prompts
+        lap("bus")
         stack.callback(remove_run_files, SHM_ROOT, recipe.run)  # after the stages stop
         eval_rows = _eval_before(recipe, held_out, pool, summary, say, run_dir, bus,
                                  resumed.eval_before)
+        lap("eval_before")
         board = None
         if recipe.telemetry.tensorboard:  # every other stage's rows (the trainer writes its own)
             from relax.trainer.telemetry import StageBoard
@@ -228,7 +265,9 @@ def train(recipe: Recipe, *, say: Callable[[str], None] = print,
         stack.callback(controller.stop)
         stopping = _sigterm_flag(stack)
         summary["train_started_at"] = t_train = time.time()  # step times are relative to it
+        lap("specs")
         controller.start()
+        lap("ray_and_stages")
         say(f"stages: {', '.join(controller.stages)} (pids in {run_dir / 'stages.json'})")
         for warning in disk_warnings(recipe, bus, controller.nodes(), controller.host()):
             say(f"warning: {warning}")
@@ -236,8 +275,8 @@ def train(recipe: Recipe, *, say: Callable[[str], None] = print,
         timeline = CpuTimeline(run_dir / "cpu_timeline.jsonl",
                                run_processes(broker, controller.local_pids), 1.0).start()
         stack.callback(timeline.close)
-        watch = RunWatch(recipe, bus, run_dir, controller, follower, say, on_step,
-                         broker_pid=broker.get("broker"))
+        watch = RunWatch(recipe, bus, run_dir, controller, follower, say,
+                         lap.first_step(on_step, say), broker_pid=broker.get("broker"))
         if recipe.api.enabled:
             from relax.infra.control.scale_api import serve_run_api
 

@@ -42,6 +42,12 @@ def test_tiny_async_run_accounts_for_every_rollout(tiny_run, broker):
     assert {1, 2, 3} <= set(shm), shm
     assert not list(Path(SHM_ROOT).glob(f"relax-weights-{recipe.run}-*"))
     assert [ln.split()[1] for ln in s["lines"] if ln.startswith("step")] == ["1/3", "2/3", "3/3"]
+    # where the start-up went: every lap once, in order, and one line that says them
+    laps = s["startup_s"]
+    assert list(laps) == ["preflight", "held_out", "bus", "eval_before", "specs",
+                          "ray_and_stages", "first_step"] and all(v >= 0 for v in laps.values())
+    (said,) = [ln for ln in s["lines"] if ln.startswith("first step after")]
+    assert f"ray_and_stages {laps['ray_and_stages']:.1f}" in said
     assert (Path(s["run_dir"]) / "curves.png").stat().st_size > 1000
     assert (Path(s["run_dir"]) / "final_model" / "model.safetensors").exists()
     from testdata import documented, readme_metric_names
