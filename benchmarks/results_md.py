@@ -48,18 +48,24 @@ def provenance(doc: dict) -> dict:
 
 def e2e(d: dict) -> tuple[str, list[str]]:
     rows = [[k, d.get("threads", {}).get(k), s["steady_samples_per_s"], s["samples_per_s"],
-             s["step_s_mean"], s["data_wait_pct"], s["rollout_idle_pct"], s["reward_mean"]]
+             s["step_s_mean"], s["data_wait_pct"], s["rollout_idle_pct"], s["reward_mean"],
+             s.get("first_step_s"),
+             ", ".join(f"{n} {v:.1f}" for n, v in (s.get("startup_laps_s") or {}).items()
+                       if v >= 0.05) or None]
             for k, s in d["systems"].items()]
     ratios = [[k, d[k]] for k in ("async_over_sync", "async_over_loop", "sync_over_loop",
-                                  "relax_over_trl", "loop_over_trl", "trainer_data_wait",
-                                  "trainer_data_wait_floor") if d.get(k) is not None]
+                                  "relax_over_trl", "loop_over_trl", "colocate_over_loop",
+                                  "startup_over_loop_s", "startup_colocate_over_loop_s",
+                                  "trainer_data_wait", "trainer_data_wait_floor")
+              if d.get(k) is not None]
     w = d["workload"]
     lines = [(f"{w['model']}, {w['steps']} steps of {w['batch_groups']} groups x "
               f"{w['group_size']}, {w['max_new_tokens']} new tokens, seed {w['seed']}."), "",
              *table(["system", "torch threads", "steady samples/s", "e2e samples/s",
-                     "step s", "data-wait %", "rollout idle %", "reward"], rows)]
+                     "step s", "data-wait %", "rollout idle %", "reward",
+                     "first step s", "start-up laps s"], rows)]
     if ratios:
-        lines += ["", *table(["ratio (steady samples/s)", "value"], ratios)]
+        lines += ["", *table(["ratio of steady samples/s (*_s: seconds)", "value"], ratios)]
     return (", ".join(f"{k} {v}" for k, v in ratios[:4])
             or ", ".join(f"{r[0]} {r[2]} samples/s" for r in rows), lines)
 
