@@ -57,7 +57,8 @@ CONTRACT_STAGES: dict[str, tuple[str, str]] = {
 (:mod:`relax.infra.control.runners`), ``relax stage KIND`` and the config checks below
 read. Every stage of a run is here but the colocated one, which runs a rollout and a
 trainer of this table in one process (:mod:`relax.infra.control.colocate`). The eval
-stage's module is above this one (``infra/control``); it is named, not imported, here. Each class declares its ``config_type`` (the second entry names the same class:
+stage's module is above this one (``infra/control``); it is named, not imported, here.
+Each class declares its ``config_type`` (the second entry names the same class:
 ``tests/streams/test_stage_contract.py``) and its topics; it is made as
 ``Class(config_type(**config), bus)``. Both are imported when asked for
 (:func:`stage_class`, :func:`stage_config_type`): the stages bring torch and their
@@ -193,10 +194,8 @@ def stage_specs(recipe: Recipe, run_dir: Path) -> list[StageSpec]:
     Raises:
         RecipeError: a stage config does not validate.
     """
-    from relax.trainer.config import TrainerStageConfig
-
-    RolloutConfig, RewardStageConfig, ReferenceConfig, AggregateConfig = (
-        stage_config_type(k) for k in ("rollout", "reward", "reference", "aggregate"))
+    RolloutConfig, RewardStageConfig, ReferenceConfig, AggregateConfig, TrainerStageConfig = (
+        stage_config_type(k) for k in ("rollout", "reward", "reference", "aggregate", "trainer"))
 
     run, ro = recipe.run, recipe.rollout
     specs = []
