@@ -245,16 +245,7 @@ def test_requests_aborted_by_a_weight_update_are_continued_with_their_versions()
         engine = SGLangEngine(fake.url, StubTokenizer(eos=2), engine_id="sg-0")
         # prompt lengths 3..18: stops after 13 - len % 13 tokens, some before the update
         prompts = [[1] + [7] * (2 + i) for i in range(16)]
-        ann = {"policy_version": 1, "manifest": manifest_rows(build_manifest(
-            {"w": torch.zeros(4)})), "bucket_bytes": 1 << 20, "group_name": "g"}
-        out = {}
-        t = threading.Thread(target=lambda: out.setdefault("gens", engine.generate(
-            prompts, SamplingParams(max_new_tokens=16))))
-        t.start()
-        fake.wait_tokens(16 * 4)
-        assert engine.receive_weights(ann, pause_mode="abort") == 1
-        t.join(30)
-        gens = out["gens"]
+        gens = _generate_while_v1_arrives(fake, engine, prompts, 16 * 4, "abort")
         assert fake.pauses == ["abort"] and fake.aborted > 0
         assert fake.generate_calls == 2  # the batch, then its aborted requests together
         assert [g.finish_reason for g in gens] == ["stop"] * 16
@@ -304,17 +295,9 @@ def test_an_abort_answered_with_the_new_version_keeps_its_tokens_at_the_old_one(
 
         engine._wait_unpaused, engine._post = counted_wait, held_post
         prompts = [[1] + [7] * (2 + i) for i in range(4)]  # 13 - len % 13 tokens each: 10..7
-        ann = {"policy_version": 1, "manifest": manifest_rows(build_manifest(
-            {"w": torch.zeros(4)})), "bucket_bytes": 1 << 20, "group_name": "g"}
-        out = {}
-        t = threading.Thread(target=lambda: out.setdefault("gens", engine.generate(
-            prompts, SamplingParams(max_new_tokens=16))))
-        t.start()
-        fake.wait_tokens(4 * 3)
-        assert engine.receive_weights(ann, pause_mode="abort") == 1
-        t.join(30)
+        gens = _generate_while_v1_arrives(fake, engine, prompts, 4 * 3, "abort")
         assert len(waits) >= 2 and fake.aborted == 4
-        for g in out["gens"]:
+        for g in gens:
             truth = [version_of(lp) for lp in g.logprobs]
             assert truth[:3] == [0, 0, 0] and truth[-1] == 1 and g.finish_reason == "stop"
             assert g.token_policy_versions == truth
@@ -322,16 +305,18 @@ def test_an_abort_answered_with_the_new_version_keeps_its_tokens_at_the_old_one(
     finally:
         fake.close()
 
-def _generate_while_v1_arrives(fake, engine) -> list:
-    """Two prompts generated while v1 is received (``retract``): their generations."""
+def _generate_while_v1_arrives(fake, engine, prompts=((1,) * 3, (1,) * 4), tokens: int = 4,
+                               pause_mode: str = "retract") -> list:
+    """``prompts`` generated (16 new tokens at most) while v1 is received with
+    ``pause_mode``, once the fake server has made ``tokens`` tokens: their generations."""
     out = {}
     t = threading.Thread(target=lambda: out.setdefault("gens", engine.generate(
-        [[1] * 3, [1] * 4], SamplingParams(max_new_tokens=16))))
+        [list(p) for p in prompts], SamplingParams(max_new_tokens=16))))
     t.start()
-    fake.wait_tokens(4)
+    fake.wait_tokens(tokens)
     ann = {"policy_version": 1, "manifest": manifest_rows(build_manifest(
         {"w": torch.zeros(4)})), "bucket_bytes": 1 << 20, "group_name": "g"}
-    engine.receive_weights(ann)
+    assert engine.receive_weights(ann, pause_mode=pause_mode) == 1
     t.join(30)
     return out["gens"]
 
