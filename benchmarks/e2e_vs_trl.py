@@ -596,10 +596,8 @@ def startup_over_loop(res: dict) -> dict:
     same in both), and the same for ``colocate`` (``startup_colocate_over_loop_s``). None
     where a system is missing."""
     def over(name: str) -> float | None:
-        if name in res and "loop" in res and res[name].get("first_step_s") is not None \
-                and res["loop"].get("first_step_s") is not None:
-            return round(res[name]["first_step_s"] - res["loop"]["first_step_s"], 1)
-        return None
+        a, b = (res.get(n, {}).get("first_step_s") for n in (name, "loop"))
+        return None if a is None or b is None else round(a - b, 1)
 
     return {"startup_over_loop_s": over("sync"),
             "startup_colocate_over_loop_s": over("colocate")}

@@ -65,20 +65,20 @@ class ScalarWriter:
     """
 
     def __init__(self, log_dir: str | Path):
+        from tensorboard.compat.proto.event_pb2 import Event
+        from tensorboard.compat.proto.summary_pb2 import Summary
         from tensorboard.summary.writer.event_file_writer import EventFileWriter
 
-        self._writer = EventFileWriter(str(log_dir))
+        self._writer, self._event, self._summary = EventFileWriter(str(log_dir)), Event, Summary
 
     def add_scalar(self, tag: str, value: float, step: int,
                    walltime: float | None = None) -> None:
         """One scalar ``value`` under ``tag`` at ``step``; ``walltime`` in epoch seconds
         (None: now)."""
-        from tensorboard.compat.proto.event_pb2 import Event
-        from tensorboard.compat.proto.summary_pb2 import Summary
-
-        summary = Summary(value=[Summary.Value(tag=tag, simple_value=float(value))])
-        self._writer.add_event(Event(wall_time=time.time() if walltime is None else walltime,
-                                     step=int(step), summary=summary))
+        summary = self._summary(value=[self._summary.Value(tag=tag, simple_value=float(value))])
+        self._writer.add_event(self._event(
+            wall_time=time.time() if walltime is None else walltime, step=int(step),
+            summary=summary))
 
     def flush(self) -> None:
         """Write what is queued to the event file."""

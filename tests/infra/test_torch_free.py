@@ -1,8 +1,9 @@
 """The processes that run no model load no torch: the driver (``relax train``'s modules,
 every recipe's checks and stage configs, the TensorBoard file of the stages' metrics) and
-the reward stage. Importing torch costs about 470 MB of RSS and 1-4 s of CPU per process
-(torch 2.13 on the CPU VM); before the configs were split from their stages, a tiny run's
-driver peaked at 813 MB and its reward stage at 690 MB (94 MB and 200 MB after).
+the reward stage. Importing torch costs about 470 MB of RSS and 4-5 s of CPU per process
+(torch 2.13 on the 2-core VM); in ``benchmarks/memory.py``'s colocated 0.5B run the driver
+peaked at 812 MB and the reward stage at 692 MB before the configs were split from their
+stages (326 MB and 205 MB after).
 """
 
 from __future__ import annotations
